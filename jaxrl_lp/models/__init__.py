@@ -1,0 +1,31 @@
+"""Dense (Qwen3) and looped (Ouro) decoders, their configs, caches and checkpoints."""
+
+from jaxrl_lp.models.cache import init_cache
+from jaxrl_lp.models.config import PRESETS, ModelConfig, get_preset
+from jaxrl_lp.models.dense import dense_forward
+from jaxrl_lp.models.looped import ExitRule, LoopedOutput, exit_distribution, looped_forward
+from jaxrl_lp.models.model import CausalLM, forward, init_params, param_shapes
+
+__all__ = [
+    "PRESETS",
+    "CausalLM",
+    "ExitRule",
+    "LoopedOutput",
+    "ModelConfig",
+    "dense_forward",
+    "exit_distribution",
+    "forward",
+    "from_pretrained",
+    "get_preset",
+    "init_cache",
+    "init_params",
+    "looped_forward",
+    "param_shapes",
+]
+
+
+def from_pretrained(path, policy="fp32"):
+    """Loads a Hugging Face safetensors directory (Qwen3/Qwen2/Ouro) as a `CausalLM`."""
+    from jaxrl_lp.models.hf_io import from_pretrained as _load
+
+    return _load(path, policy=policy)

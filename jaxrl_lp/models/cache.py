@@ -1,0 +1,45 @@
+"""The preallocated KV cache: one slot per (layer) for dense models, per (loop step, layer) for looped.
+
+A cache is a plain dict pytree:
+  `k`, `v`: `[R, L, B, S, K, Dh]` for looped models (R loop steps), `[L, B, S, K, Dh]`
+    for dense ones, stored in the policy's carrier dtype (exact: the values are
+    already rounded to compute precision).
+  `pos`: `[B, S]` int32, the position held in each slot, -1 where the slot is
+    empty or holds padding (never attended to).
+Writing a chunk of T tokens at slot `index` fills `[index, index + T)`.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from jaxrl_lp.models.config import ModelConfig
+from jaxrl_lp.numerics.policy import Policy
+
+__all__ = ["init_cache", "write_positions"]
+
+
+def init_cache(cfg: ModelConfig, policy: Policy, batch: int, max_len: int) -> dict:
+    """An empty cache for `batch` sequences of up to `max_len` tokens."""
+    if max_len > cfg.max_position_embeddings:
+        raise ValueError(
+            f"cache length {max_len} exceeds the model's context "
+            f"(max_position_embeddings={cfg.max_position_embeddings}); shorten the prompt or "
+            "the number of new tokens"
+        )
+    lead = (cfg.loop_steps, cfg.num_layers) if cfg.is_looped else (cfg.num_layers,)
+    shape = (*lead, batch, max_len, cfg.num_kv_heads, cfg.head_dim)
+    return {
+        "k": jnp.zeros(shape, policy.carrier_dtype),
+        "v": jnp.zeros(shape, policy.carrier_dtype),
+        "pos": jnp.full((batch, max_len), -1, jnp.int32),
+    }
+
+
+def write_positions(cache: dict, positions_BxT: jax.Array, index: jax.Array) -> dict:
+    """Records the positions of a chunk written at slot `index` (padding keeps -1)."""
+    pos = jax.lax.dynamic_update_slice(
+        cache["pos"], positions_BxT.astype(jnp.int32), (jnp.zeros((), jnp.int32), index)
+    )
+    return {**cache, "pos": pos}

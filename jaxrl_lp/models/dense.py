@@ -1,0 +1,82 @@
+"""The dense decoder (Qwen3 family; Qwen2 with attention biases) as a pure function."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from jaxrl_lp.models.blocks import attend, embed, lm_logits, mlp, project_qkv, residual_add
+from jaxrl_lp.models.cache import write_positions
+from jaxrl_lp.models.config import ModelConfig
+from jaxrl_lp.models.layers import rms_norm
+from jaxrl_lp.numerics.policy import Policy
+
+__all__ = ["dense_forward", "default_positions"]
+
+
+def default_positions(tokens_BxT: jax.Array, cache_index=0) -> jax.Array:
+    """Positions `cache_index + [0, T)` for every sequence."""
+    b, t = tokens_BxT.shape
+    return jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32)[None] + cache_index, (b, t))
+
+
+def dense_forward(
+    params: dict,
+    cfg: ModelConfig,
+    policy: Policy,
+    tokens_BxT: jax.Array,
+    positions_BxT: jax.Array | None = None,
+    cache: dict | None = None,
+    cache_index: jax.Array | int = 0,
+    *,
+    remat: bool = False,
+) -> tuple[jax.Array, dict | None]:
+    """Logits of a dense decoder, reading and writing an optional KV cache.
+
+    The same function serves the full forward (no cache), prefill and one-token
+    decode (with a cache), so the sampler and the learner's replay run one
+    computation. Layers are scanned (`lax.scan`), so compile time does not grow
+    with depth.
+
+    Args:
+      params: the parameter pytree (docs/design.md).
+      cfg: the architecture.
+      policy: the numerics.
+      tokens_BxT: int token ids.
+      positions_BxT: int positions; -1 marks padding (never attended to).
+        Default `cache_index + arange(T)`.
+      cache: from `models.init_cache`, or None for a cache-free forward.
+      cache_index: slot at which this chunk is written.
+      remat: recompute each layer's activations in the backward pass.
+
+    Returns:
+      (logits [B, T, V] f32, the updated cache or None).
+    """
+    cache_index = jnp.asarray(cache_index, jnp.int32)
+    if positions_BxT is None:
+        positions_BxT = default_positions(tokens_BxT, cache_index)
+    h = embed(params, tokens_BxT, policy)
+    if cache is not None:
+        cache = write_positions(cache, positions_BxT, cache_index)
+    pos_slots = None if cache is None else cache["pos"]
+
+    def layer(h, xs):
+        lp, ck, cv = xs
+        x = rms_norm(h, lp["attn_norm"], cfg.rms_eps, policy)
+        q, k, v = project_qkv(lp, x, positions_BxT, cfg, policy)
+        cache_l = None if ck is None else {"k": ck, "v": cv, "pos": pos_slots}
+        a, new_c = attend(lp, q, k, v, positions_BxT, cache_l, cache_index, policy)
+        h = residual_add(h, a, policy)
+        h = residual_add(h, mlp(lp, rms_norm(h, lp["mlp_norm"], cfg.rms_eps, policy), policy),
+                         policy)
+        return h, (None if new_c is None else (new_c["k"], new_c["v"]))
+
+    if remat:
+        layer = jax.checkpoint(layer)
+    ck = None if cache is None else cache["k"]
+    cv = None if cache is None else cache["v"]
+    h, kv = jax.lax.scan(layer, h, (params["layers"], ck, cv))
+    if cache is not None:
+        cache = {**cache, "k": kv[0], "v": kv[1]}
+    h = rms_norm(h, params["final_norm"], cfg.rms_eps, policy)
+    return lm_logits(params, h, cfg, policy), cache

@@ -1,0 +1,129 @@
+"""Decoder building blocks as pure functions of arrays and a `Policy`.
+
+Every function rounds exactly where the policy says: activations that leave a
+region are rounded to `compute_dtype` by `policy.round`; inside an f32 region
+(`policy.has(...)`) the arithmetic is f32 from inputs to output.
+
+Shape letters: B batch, T query tokens, S key slots, D hidden, F MLP width,
+H query heads, K key/value heads, G = H // K query heads per kv head,
+Dh head width, V vocabulary.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from jaxrl_lp.numerics.policy import Policy
+
+__all__ = ["attention", "dot", "rms_norm", "rope", "swiglu", "MASK_VALUE"]
+
+# Finite so that a fully masked row (a padding query) gives a uniform average, not NaN.
+MASK_VALUE = -1e30
+
+
+def dot(x_xK: jax.Array, w_KxN: jax.Array, policy: Policy) -> jax.Array:
+    """Matmul of a compute-precision activation with a weight; returns the f32 accumulator.
+
+    The weight is rounded to `param_dtype` then `compute_dtype`; with a
+    `matmul_format` both operands go through the format (straight-through).
+    """
+    w = policy.round_params(w_KxN)
+    if policy.matmul_format is not None:
+        from jaxrl_lp.numerics.fake_quant import quantized_matmul
+
+        return quantized_matmul(x_xK, w, policy.matmul_format, backward=policy.backward)
+    return jnp.einsum(
+        "...k,kn->...n", x_xK, w,
+        preferred_element_type=jnp.float32, precision=jax.lax.Precision.HIGHEST,
+    )
+
+
+def rms_norm(x_xD: jax.Array, w_D: jax.Array, eps: float, policy: Policy) -> jax.Array:
+    """RMSNorm: x / sqrt(mean(x^2) + eps) * w, rounded to compute dtype at the output.
+
+    With the `norm` region the variance, normalization and scale are f32 from
+    the input; without it the normalized value is rounded before the scale is
+    applied in compute precision, as Hugging Face's `weight * x.to(dtype)`.
+    """
+    x = x_xD.astype(jnp.float32)  # the variance is f32 in every kernel we model
+    inv = jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps)
+    if policy.has("norm"):
+        return policy.round(x * inv * policy.round_params(w_D).astype(jnp.float32))
+    y = policy.round(x * inv)
+    return policy.round(policy.round_params(w_D) * y)
+
+
+def rope(x_BxTxHxDh: jax.Array, positions_BxT: jax.Array, theta: float, policy: Policy):
+    """Rotary embedding (rotate-half form) at integer positions; negative positions act as 0.
+
+    cos/sin come from an f32 inverse frequency. With the `rope` region the
+    rotation is f32 and rounded once; without it cos/sin and every product are
+    rounded to compute precision, as a bf16 RoPE kernel does.
+    """
+    dh = x_BxTxHxDh.shape[-1]
+    inv_freq = 1.0 / (theta ** (jnp.arange(0, dh, 2, dtype=jnp.float32) / dh))
+    pos = jnp.maximum(positions_BxT, 0).astype(jnp.float32)
+    freqs = pos[..., None] * inv_freq  # [B, T, Dh/2]
+    emb = jnp.concatenate([freqs, freqs], axis=-1)[:, :, None, :]
+    cos, sin = jnp.cos(emb), jnp.sin(emb)
+    x1, x2 = jnp.split(x_BxTxHxDh, 2, axis=-1)
+    rot = jnp.concatenate([-x2, x1], axis=-1)
+    if policy.has("rope"):
+        x = x_BxTxHxDh.astype(jnp.float32)  # f32 region: rotation from the rounded input
+        return policy.round(x * cos + rot.astype(jnp.float32) * sin)
+    cos, sin = policy.round(cos), policy.round(sin)
+    return policy.round(policy.round(x_BxTxHxDh * cos) + policy.round(rot * sin))
+
+
+def attention(
+    q_BxTxHxDh: jax.Array,
+    k_BxSxKxDh: jax.Array,
+    v_BxSxKxDh: jax.Array,
+    q_pos_BxT: jax.Array,
+    k_pos_BxS: jax.Array,
+    policy: Policy,
+) -> jax.Array:
+    """Causal grouped-query attention by positions; returns [B, T, H*Dh] in compute precision.
+
+    A key slot is visible to a query when its position is >= 0 (written, not
+    padding) and <= the query's position. With the `softmax` region the scores
+    stay f32 accumulators through the softmax; without it the scores are
+    rounded and the softmax runs in compute precision.
+    """
+    b, t, h, dh = q_BxTxHxDh.shape
+    kh = k_BxSxKxDh.shape[2]
+    q = q_BxTxHxDh.reshape(b, t, kh, h // kh, dh)
+    s = jnp.einsum(
+        "btkgd,bskd->bkgts", q, k_BxSxKxDh.astype(q.dtype),
+        preferred_element_type=jnp.float32, precision=jax.lax.Precision.HIGHEST,
+    )
+    scale = dh**-0.5
+    mask = (k_pos_BxS[:, None, :] >= 0) & (k_pos_BxS[:, None, :] <= q_pos_BxT[:, :, None])
+    mask = mask[:, None, None]  # [B, 1, 1, T, S]
+    if policy.has("softmax"):
+        s = jnp.where(mask, s * scale, MASK_VALUE)
+        p = jax.nn.softmax(s, axis=-1)
+        p = policy.round(p)
+    else:
+        s = jnp.where(mask, policy.round(policy.round(s) * scale), MASK_VALUE)
+        e = policy.round(jnp.exp(s - jnp.max(s, axis=-1, keepdims=True)))
+        p = policy.round(e / policy.round(jnp.sum(e, axis=-1, keepdims=True)))
+    o = jnp.einsum(
+        "bkgts,bskd->btkgd", p, v_BxSxKxDh.astype(p.dtype),
+        preferred_element_type=jnp.float32, precision=jax.lax.Precision.HIGHEST,
+    )
+    return policy.round(o).reshape(b, t, h * dh)
+
+
+def swiglu(gate_acc: jax.Array, up_acc: jax.Array, policy: Policy) -> jax.Array:
+    """silu(gate) * up from the two f32 matmul accumulators, rounded to compute precision.
+
+    With the `swiglu` region the product is f32 from the accumulators; without
+    it gate and up are rounded first and silu and the product are rounded, as
+    in a bf16 kernel.
+    """
+    if policy.has("swiglu"):
+        return policy.round(jax.nn.silu(gate_acc) * up_acc)
+    g, u = policy.round(gate_acc), policy.round(up_acc)
+    return policy.round(policy.round(jax.nn.silu(g.astype(jnp.float32))) * u)

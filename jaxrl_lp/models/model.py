@@ -1,0 +1,154 @@
+"""`CausalLM`: a Flax NNX module around the pure forward functions.
+
+The module is a container: its `nnx.Param`s are the parameter pytree of
+docs/design.md, and every computation is a pure function of that pytree
+(`dense_forward`, `looped_forward`). Use it functionally:
+
+    >>> model = CausalLM(get_preset("tiny-qwen3"), rngs=nnx.Rngs(0))
+    >>> graphdef, state = nnx.split(model, nnx.Param)
+    >>> params = state.to_pure_dict()              # the explicit params pytree
+    >>> logits, _ = forward(params, model.config, model.policy, tokens)
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jaxrl_lp.models.config import ModelConfig
+from jaxrl_lp.models.dense import dense_forward
+from jaxrl_lp.models.looped import ExitRule, LoopedOutput, looped_forward
+from jaxrl_lp.numerics.policy import Policy
+
+__all__ = ["CausalLM", "forward", "init_params", "param_shapes"]
+
+
+def param_shapes(cfg: ModelConfig) -> dict:
+    """The parameter pytree of `cfg` as nested dict of shapes (docs/design.md)."""
+    d, f, hd, L = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim, cfg.num_layers
+    hq, hk = cfg.num_heads * hd, cfg.num_kv_heads * hd
+    layers = {
+        "q_proj": (L, d, hq), "k_proj": (L, d, hk), "v_proj": (L, d, hk), "o_proj": (L, hq, d),
+        "gate_proj": (L, d, f), "up_proj": (L, d, f), "down_proj": (L, f, d),
+    }
+    if cfg.attention_bias:
+        layers.update(q_bias=(L, hq), k_bias=(L, hk), v_bias=(L, hk))
+    if cfg.qk_norm:
+        layers.update(q_norm=(L, hd), k_norm=(L, hd))
+    norms = ("attn_norm_in", "attn_norm_out", "mlp_norm_in", "mlp_norm_out") if cfg.is_looped \
+        else ("attn_norm", "mlp_norm")
+    layers.update({n: (L, d) for n in norms})
+    shapes: dict[str, Any] = {"embed": (cfg.vocab_size, d), "layers": layers, "final_norm": (d,)}
+    if not cfg.tie_embeddings:
+        shapes["lm_head"] = (d, cfg.vocab_size)
+    if cfg.is_looped:
+        shapes["exit_gate"] = {"kernel": (d, 1), "bias": (1,)}
+    return shapes
+
+
+def init_params(cfg: ModelConfig, key: jax.Array) -> dict:
+    """Random f32 parameters: normal(0, init_std) matrices, unit norms, zero biases."""
+    shapes = param_shapes(cfg)
+    paths, treedef = jax.tree_util.tree_flatten_with_path(
+        shapes, is_leaf=lambda x: isinstance(x, tuple)
+    )
+    keys = jax.random.split(key, len(paths))
+    leaves = []
+    for (path, shape), k in zip(paths, keys, strict=True):
+        name = str(path[-1].key)
+        if "norm" in name:
+            leaves.append(jnp.ones(shape, jnp.float32))
+        elif "bias" in name:
+            leaves.append(jnp.zeros(shape, jnp.float32))
+        else:
+            leaves.append(cfg.init_std * jax.random.normal(k, shape, jnp.float32))
+    return jax.tree_util.tree_unflatten(treedef, leaves)
+
+
+def forward(params: dict, cfg: ModelConfig, policy: Policy | str, tokens_BxT: jax.Array,
+            positions_BxT: jax.Array | None = None, cache: dict | None = None,
+            cache_index: jax.Array | int = 0, **looped_kwargs):
+    """Dispatches to `dense_forward` or `looped_forward`; returns (logits, cache[, LoopedOutput]).
+
+    For looped models the third element is the full `LoopedOutput` (exit steps,
+    exit distribution, loop evaluations); for dense models it is None.
+    """
+    policy = Policy.parse(policy)
+    if cfg.is_looped:
+        out: LoopedOutput = looped_forward(params, cfg, policy, tokens_BxT, positions_BxT, cache,
+                                           cache_index, **looped_kwargs)
+        return out.logits, out.cache, out
+    remat = looped_kwargs.pop("remat", False)
+    if looped_kwargs:
+        raise ValueError(f"options {sorted(looped_kwargs)} apply to looped models only")
+    logits, cache = dense_forward(params, cfg, policy, tokens_BxT, positions_BxT, cache,
+                                  cache_index, remat=remat)
+    return logits, cache, None
+
+
+class _Tree(nnx.Module):
+    """A node of the parameter tree: arrays become `nnx.Param`s, dicts become `_Tree`s."""
+
+    def __init__(self, tree: dict):
+        for k, v in tree.items():
+            setattr(self, k, _Tree(v) if isinstance(v, dict) else nnx.Param(jnp.asarray(v)))
+
+
+class CausalLM(nnx.Module):
+    """A causal language model (dense Qwen3-family or looped Ouro-family).
+
+    Args:
+      config: the architecture.
+      params: a parameter pytree (docs/design.md); random if None.
+      policy: the precision policy used by `__call__` (a `Policy` or its string).
+      rngs: initialization randomness when `params` is None.
+
+    Calling the model on int tokens [B, T] returns f32 logits [B, T, V]; looped
+    models read out after the last loop step, like the Hugging Face Ouro code.
+    """
+
+    def __init__(self, config: ModelConfig, params: dict | None = None, *,
+                 policy: Policy | str = "fp32", rngs: nnx.Rngs | None = None):
+        self.config = config
+        self.policy = Policy.parse(policy)
+        if params is None:
+            rngs = rngs if rngs is not None else nnx.Rngs(0)
+            params = init_params(config, rngs.params())
+        _check_tree(param_shapes(config), params)
+        for k, v in params.items():
+            setattr(self, k, _Tree(v) if isinstance(v, dict) else nnx.Param(jnp.asarray(v)))
+
+    def params(self) -> dict:
+        """The parameter pytree as a plain nested dict of arrays."""
+        return nnx.state(self, nnx.Param).to_pure_dict()
+
+    def __call__(self, tokens_BxT: jax.Array, *, exit_rule: ExitRule | str = "full",
+                 readout: str = "exit") -> jax.Array:
+        kwargs = {"exit_rule": exit_rule, "readout": readout} if self.config.is_looped else {}
+        logits, _, _ = forward(self.params(), self.config, self.policy,
+                               jnp.asarray(tokens_BxT, jnp.int32), **kwargs)
+        return logits
+
+
+def _check_tree(shapes: dict, params: dict, prefix: str = "") -> None:
+    """Raises a ValueError naming the first missing, extra or mis-shaped tensor."""
+    missing = sorted(set(shapes) - set(params))
+    extra = sorted(set(params) - set(shapes))
+    if missing or extra:
+        raise ValueError(
+            f"parameter tree does not match the config at {prefix or '<root>'}: "
+            f"missing {missing}, unexpected {extra}"
+        )
+    for k, s in shapes.items():
+        name = f"{prefix}{k}"
+        if isinstance(s, dict):
+            if not isinstance(params[k], dict):
+                raise ValueError(f"parameter {name!r} should be a subtree")
+            _check_tree(s, params[k], name + "/")
+        elif tuple(np.shape(params[k])) != s:
+            raise ValueError(f"parameter {name!r} has shape {tuple(np.shape(params[k]))}, "
+                             f"expected {s}")

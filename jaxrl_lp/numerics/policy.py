@@ -1,0 +1,289 @@
+"""The precision policy: the single place where a forward pass learns its numerics.
+
+A `Policy` names the dtype of every value a forward pass touches and the places
+where values are rounded. The sampler and the learner each hold one; they are
+"matched" when the two policies are equal.
+
+Rounding sites. Every activation that crosses from one region of the network
+to the next is rounded to `compute_dtype` (`Policy.round`). Inside an
+*f32 region* (`f32_regions`) the computation runs in f32 from the region's
+inputs to its output and is rounded once, at the output. Leaving a region out
+reproduces where a typical inference kernel rounds (bf16 RoPE, a bf16 residual
+stream, bf16 silu*u), which is how the mismatch those kernels cause is studied.
+
+Carrying low precision on CPU (SPEC section 11). XLA's bf16 matmuls on CPU are
+several times slower than f32. Products of two bf16 (or fp16) values are exact
+in f32 and accumulation is f32 either way, so on CPU a low-precision compute
+dtype is *carried* as f32 arrays holding values rounded to the compute dtype:
+every rounding site still rounds (x -> bf16 -> f32), only the storage differs.
+On GPU and TPU the values are stored in the compute dtype itself. Both the
+sampler and the learner call the same functions, so they take the same path.
+Set ``JAXRL_LP_NATIVE_LOW_PRECISION=1`` (or ``0``) to force the choice.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Iterable
+from typing import Any, Literal
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+
+__all__ = [
+    "ALL_REGIONS",
+    "PRESETS",
+    "Policy",
+    "Region",
+    "dtype_name",
+    "native_low_precision",
+    "parse_dtype",
+]
+
+Region = Literal["rope", "swiglu", "norm", "residual", "softmax"]
+ALL_REGIONS: tuple[str, ...] = ("rope", "swiglu", "norm", "residual", "softmax")
+BACKWARD_MODES: tuple[str, ...] = ("reuse", "fresh")
+# Number formats a policy may apply to matmul operands (SPEC section 4).
+MATMUL_FORMATS: tuple[str, ...] = (
+    "fp8",  # per-tensor E4M3
+    "fp8_e5m2",
+    "mxfp8",
+    "mxfp4",
+    "nvfp4",
+    "ternary",
+    "binary",
+)
+
+_DTYPES: dict[str, np.dtype] = {
+    "f32": np.dtype(np.float32),
+    "bf16": np.dtype(ml_dtypes.bfloat16),
+    "f16": np.dtype(np.float16),
+}
+_ALIASES = {
+    "float32": "f32",
+    "fp32": "f32",
+    "bfloat16": "bf16",
+    "float16": "f16",
+    "fp16": "f16",
+    "half": "f16",
+}
+
+
+def parse_dtype(name: Any, field: str = "dtype") -> np.dtype:
+    """Returns the numpy dtype for a short name (`f32`, `bf16`, `f16`) or a dtype."""
+    if isinstance(name, str):
+        key = _ALIASES.get(name, name)
+        if key not in _DTYPES:
+            raise ValueError(
+                f"Policy field {field!r}: unknown dtype {name!r}; allowed: {sorted(_DTYPES)}"
+            )
+        return _DTYPES[key]
+    dt = np.dtype(name)
+    if dt not in _DTYPES.values():
+        raise ValueError(
+            f"Policy field {field!r}: dtype {dt} is not supported; allowed: {sorted(_DTYPES)}"
+        )
+    return dt
+
+
+def dtype_name(dt: Any) -> str:
+    """The short name of a supported dtype (`f32`, `bf16`, `f16`)."""
+    dt = np.dtype(dt)
+    for k, v in _DTYPES.items():
+        if v == dt:
+            return k
+    raise ValueError(f"unsupported dtype {dt}")
+
+
+def native_low_precision() -> bool:
+    """Whether low-precision compute dtypes are stored natively (GPU/TPU) or carried as f32 (CPU)."""
+    env = os.environ.get("JAXRL_LP_NATIVE_LOW_PRECISION")
+    if env is not None:
+        return env not in ("0", "false", "False", "")
+    return jax.default_backend() != "cpu"
+
+
+@dataclasses.dataclass(frozen=True)
+class Policy:
+    """Numerics of one forward pass.
+
+    Attributes:
+      param_dtype: dtype the weights are held in for this forward. Weights are
+        rounded (round to nearest even) to it before use; learner master weights
+        are f32, a served copy may be bf16/f16 (rounded by the exporter).
+      compute_dtype: dtype of matmul inputs and of activations between regions.
+      accum_dtype: matmul accumulation (`preferred_element_type`).
+      logits_dtype: dtype the logits are rounded to; log-probs are always f32.
+      f32_regions: regions computed in f32 from inputs to output, rounded once
+        at the output (see module docstring and `ALL_REGIONS`).
+      matmul_format: `None` or a number format (`MATMUL_FORMATS`) applied to
+        matmul weights (and activations where the format says so), with
+        straight-through gradients.
+      backward: `reuse` (backward reads the forward's rounded operands) or
+        `fresh` (backward re-quantizes the saved high-precision operands).
+
+    Example:
+      >>> p = Policy.parse("bf16")
+      >>> Policy.parse(str(p)) == p
+      True
+    """
+
+    param_dtype: np.dtype = _DTYPES["f32"]
+    compute_dtype: np.dtype = _DTYPES["f32"]
+    accum_dtype: np.dtype = _DTYPES["f32"]
+    logits_dtype: np.dtype = _DTYPES["f32"]
+    f32_regions: frozenset[str] = frozenset(ALL_REGIONS)
+    matmul_format: str | None = None
+    backward: str = "reuse"
+
+    def __post_init__(self):
+        for f in ("param_dtype", "compute_dtype", "accum_dtype", "logits_dtype"):
+            object.__setattr__(self, f, parse_dtype(getattr(self, f), f))
+        regions = self.f32_regions
+        if isinstance(regions, str):
+            regions = [r for r in regions.split("+") if r]
+        regions = frozenset(regions)
+        unknown = regions - set(ALL_REGIONS)
+        if unknown:
+            raise ValueError(
+                f"Policy field 'f32_regions': unknown region(s) {sorted(unknown)}; "
+                f"allowed: {list(ALL_REGIONS)}"
+            )
+        object.__setattr__(self, "f32_regions", regions)
+        if self.accum_dtype != _DTYPES["f32"]:
+            raise ValueError("Policy field 'accum_dtype': only f32 accumulation is supported")
+        if self.matmul_format is not None and self.matmul_format not in MATMUL_FORMATS:
+            raise ValueError(
+                f"Policy field 'matmul_format': unknown format {self.matmul_format!r}; "
+                f"allowed: None or one of {list(MATMUL_FORMATS)}"
+            )
+        if self.backward not in BACKWARD_MODES:
+            raise ValueError(
+                f"Policy field 'backward': {self.backward!r} is not one of {list(BACKWARD_MODES)}"
+            )
+
+    # ----------------------------------------------------------------- string form
+    def __str__(self) -> str:
+        parts = [f"p={dtype_name(self.param_dtype)}", f"c={dtype_name(self.compute_dtype)}"]
+        if self.logits_dtype != _DTYPES["f32"]:
+            parts.append(f"l={dtype_name(self.logits_dtype)}")
+        parts.append(f"mm={self.matmul_format or 'none'}")
+        parts.append(f"bwd={self.backward}")
+        regions = [r for r in ALL_REGIONS if r in self.f32_regions]
+        parts.append(f"f32={'+'.join(regions) if regions else 'none'}")
+        return ",".join(parts)
+
+    def to_string(self) -> str:
+        """The short string form; `Policy.parse(p.to_string()) == p`."""
+        return str(self)
+
+    @classmethod
+    def parse(cls, spec: str | Policy) -> Policy:
+        """Parses a preset name (`fp32`, `bf16`, ...) or the string form of `__str__`.
+
+        Keys: `p` (param dtype), `c` (compute), `a` (accum), `l` (logits),
+        `mm` (matmul format or `none`), `bwd` (`reuse`/`fresh`), `f32`
+        (regions joined by `+`, or `none`). Unnamed keys take their defaults.
+        """
+        if isinstance(spec, Policy):
+            return spec
+        if not isinstance(spec, str) or not spec.strip():
+            raise ValueError(f"policy must be a preset name or a string like 'p=f32,c=bf16'; got {spec!r}")
+        spec = spec.strip()
+        if spec in PRESETS:
+            return PRESETS[spec]
+        if "=" not in spec:
+            raise ValueError(
+                f"unknown policy {spec!r}: not a preset ({sorted(PRESETS)}) and not of the "
+                "form 'p=f32,c=bf16,mm=none,bwd=reuse,f32=rope+norm'"
+            )
+        keys = {"p": "param_dtype", "c": "compute_dtype", "a": "accum_dtype", "l": "logits_dtype",
+                "mm": "matmul_format", "bwd": "backward", "f32": "f32_regions"}
+        kwargs: dict[str, Any] = {}
+        for item in spec.split(","):
+            if "=" not in item:
+                raise ValueError(f"policy {spec!r}: item {item!r} is not key=value")
+            k, v = (s.strip() for s in item.split("=", 1))
+            if k not in keys:
+                raise ValueError(f"policy {spec!r}: unknown key {k!r}; allowed: {sorted(keys)}")
+            if k == "mm":
+                v = None if v in ("none", "") else v
+            if k == "f32":
+                v = frozenset() if v == "none" else frozenset(r for r in v.split("+") if r)
+            kwargs[keys[k]] = v
+        return cls(**kwargs)
+
+    def replace(self, **changes) -> Policy:
+        return dataclasses.replace(self, **changes)
+
+    # ----------------------------------------------------------------- numerics
+    def has(self, region: str) -> bool:
+        """Whether `region` is computed in f32 (see `ALL_REGIONS`)."""
+        return region in self.f32_regions
+
+    @property
+    def is_low_precision(self) -> bool:
+        return self.compute_dtype != _DTYPES["f32"]
+
+    @property
+    def carrier_dtype(self) -> np.dtype:
+        """The dtype arrays of compute precision are stored in (see module docstring)."""
+        if self.is_low_precision and native_low_precision():
+            return self.compute_dtype
+        return _DTYPES["f32"]
+
+    def round(self, x: jax.Array) -> jax.Array:
+        """Rounds `x` to `compute_dtype` (round to nearest even); returns the carrier dtype."""
+        return _round_to(x, self.compute_dtype, self.carrier_dtype)
+
+    def round_params(self, w: jax.Array) -> jax.Array:
+        """Rounds a weight to `param_dtype` then to `compute_dtype` (the matmul input)."""
+        if w.dtype != self.param_dtype:
+            w = w.astype(self.param_dtype)
+        return self.round(w)
+
+    def round_logits(self, x: jax.Array) -> jax.Array:
+        """Rounds f32 logits to `logits_dtype`, returned in f32."""
+        return _round_to(x, self.logits_dtype, _DTYPES["f32"])
+
+    def cast_params(self, tree: Any) -> Any:
+        """Casts floating leaves of a pytree to `param_dtype` (ids and masks pass through)."""
+        def cast(x):
+            if hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.floating):
+                return jnp.asarray(x).astype(self.param_dtype)
+            return x
+        return jax.tree.map(cast, tree)
+
+
+def _round_to(x: jax.Array, dtype: np.dtype, carrier: np.dtype) -> jax.Array:
+    if x.dtype == dtype and carrier == dtype:
+        return x
+    if dtype == _DTYPES["f32"]:
+        return x.astype(jnp.float32)
+    # Rounding site: RNE to the compute dtype, then (on CPU) back to the f32 carrier.
+    return x.astype(dtype).astype(carrier)
+
+
+def _preset(**kw) -> Policy:
+    return Policy(**kw)
+
+
+def _regions(names: Iterable[str]) -> frozenset[str]:
+    return frozenset(names)
+
+
+PRESETS: dict[str, Policy] = {
+    "fp32": _preset(),
+    "bf16": _preset(compute_dtype="bf16"),
+    # Rounding locations of a typical bf16 inference engine: bf16 RoPE, a bf16
+    # residual rounded before the RMSNorm variance, bf16 silu*u, bf16 scores.
+    "bf16-engine": _preset(compute_dtype="bf16", f32_regions=_regions(())),
+    "fp16": _preset(compute_dtype="f16"),
+    "fp8": _preset(compute_dtype="bf16", matmul_format="fp8"),
+    "mxfp8": _preset(compute_dtype="bf16", matmul_format="mxfp8"),
+    "mxfp4": _preset(compute_dtype="bf16", matmul_format="mxfp4"),
+    "nvfp4": _preset(compute_dtype="bf16", matmul_format="nvfp4"),
+}
