@@ -189,7 +189,7 @@ def test_causality_gradients_do_not_flow_from_the_future():
                                           1), jnp.int32)
         kwargs = {"readout": "expected"} if cfg.is_looped else {}
 
-        def loss(p, t):
+        def loss(p, t, cfg=cfg, toks=toks, kwargs=kwargs):
             logits, _, _ = forward(p, cfg, "bf16", toks, **kwargs)
             return jax.nn.log_softmax(logits[0, t])[3]
 

@@ -24,8 +24,11 @@ __all__ = [
 ]
 
 
-def from_pretrained(path, policy="fp32"):
-    """Loads a Hugging Face safetensors directory (Qwen3/Qwen2/Ouro) as a `CausalLM`."""
+def from_pretrained(path, policy="fp32", *, strict=True):
+    """Loads a Hugging Face safetensors directory (Qwen3/Qwen2/Ouro) as a `CausalLM`.
+
+    `strict=False` warns about (instead of refusing) tensors the config does not use.
+    """
     from jaxrl_lp.models.hf_io import from_pretrained as _load
 
-    return _load(path, policy=policy)
+    return _load(path, policy=policy, strict=strict)

@@ -143,6 +143,7 @@ def looped_forward(
     exit_rule: ExitRule | str = "full",
     compute_mode: Literal["dense", "deferred"] = "dense",
     exit_steps_BxT: jax.Array | None = None,
+    readout_steps_BxT: jax.Array | None = None,
     readout: Literal["exit", "expected"] = "exit",
     early_stop: bool = False,
     remat: bool = False,
@@ -157,6 +158,9 @@ def looped_forward(
       compute_mode: `dense` or `deferred` (module docstring).
       exit_steps_BxT: a recorded schedule (0-based exit steps) to replay
         instead of applying the rule.
+      readout_steps_BxT: the step each token is read out at, when it differs
+        from its exit step (a prompt's last token runs at full depth in deferred
+        mode but is read out where the rule said). Default: the exit step.
       readout: `exit` or `expected`.
       early_stop: in deferred mode, stop looping once every token has exited
         (a `lax.while_loop`: for sampling and replay, not differentiable).
@@ -225,7 +229,8 @@ def looped_forward(
         lam = _gate(params, hn, policy)
         p, remaining, cum, now = decide(r, lam, remaining, cum)
         newly = now & ~exited
-        h_exit = jnp.where(newly[..., None], hn, h_exit)
+        read_now = newly if readout_steps_BxT is None else r == readout_steps_BxT
+        h_exit = jnp.where(read_now[..., None], hn, h_exit)
         exit_step = jnp.where(newly, r, exit_step)
         # The next step's input: the normed state (f32 carrier when the residual is f32).
         h_next = hn.astype(h.dtype)

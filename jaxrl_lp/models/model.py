@@ -124,7 +124,7 @@ class CausalLM(nnx.Module):
 
     def params(self) -> dict:
         """The parameter pytree as a plain nested dict of arrays."""
-        return nnx.state(self, nnx.Param).to_pure_dict()
+        return nnx.to_pure_dict(nnx.state(self, nnx.Param))
 
     def __call__(self, tokens_BxT: jax.Array, *, exit_rule: ExitRule | str = "full",
                  readout: str = "exit") -> jax.Array:

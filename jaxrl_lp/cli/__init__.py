@@ -1,0 +1,1 @@
+"""The `jaxrl-lp` command line: train, sft, sample, eval, convert, bench, study."""

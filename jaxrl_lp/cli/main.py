@@ -1,0 +1,56 @@
+"""Entry point of the `jaxrl-lp` command.
+
+Each subcommand lives in its own module of `jaxrl_lp.cli` exposing
+`add_parser(subparsers)` (which registers the subcommand and sets
+`func=run` on its parser) and `run(args) -> int`. Modules are imported only
+when present, so the command works while the project grows.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+SUBCOMMANDS = ("train", "sft", "sample", "eval", "convert", "bench", "study")
+
+
+class UserError(Exception):
+    """An error caused by the user's input: printed as one clear line, exit status 2."""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="jaxrl-lp",
+        description="Low-precision RL for dense and looped language models in JAX.",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name in SUBCOMMANDS:
+        try:
+            mod = importlib.import_module(f"jaxrl_lp.cli.{name}")
+        except ModuleNotFoundError as e:
+            if e.name != f"jaxrl_lp.cli.{name}":
+                raise
+            continue
+        mod.add_parser(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    parser = build_parser()
+    if not argv:
+        argv = ["train"]  # the embedded default: `jaxrl-lp` alone runs `jaxrl-lp train`
+    args = parser.parse_args(argv)
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return 2
+    try:
+        return int(args.func(args) or 0)
+    except (UserError, ValueError, FileNotFoundError) as e:
+        print(f"jaxrl-lp {args.command}: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

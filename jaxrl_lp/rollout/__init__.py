@@ -1,0 +1,18 @@
+"""The sampler: prefill and a jitted while-loop decode, dense and looped (dense/deferred)."""
+
+from jaxrl_lp.rollout.generate import Rollout, bucket_length, generate, pad_prompts
+from jaxrl_lp.rollout.sampling import SamplingConfig, sample_tokens, token_logprobs
+from jaxrl_lp.rollout.step import LoopSpec, decode_step, prefill
+
+__all__ = [
+    "LoopSpec",
+    "Rollout",
+    "SamplingConfig",
+    "bucket_length",
+    "decode_step",
+    "generate",
+    "pad_prompts",
+    "prefill",
+    "sample_tokens",
+    "token_logprobs",
+]
