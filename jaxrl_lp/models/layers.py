@@ -32,7 +32,11 @@ def dot(x_xK: jax.Array, w_KxN: jax.Array, policy: Policy) -> jax.Array:
     if policy.matmul_format is not None:
         from jaxrl_lp.numerics.fake_quant import quantized_matmul
 
-        return quantized_matmul(x_xK, w, policy.matmul_format, backward=policy.backward)
+        # One activation scale per token (batch_axes = every leading axis), so a
+        # token's output never depends on the other tokens in the batch: decoding
+        # one token at a time matches the learner's whole-sequence forward.
+        return quantized_matmul(x_xK, w, policy.matmul_format, backward=policy.backward,
+                                batch_axes=tuple(range(x_xK.ndim - 1)))
     return jnp.einsum(
         "...k,kn->...n", x_xK, w,
         preferred_element_type=jnp.float32, precision=jax.lax.Precision.HIGHEST,

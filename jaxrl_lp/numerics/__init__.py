@@ -1,0 +1,45 @@
+"""Numerics: the precision policy, rounding, number formats and quantized matmuls.
+
+- `policy`: `Policy`, the single place a forward pass learns its numerics.
+- `rounding`: f32 -> bf16/f16 by nearest, stochastic or error-feedback rounding.
+- `qarray` / `formats`: `QArray` and `quantize` / `dequantize` for FP8, MX, NVFP4,
+  ternary and binary formats (`FORMATS`).
+- `fake_quant`: straight-through fake quantization and `quantized_matmul` with
+  the `reuse` / `fresh` backward.
+"""
+
+from jaxrl_lp.numerics.fake_quant import fake_quant, quantized_matmul
+from jaxrl_lp.numerics.formats import TERNARY_EPS, quantize
+from jaxrl_lp.numerics.policy import (
+    ALL_REGIONS,
+    MATMUL_FORMATS,
+    PRESETS,
+    Policy,
+    dtype_name,
+    native_low_precision,
+    parse_dtype,
+)
+from jaxrl_lp.numerics.qarray import FORMATS, FormatSpec, QArray, dequantize
+from jaxrl_lp.numerics.rounding import error_feedback_round, round_nearest, round_stochastic, ulp
+
+__all__ = [
+    "ALL_REGIONS",
+    "FORMATS",
+    "MATMUL_FORMATS",
+    "PRESETS",
+    "TERNARY_EPS",
+    "FormatSpec",
+    "Policy",
+    "QArray",
+    "dequantize",
+    "dtype_name",
+    "error_feedback_round",
+    "fake_quant",
+    "native_low_precision",
+    "parse_dtype",
+    "quantize",
+    "quantized_matmul",
+    "round_nearest",
+    "round_stochastic",
+    "ulp",
+]

@@ -1,0 +1,220 @@
+"""Quantization-aware compute: fake quantization and the quantized matmul.
+
+`fake_quant` rounds a tensor to a number format and back to f32 with a
+straight-through (identity) gradient. `quantized_matmul` multiplies
+fake-quantized operands and is a `jax.custom_vjp` whose backward follows the
+policy's backward-state rule (SPEC section 7):
+
+- `reuse`: the backward reads the forward's rounded operands (their codes and
+  scales are the residuals):  `dx = g @ wq.T`, `dw = xq.T @ g`.
+- `fresh`: the backward re-quantizes the saved high-precision operands, and
+  the cotangent `g`, for its own reduction axes:
+  `dx = Q_N(g) @ Q_N(w).T` (reduction over N: `w` along axis 1, `g` along its
+  last axis) and `dw = Q_T(x).T @ Q_T(g)` (reduction over the T tokens, all
+  leading axes of `x` and `g` flattened: both along the token axis).
+  `g` and `x` are quantized only when the format quantizes activations; for
+  weights-only formats (ternary, binary) `fresh` equals `reuse`. Where the
+  backward's reduction axis (N or T) is not a multiple of the block size, the
+  operand is padded with zeros to the next multiple, quantized and sliced back;
+  zero padding leaves every block amax (and the NVFP4 tensor amax) unchanged, so
+  the real elements are quantized as they would be in a longer tensor.
+
+Both modes give the plain f32 gradients when `fmt` is None. For block formats
+they differ, because a block along K (forward) is not a block along N or T.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxrl_lp.numerics.formats import FORMATS, QArray, dequantize, quantize
+from jaxrl_lp.numerics.policy import BACKWARD_MODES
+
+__all__ = ["fake_quant", "quantized_matmul"]
+
+_HIGHEST = jax.lax.Precision.HIGHEST
+
+
+def fake_quant(
+    x: jax.Array, fmt: str | None, axis: int = 0, batch_axes: Sequence[int] = ()
+) -> jax.Array:
+    """`dequantize(quantize(x, fmt, axis, batch_axes))` with an identity gradient.
+
+    Maths: forward `Q(x)`; straight-through estimator `dQ(x)/dx := I`.
+
+    Args:
+      x: floating array.
+      fmt: a key of `FORMATS`, or None (then `x` in f32 is returned).
+      axis: the reduction axis (block formats take their blocks along it).
+      batch_axes: axes of independent tensors (see `quantize`).
+
+    Returns:
+      f32 array of `x`'s shape holding values of the format.
+
+    Example:
+      >>> jax.grad(lambda x: fake_quant(x, "mxfp4", 0).sum())(jnp.ones(32)).tolist()[:2]
+      [1.0, 1.0]
+    """
+    if fmt is None:
+        # Upcast: fake-quantized values are always f32.
+        return jnp.asarray(x).astype(jnp.float32)
+    return _fake_quant(x, fmt, axis, tuple(batch_axes))
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(1, 2, 3))
+def _fake_quant(x, fmt, axis, batch_axes):
+    return dequantize(quantize(x, fmt, axis, batch_axes))
+
+
+@_fake_quant.defjvp
+def _fake_quant_jvp(fmt, axis, batch_axes, primals, tangents):
+    (x,), (t,) = primals, tangents
+    # Upcast: the tangent follows the f32 output (straight-through).
+    return _fake_quant(x, fmt, axis, batch_axes), t.astype(jnp.float32)
+
+
+def quantized_matmul(
+    x_xK: jax.Array,
+    w_KxN: jax.Array,
+    fmt: str | None,
+    backward: str = "reuse",
+    batch_axes: Sequence[int] = (),
+) -> jax.Array:
+    """`Q(x) @ Q(w)` in f32 with a `reuse` or `fresh` backward (module docstring).
+
+    Maths: `y = xq @ wq` where `wq = Q(w)` along axis 0 (K) and `xq = Q(x)` along
+    its last axis (K) when `FORMATS[fmt].quantizes_activations`, else `xq = x`.
+    Products use `precision=HIGHEST` and accumulate in f32. Gradients: see the
+    module docstring; `dx` and `dw` are returned in the dtypes of `x` and `w`.
+
+    Args:
+      x_xK: activations `[..., K]` (any leading axes; `x` in the text).
+      w_KxN: weight `[K, N]` (one tensor; scan or vmap over stacked layers).
+      fmt: a key of `FORMATS`, or None for a plain f32 matmul.
+      backward: `reuse` or `fresh`.
+      batch_axes: leading axes of `x` whose indices are independent tensors for
+        the per-tensor activation scales (`fp8`, `fp8_e5m2`, the NVFP4 tensor
+        scale); e.g. all leading axes gives per-token scales, so that a token's
+        output does not depend on the rest of the batch. The `fresh` backward
+        uses them for `g` in `dx`; in `dw` the tokens are the reduction axis and
+        the scales are per tensor (or per block of tokens).
+
+    Returns:
+      f32 array `[..., N]`.
+
+    Example:
+      >>> x_BxTxK, w_KxN = jnp.ones((2, 8, 64)), jnp.ones((64, 16))
+      >>> quantized_matmul(x_BxTxK, w_KxN, "mxfp8", backward="fresh").shape
+      (2, 8, 16)
+    """
+    if backward not in BACKWARD_MODES:
+        raise ValueError(f"backward {backward!r} is not one of {list(BACKWARD_MODES)}")
+    if fmt is not None and fmt not in FORMATS:
+        raise ValueError(f"unknown number format {fmt!r}; allowed: None or {list(FORMATS)}")
+    if w_KxN.ndim != 2 or x_xK.ndim < 1 or x_xK.shape[-1] != w_KxN.shape[0]:
+        raise ValueError(
+            f"quantized_matmul: x must be [..., K] and w [K, N]; got x {x_xK.shape}, "
+            f"w {w_KxN.shape}"
+        )
+    lead = x_xK.ndim - 1
+    batch = []
+    for b in batch_axes:
+        if not -lead <= b < lead:
+            raise ValueError(
+                f"quantized_matmul: batch axis {b} must be a leading axis of x {x_xK.shape}"
+            )
+        batch.append(b % lead)
+    return _qmm(
+        x_xK,
+        w_KxN,
+        fmt,
+        backward,
+        tuple(sorted(set(batch))),
+        np.dtype(x_xK.dtype),
+        np.dtype(w_KxN.dtype),
+    )
+
+
+def _quantizes_x(fmt: str | None) -> bool:
+    return fmt is not None and FORMATS[fmt].quantizes_activations
+
+
+def _dot(a: jax.Array, b: jax.Array, a_axis: int, b_axis: int) -> jax.Array:
+    """Contracts `a_axis` of `a` with `b_axis` of `b` in f32 at HIGHEST precision."""
+    dims = (((a_axis % a.ndim,), (b_axis % b.ndim,)), ((), ()))
+    return jax.lax.dot_general(a, b, dims, precision=_HIGHEST, preferred_element_type=jnp.float32)
+
+
+def _q(x: jax.Array, fmt: str | None, axis: int, batch_axes=()) -> QArray | jax.Array:
+    """The QArray of `x`, or `x` in f32 when there is nothing to quantize."""
+    if fmt is None:
+        # Upcast: unquantized operands enter the matmul in f32.
+        return x.astype(jnp.float32)
+    return quantize(x, fmt, axis, batch_axes)
+
+
+def _value(q: QArray | jax.Array) -> jax.Array:
+    # Upcast: operands enter the matmul in f32 (products of format values are exact).
+    return dequantize(q) if isinstance(q, QArray) else q.astype(jnp.float32)
+
+
+def _fq_padded(x: jax.Array, fmt: str | None, axis: int, batch_axes=()) -> jax.Array:
+    """Fake-quantizes along `axis`, zero-padding it to a multiple of the block size."""
+    if fmt is None:
+        # Upcast: unquantized operands enter the matmul in f32.
+        return x.astype(jnp.float32)
+    axis %= x.ndim
+    n, bs = x.shape[axis], FORMATS[fmt].block_size
+    if bs is None or n % bs == 0:
+        return dequantize(quantize(x, fmt, axis, batch_axes))
+    pad = [(0, 0)] * x.ndim
+    pad[axis] = (0, bs - n % bs)
+    y = dequantize(quantize(jnp.pad(x, pad), fmt, axis, batch_axes))
+    return jax.lax.slice_in_dim(y, 0, n, axis=axis)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5, 6))
+def _qmm(x, w, fmt, backward, batch_axes, x_dtype, w_dtype):
+    return _qmm_fwd(x, w, fmt, backward, batch_axes, x_dtype, w_dtype)[0]
+
+
+def _qmm_fwd(x, w, fmt, backward, batch_axes, x_dtype, w_dtype):
+    xq = _q(x, fmt, -1, batch_axes) if _quantizes_x(fmt) else x
+    wq = _q(w, fmt, 0)
+    y = _dot(_value(xq), _value(wq), -1, 0)
+    # reuse keeps the rounded operands (codes + scales); fresh keeps x and w.
+    res = (xq, wq) if backward == "reuse" else (x, w)
+    return y, res
+
+
+def _qmm_bwd(fmt, backward, batch_axes, x_dtype, w_dtype, res, g):
+    a, b = res
+    n = g.shape[-1]
+    if backward == "reuse":
+        xv, wv = _value(a), _value(b)
+        g_dx, w_dx = g, wv
+        x_dw = xv.reshape(-1, xv.shape[-1])
+        g_dw = g.reshape(-1, n)
+    else:
+        x, w = a, b
+        act = _quantizes_x(fmt)
+        # dx reduces over N: w along axis 1, g along its last axis.
+        w_dx = _fq_padded(w, fmt, 1)
+        g_dx = _fq_padded(g, fmt, -1, batch_axes) if act else g
+        # dw reduces over the tokens: flatten leading axes, quantize along axis 0.
+        x_TxK = x.reshape(-1, x.shape[-1])
+        g_TxN = g.reshape(-1, n)
+        x_dw = _fq_padded(x_TxK, fmt, 0) if act else _value(x_TxK)
+        g_dw = _fq_padded(g_TxN, fmt, 0) if act else g_TxN
+    dx = _dot(g_dx, w_dx, -1, 1)
+    dw = _dot(x_dw, g_dw, 0, 0)
+    # Rounding site: cotangents take the primal dtypes (a bf16 carrier rounds here).
+    return dx.astype(x_dtype), dw.astype(w_dtype)
+
+
+_qmm.defvjp(_qmm_fwd, _qmm_bwd)

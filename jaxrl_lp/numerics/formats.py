@@ -1,0 +1,199 @@
+"""Quantization of f32 tensors to the number formats of SPEC section 4.
+
+Formats (`FORMATS` holds their facts; `QArray` states how values are rebuilt):
+
+- `fp8`, `fp8_e5m2`: per-tensor f32 scale `s = amax / max` (max 448 for E4M3,
+  57344 for E5M2), codes `E(x / s)` rounded to nearest even, saturated.
+- `mxfp8`, `mxfp4` (OCP MX): blocks of 32 along `axis`, one E8M0 power-of-two
+  scale `2^e` per block with the exponent rounded *up*,
+  `e = ceil(log2(amax_block / max))` (max 448 for E4M3 elements, 6 for E2M1),
+  so every `|x| / 2^e <= max` and nothing saturates; codes RNE.
+- `nvfp4`: blocks of 16 along `axis`, f32 tensor scale `s_t = amax / (6*448)`,
+  E4M3 block scale `s_b = E4M3(amax_block / (6 * s_t))` (RNE), E2M1 codes of
+  `x / (s_b * s_t)`, saturated at +-6 (a block scale rounded down can push a
+  block's largest element up to 6 * 16/15).
+- `ternary` (BitNet b1.58 / Falcon-E): `gamma = mean|W|` accumulated in f32,
+  `codes = clip(floor(W / gamma + 0.5), -1, 1)` (round half up), value
+  `codes * gamma`.
+- `binary`: `codes = sign(W)` with `sign(0) = +1`, value `codes * mean|W|`.
+
+Per-tensor means over the whole array unless `batch_axes` names axes holding
+independent tensors (e.g. the layer axis of stacked weights `[L, in, out]`):
+then every per-tensor quantity (the fp8 scale, gamma, mean|W|, the NVFP4 tensor
+scale) is computed separately for each index of those axes. Block formats take
+their blocks along `axis` (the matmul reduction axis); `batch_axes` only
+changes their NVFP4 tensor scale.
+
+Guards: scales are never zero or subnormal, so all-zero tensors and blocks give
+finite scales and zero values: per-tensor f32 scales are floored at the
+smallest normal f32 (`1.18e-38`); E8M0 exponents are clamped to [-126, 127]
+(2^-127 is an f32 subnormal, which XLA on CPU flushes to zero); ternary
+`gamma` is floored at `TERNARY_EPS = 1e-5` (the clamp of the BitNet b1.58
+reference code); an NVFP4 block whose scale rounds to zero gets zero codes.
+NaN inputs propagate. f32 subnormal inputs may be flushed to zero on CPU.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+
+from jaxrl_lp.numerics.qarray import FORMATS, FormatSpec, QArray, dequantize, get_format
+
+__all__ = ["FORMATS", "TERNARY_EPS", "FormatSpec", "QArray", "dequantize", "quantize"]
+
+TERNARY_EPS = 1e-5
+_F32_TINY = float(np.finfo(np.float32).tiny)
+_E4M3_MAX = 448.0
+_E2M1_MAX = 6.0
+
+
+def quantize(x: jax.Array, fmt: str, axis: int = 0, batch_axes: Sequence[int] = ()) -> QArray:
+    """Quantizes `x` to the number format `fmt`.
+
+    Args:
+      x: floating array (upcast to f32; exact for bf16/f16).
+      fmt: a key of `FORMATS`.
+      axis: the reduction axis; block formats take their blocks along it (its
+        length must be a multiple of the block size).
+      batch_axes: axes of independent tensors; per-tensor scales are computed
+        per index of these axes (see module docstring). Must not contain `axis`
+        for block formats.
+
+    Returns:
+      A `QArray`; `dequantize(quantize(x, fmt))` is the quantized value in f32.
+
+    Example:
+      >>> q = quantize(jnp.ones((64, 8)), "mxfp8", axis=0)
+      >>> q.scales.shape
+      (2, 8)
+    """
+    spec = get_format(fmt)
+    # Upcast: scales and codes are computed from f32 values.
+    x32 = jnp.asarray(x).astype(jnp.float32)
+    axis, batch = _normalize_axes(x32.shape, axis, batch_axes, spec)
+    reduce_axes = tuple(i for i in range(x32.ndim) if i not in batch)
+    if spec.scale_kind == "tensor_f32":
+        codes, scales, tscale = _quantize_tensor_f32(x32, spec, reduce_axes)
+    elif spec.scale_kind == "tensor_mean_abs":
+        codes, scales, tscale = _quantize_mean_abs(x32, spec, reduce_axes)
+    elif spec.scale_kind == "block_e8m0":
+        codes, scales, tscale = _quantize_mx(x32, spec, axis)
+    else:
+        codes, scales, tscale = _quantize_nvfp4(x32, spec, axis, reduce_axes)
+    return QArray(codes, scales, fmt, axis, batch, tscale)
+
+
+def _normalize_axes(
+    shape: tuple[int, ...], axis: int, batch_axes: Sequence[int], spec: FormatSpec
+) -> tuple[int, tuple[int, ...]]:
+    ndim = len(shape)
+    if ndim == 0:
+        raise ValueError(f"quantize({spec.name!r}): x must have at least one axis; got a scalar")
+    if not -ndim <= axis < ndim:
+        raise ValueError(f"quantize({spec.name!r}): axis {axis} out of range for shape {shape}")
+    axis %= ndim
+    batch = []
+    for b in batch_axes:
+        if not -ndim <= b < ndim:
+            raise ValueError(
+                f"quantize({spec.name!r}): batch axis {b} out of range for shape {shape}"
+            )
+        batch.append(b % ndim)
+    batch_t = tuple(sorted(set(batch)))
+    if len(batch_t) != len(batch):
+        raise ValueError(f"quantize({spec.name!r}): repeated batch axes {tuple(batch_axes)}")
+    if spec.is_block:
+        if axis in batch_t:
+            raise ValueError(
+                f"quantize({spec.name!r}): the block axis {axis} cannot also be a batch axis "
+                f"(batch_axes={tuple(batch_axes)})"
+            )
+        if shape[axis] % spec.block_size:
+            raise ValueError(
+                f"quantize({spec.name!r}): x has shape {shape} and axis {axis} has length "
+                f"{shape[axis]}, which is not a multiple of the block size {spec.block_size}; "
+                f"pad axis {axis} with zeros to a multiple of {spec.block_size} (zero padding "
+                "leaves every block amax unchanged) or use a per-tensor format"
+            )
+    return axis, batch_t
+
+
+def _amax(x: jax.Array, axes: tuple[int, ...]) -> jax.Array:
+    return jnp.max(jnp.abs(x), axis=axes, keepdims=True)
+
+
+def _quantize_tensor_f32(x, spec: FormatSpec, reduce_axes):
+    """Per-tensor FP8: `s = amax / max`, codes `E(clip(x / s))`."""
+    scale = jnp.maximum(_amax(x, reduce_axes) / spec.max_value, _F32_TINY)
+    y = jnp.clip(x / scale, -spec.max_value, spec.max_value)  # saturate, never NaN/inf
+    return y.astype(spec.element_dtype), scale, None
+
+
+def _quantize_mean_abs(x, spec: FormatSpec, reduce_axes):
+    """Ternary (round half up of W / gamma, clipped to [-1, 1]) or binary (sign)."""
+    mean_abs = jnp.mean(jnp.abs(x), axis=reduce_axes, keepdims=True, dtype=jnp.float32)
+    if spec.name == "ternary":
+        gamma = jnp.maximum(mean_abs, TERNARY_EPS)
+        codes = jnp.clip(jnp.floor(x / gamma + 0.5), -1.0, 1.0).astype(jnp.int8)
+        return codes, gamma, None
+    codes = jnp.where(x >= 0, 1, -1).astype(jnp.int8)  # sign(0) := +1
+    return codes, mean_abs, None
+
+
+def _blocks(x: jax.Array, axis: int, block_size: int) -> jax.Array:
+    """Splits `axis` into `(n_blocks, block_size)`: shape (..., nb, bs, ...)."""
+    shape = x.shape
+    return x.reshape(shape[:axis] + (shape[axis] // block_size, block_size) + shape[axis + 1 :])
+
+
+def _ceil_exponent(amax: jax.Array, max_value: float) -> jax.Array:
+    """The smallest integer `e` with `amax <= max_value * 2^e`, read from the bits.
+
+    Maths: `amax = 1.m * 2^E` and `max_value = 1.m_max * 2^E_max` give
+    `e = E - E_max + (m > m_max)`, i.e. `ceil(log2(amax / max_value))` without a
+    floating-point log. Zero and subnormal amax give a very negative `e` that the
+    caller clamps.
+    """
+    bits = jax.lax.bitcast_convert_type(amax, jnp.uint32)
+    biased = (bits >> 23).astype(jnp.int32)
+    mant = bits & jnp.uint32(0x7FFFFF)
+    max_bits = int(np.float32(max_value).view(np.uint32))
+    e_max, m_max = (max_bits >> 23) - 127, max_bits & 0x7FFFFF
+    return (biased - 127) - e_max + (mant > m_max).astype(jnp.int32)
+
+
+def _pow2(e: jax.Array) -> jax.Array:
+    """`2^e` as f32 for integer `e` in [-126, 127], built from the bit pattern."""
+    return jax.lax.bitcast_convert_type((e + 127).astype(jnp.uint32) << 23, jnp.float32)
+
+
+def _quantize_mx(x, spec: FormatSpec, axis: int):
+    """MX: E8M0 block scale `2^ceil(log2(amax / max))`, element codes RNE."""
+    xb = _blocks(x, axis, spec.block_size)
+    amax = jnp.max(jnp.abs(xb), axis=axis + 1)
+    e = jnp.clip(_ceil_exponent(amax, spec.max_value), -126, 127)
+    scale = _pow2(e)
+    # Division by a power of two is exact; the clip only guards NaN-free saturation.
+    y = jnp.clip(xb / jnp.expand_dims(scale, axis + 1), -spec.max_value, spec.max_value)
+    codes = y.reshape(x.shape).astype(spec.element_dtype)
+    return codes, scale.astype(ml_dtypes.float8_e8m0fnu), None
+
+
+def _quantize_nvfp4(x, spec: FormatSpec, axis: int, reduce_axes):
+    """NVFP4: f32 tensor scale, E4M3 block scales, E2M1 codes saturated at +-6."""
+    s_t = jnp.maximum(_amax(x, reduce_axes) / (_E2M1_MAX * _E4M3_MAX), _F32_TINY)
+    xb = _blocks(x, axis, spec.block_size)
+    amax_b = jnp.max(jnp.abs(xb), axis=axis + 1)
+    # f32 rounding of 6 * s_t can put the largest block a hair above 448: clip.
+    s_b = jnp.clip(amax_b / (_E2M1_MAX * s_t), 0.0, _E4M3_MAX).astype(ml_dtypes.float8_e4m3fn)
+    # Upcast: the E4M3 block scale is exact in f32; the product is one f32 rounding.
+    eff = jnp.expand_dims(s_b.astype(jnp.float32) * s_t, axis + 1)
+    safe = jnp.where(eff > 0, eff, 1.0)
+    y = jnp.where(eff > 0, jnp.clip(xb / safe, -_E2M1_MAX, _E2M1_MAX), 0.0)
+    codes = y.reshape(x.shape).astype(spec.element_dtype)
+    return codes, s_b, s_t
