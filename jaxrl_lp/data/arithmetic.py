@@ -120,6 +120,11 @@ class ArithmeticTask:
       heldout_fraction: expected fraction of problems held out, in (0, 1).
       tokenizer: a `Tokenizer` with BOS and EOS; None uses `CharTokenizer()`.
       format_reward: credit for a wrong but well-formed integer answer; 0.0 is exact-match.
+      reverse_answer: the model writes the answer least significant digit first
+        (`target`), the order in which carries propagate; small models learn it
+        far faster than the usual order.
+      pad_operands: operands are zero-padded to `max_digits`, so every digit
+        sits at a fixed distance from "=" (again much easier for small models).
       max_enumerate: enumerate the problem space when it has at most this many problems.
       sampled_size: the length of each split of a sampled (larger) space.
 
@@ -137,6 +142,8 @@ class ArithmeticTask:
     heldout_fraction: float = 0.1
     tokenizer: Tokenizer | None = None
     format_reward: float = 0.0
+    reverse_answer: bool = False
+    pad_operands: bool = False
     max_enumerate: int = 1 << 20
     sampled_size: int = 1 << 20
 
@@ -192,13 +199,29 @@ class ArithmeticTask:
         prompt = max(len(self.prompt_ids(ArithmeticProblem(top, o, top))) for o in self.ops)
         return prompt + self.max_completion_tokens
 
+    def prompt_text(self, problem: ArithmeticProblem) -> str:
+        """The prompt, operands zero-padded to `max_digits` when `pad_operands` ("08+84=")."""
+        if not self.pad_operands:
+            return problem.prompt
+        w = self.max_digits
+        return f"{problem.a:0{w}d}{problem.op}{problem.b:0{w}d}="
+
     def prompt_ids(self, problem: ArithmeticProblem) -> list[int]:
         """BOS then the prompt text: what the sampler is given."""
-        return self.tokenizer.encode(problem.prompt, add_bos=True)
+        return self.tokenizer.encode(self.prompt_text(problem), add_bos=True)
+
+    def target(self, problem: ArithmeticProblem) -> str:
+        """The completion text the model must write: the answer, digits reversed if
+        `reverse_answer` (least significant first, sign kept in front: "-35" -> "-53")."""
+        a = problem.answer
+        if not self.reverse_answer:
+            return a
+        sign, digits = ("-", a[1:]) if a.startswith("-") else ("", a)
+        return sign + digits[::-1]
 
     def sft_example(self, problem: ArithmeticProblem) -> tuple[list[int], list[int]]:
         """(prompt_ids, completion_ids) for the warm-start: BOS+"23+58=" and "81"+EOS."""
-        return self.prompt_ids(problem), self.tokenizer.encode(problem.answer, add_eos=True)
+        return self.prompt_ids(problem), self.tokenizer.encode(self.target(problem), add_eos=True)
 
     def reward(self, completion_text: str | None, problem: ArithmeticProblem) -> float:
         """Exact-answer reward of a completion's text before EOS (None: it never ended).
@@ -211,7 +234,7 @@ class ArithmeticTask:
           1.0 if the text is exactly `problem.answer`, else 0.0 (or `format_reward`
           for a wrong but well-formed integer).
         """
-        return exact_match_reward(completion_text, problem.answer,
+        return exact_match_reward(completion_text, self.target(problem),
                                   format_reward=self.format_reward)
 
     def rewards(self, completion_tokens_BxN: Any,

@@ -1,0 +1,151 @@
+"""The jitted learner steps: GRPO (policy-gradient with micro-batch accumulation) and SFT.
+
+Both steps skip a non-finite update: when the loss or any gradient is not
+finite the parameters and optimizer state are returned unchanged and the
+metric `skipped` is 1, so a NaN never reaches a checkpoint.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from jaxrl_lp.models.config import ModelConfig
+from jaxrl_lp.models.model import forward
+from jaxrl_lp.numerics.policy import Policy
+from jaxrl_lp.rl.corrections import correction_weights
+from jaxrl_lp.rl.logprobs import learner_logprobs
+from jaxrl_lp.rl.loss import LossConfig, loss_denominator, policy_loss, select_anchor
+from jaxrl_lp.rollout.generate import Rollout
+from jaxrl_lp.rollout.step import LoopSpec
+
+__all__ = ["make_grpo_step", "make_sft_step", "split_rows", "take_rows"]
+
+_ROW_FIELDS = ("prompt_tokens", "prompt_lengths", "completion_tokens", "completion_mask",
+               "logprobs", "exit_steps")
+
+
+def split_rows(ro: Rollout, m: int) -> Rollout:
+    """A rollout with a leading micro-batch axis [M, B/M, ...] (scalars broadcast to [M])."""
+    b = ro.prompt_tokens.shape[0]
+    if b % m:
+        raise ValueError(f"batch of {b} sequences does not split into {m} micro-batches")
+    rows = {f: getattr(ro, f).reshape(m, b // m, *getattr(ro, f).shape[1:]) for f in _ROW_FIELDS}
+    return dataclasses.replace(ro, **rows, loop_evals=jnp.broadcast_to(ro.loop_evals, (m,)),
+                               weights_version=jnp.broadcast_to(ro.weights_version, (m,)))
+
+
+def _finite(tree) -> jax.Array:
+    return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)]))
+
+
+def _apply_if_finite(optimizer, grads, opt_state, params, loss):
+    ok = jnp.isfinite(loss) & _finite(grads)
+    safe = jax.tree.map(lambda g: jnp.where(ok, g, 0.0), grads)
+    updates, new_opt = optimizer.update(safe, opt_state, params)
+    new_params = optax.apply_updates(params, updates)
+    keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(ok, a, b), new, old)
+    return keep(new_params, params), keep(new_opt, opt_state), ok
+
+
+def make_grpo_step(cfg: ModelConfig, policy: Policy, loop: LoopSpec, loss_cfg: LossConfig,
+                   optimizer: optax.GradientTransformation, *, method: str = "hybrid",
+                   micro_batches: int = 1, remat: bool = False,
+                   loss_params_fn: Callable | None = None):
+    """Builds `step(params, opt_state, rollout, advantages_B, old_logp_BxN, ref_logp_BxN)`.
+
+    The returned function is jitted; `params` and `opt_state` are donated. One
+    call is one optimizer update on one minibatch. Loss denominators,
+    correction weights and the token count are computed on the whole
+    minibatch, then gradients are accumulated over `micro_batches` row slices,
+    so the update does not depend on the split.
+
+    Args:
+      cfg, policy, loop: the learner's model, numerics and looped schedule mode.
+      loss_cfg: the GRPO loss.
+      optimizer: an optax transformation.
+      method: learner log-probs, `dense` or `hybrid` (`replay` has no
+        gradient in deferred mode).
+      micro_batches: gradient-accumulation slices.
+      remat: recompute layer activations in the backward pass.
+      loss_params_fn: maps the master params to the params the loss is
+        computed on (Fair Cast: the served copy with a straight-through
+        gradient); identity when None.
+
+    Returns:
+      `step(...) -> (params, opt_state, metrics)`, metrics a dict of f32 scalars.
+    """
+    to_loss_params = loss_params_fn or (lambda p: p)
+
+    def mb_loss(params, mb, adv, anchor, keep, weights, denom, ref, num_tokens):
+        logp, ent = learner_logprobs(to_loss_params(params), cfg, policy, loop, mb, method,
+                                     remat=remat)
+        loss, m = policy_loss(logp, anchor, adv, keep, weights, denom, loss_cfg, ref,
+                              num_tokens=num_tokens)
+        m = dict(m, entropy=jnp.sum(ent * keep) / num_tokens)
+        return loss, m
+
+    grad_fn = jax.value_and_grad(mb_loss, has_aux=True)
+
+    def step(params, opt_state, ro: Rollout, adv_B, old_logp_BxN, ref_logp_BxN=None):
+        weights, keep, cmetrics = correction_weights(old_logp_BxN, ro.logprobs,
+                                                     ro.completion_mask, loss_cfg)
+        anchor = select_anchor(old_logp_BxN, ro.logprobs, loss_cfg)
+        denom = loss_denominator(keep, loss_cfg)
+        num_tokens = jnp.maximum(jnp.sum(keep), 1.0)
+        m = micro_batches
+        b = adv_B.shape[0]
+        rows = lambda x: None if x is None else x.reshape(m, b // m, *x.shape[1:])
+        xs = (split_rows(ro, m), rows(adv_B), rows(anchor), rows(keep), rows(weights),
+              rows(denom), rows(ref_logp_BxN))
+
+        def accumulate(acc, x):
+            (loss, metrics), g = grad_fn(params, *x, num_tokens)
+            return jax.tree.map(jnp.add, acc, (loss, metrics, g)), None
+
+        (loss0, m0), g0 = jax.eval_shape(grad_fn, params, *jax.tree.map(lambda a: a[0], xs),
+                                         num_tokens)
+        zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), (loss0, m0, g0))
+        (loss, metrics, grads), _ = jax.lax.scan(accumulate, zeros, xs)
+        grad_norm = optax.global_norm(grads)
+        params, opt_state, ok = _apply_if_finite(optimizer, grads, opt_state, params, loss)
+        metrics = dict(metrics, **cmetrics, loss=loss, grad_norm=grad_norm,
+                       skipped=1.0 - ok.astype(jnp.float32))
+        return params, opt_state, metrics
+
+    return jax.jit(step, donate_argnums=(0, 1))
+
+
+def make_sft_step(cfg: ModelConfig, policy: Policy, optimizer: optax.GradientTransformation,
+                  *, remat: bool = False):
+    """Builds the jitted supervised step `step(params, opt_state, tokens_BxL, mask_BxL)`.
+
+    Loss: mean over masked targets of -log p(token_{t+1} | tokens_<=t); looped
+    models use the expected (exit-weighted) read-out, their training objective.
+    """
+
+    def loss_fn(params, tokens, mask):
+        kwargs = {"readout": "expected"} if cfg.is_looped else {}
+        logits, _, _ = forward(params, cfg, policy, tokens, remat=remat, **kwargs)
+        lp = jax.nn.log_softmax(logits[:, :-1].astype(jnp.float32), axis=-1)
+        nll = -jnp.take_along_axis(lp, tokens[:, 1:, None], axis=-1)[..., 0]
+        w = mask[:, 1:].astype(jnp.float32)
+        return jnp.sum(nll * w) / jnp.maximum(jnp.sum(w), 1.0)
+
+    def step(params, opt_state, tokens, mask):
+        loss, grads = jax.value_and_grad(loss_fn)(params, tokens, mask)
+        grad_norm = optax.global_norm(grads)
+        params, opt_state, ok = _apply_if_finite(optimizer, grads, opt_state, params, loss)
+        return params, opt_state, {"loss": loss, "grad_norm": grad_norm,
+                                   "skipped": 1.0 - ok.astype(jnp.float32)}
+
+    return jax.jit(step, donate_argnums=(0, 1))
+
+
+def take_rows(ro: Rollout, idx) -> Rollout:
+    """The rollout restricted to rows `idx` (a minibatch)."""
+    return dataclasses.replace(ro, **{f: getattr(ro, f)[idx] for f in _ROW_FIELDS})
