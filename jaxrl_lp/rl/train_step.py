@@ -44,10 +44,11 @@ def _finite(tree) -> jax.Array:
 
 
 def _apply_if_finite(optimizer, grads, opt_state, params, loss):
-    ok = jnp.isfinite(loss) & _finite(grads)
-    safe = jax.tree.map(lambda g: jnp.where(ok, g, 0.0), grads)
+    safe = jax.tree.map(lambda g: jnp.where(jnp.isfinite(g), g, 0.0), grads)
     updates, new_opt = optimizer.update(safe, opt_state, params)
     new_params = optax.apply_updates(params, updates)
+    # A step counts only if its loss, its gradients and the parameters it makes are finite.
+    ok = jnp.isfinite(loss) & _finite(grads) & _finite(new_params)
     keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(ok, a, b), new, old)
     return keep(new_params, params), keep(new_opt, opt_state), ok
 

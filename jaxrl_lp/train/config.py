@@ -158,30 +158,47 @@ def _convert(value: str, current: Any, hint: Any, key: str) -> Any:
 
 
 def apply_overrides(cfg: Any, overrides: list[str]) -> Any:
-    """Applies `a.b=c` overrides to nested frozen dataclasses; unknown keys are errors."""
+    """Applies `a.b=c` overrides to nested frozen dataclasses; unknown keys are errors.
+
+    All overrides of a section are applied together, so fields that are
+    validated against each other (e.g. `task.kind` and `task.path`) can be set
+    in any order.
+    """
+    tree: dict = {}
     for item in overrides:
         if "=" not in item:
             raise ValueError(f"override {item!r} is not of the form key=value (e.g. grpo.lr=1e-3)")
-        key, value = item.split("=", 1)
-        cfg = _set(cfg, key.strip().split("."), value.strip(), key.strip())
-    return cfg
+        key, value = (x.strip() for x in item.split("=", 1))
+        node = tree
+        *parents, leaf = key.split(".")
+        for name in parents:
+            node = node.setdefault(name, {})
+            if not isinstance(node, dict):
+                raise ValueError(f"config key {key!r} conflicts with another override")
+        node[leaf] = (key, value)
+    return _apply(cfg, tree)
 
 
-def _set(obj: Any, path: list[str], value: str, key: str) -> Any:
+def _apply(obj: Any, tree: dict) -> Any:
     fields = {f.name: f for f in dataclasses.fields(obj)}
-    name = path[0]
-    if name not in fields:
-        raise ValueError(f"unknown config key {key!r}: {type(obj).__name__} has no field "
-                         f"{name!r}; valid: {sorted(fields)}")
-    current = getattr(obj, name)
-    if len(path) > 1:
-        if not dataclasses.is_dataclass(current):
-            raise ValueError(f"unknown config key {key!r}: {name!r} is not a section")
-        return dataclasses.replace(obj, **{name: _set(current, path[1:], value, key)})
-    if dataclasses.is_dataclass(current):
-        raise ValueError(f"config key {key!r} is a section; set one of its fields")
     hints = typing.get_type_hints(type(obj))
-    return dataclasses.replace(obj, **{name: _convert(value, current, hints[name], key)})
+    changes = {}
+    for name, sub in tree.items():
+        if name not in fields:
+            key = sub[0] if isinstance(sub, tuple) else name
+            raise ValueError(f"unknown config key {key!r}: {type(obj).__name__} has no field "
+                             f"{name!r}; valid: {sorted(fields)}")
+        current = getattr(obj, name)
+        if isinstance(sub, dict):
+            if not dataclasses.is_dataclass(current):
+                raise ValueError(f"unknown config key: {name!r} is not a section")
+            changes[name] = _apply(current, sub)
+        else:
+            key, value = sub
+            if dataclasses.is_dataclass(current):
+                raise ValueError(f"config key {key!r} is a section; set one of its fields")
+            changes[name] = _convert(value, current, hints[name], key)
+    return dataclasses.replace(obj, **changes)
 
 
 def load_config(path: str | None) -> TrainConfig:

@@ -77,8 +77,9 @@ def evaluate(params, mcfg, task, policy, loop, size: int, max_new: int) -> float
 def _optimizers(cfg: TrainConfig):
     """The warm-start optimizer (AdamW, warmup + cosine) and the GRPO one (clipped Adam)."""
     s = cfg.sft
+    warmup = max(1, min(s.warmup_steps, s.steps // 2))
     sft = optax.adamw(optax.warmup_cosine_decay_schedule(
-        0.0, s.lr, max(1, min(s.warmup_steps, s.steps)), max(1, s.steps)), weight_decay=0.0)
+        0.0, s.lr, warmup, max(warmup + 1, s.steps)), weight_decay=0.0)
     grpo = optax.chain(optax.clip_by_global_norm(1.0), optax.adam(cfg.grpo.lr))
     return sft, grpo
 

@@ -1,0 +1,133 @@
+"""The training program: exact resume after SIGKILL, non-finite steps, bad input, CLI errors."""
+
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+
+from jaxrl_lp.cli.main import main as cli_main
+from jaxrl_lp.train import NonFiniteError, apply_overrides, default_config, run_train
+from jaxrl_lp.train.checkpoint import Checkpointer
+
+# A run small enough to compile and finish in seconds on 2 cores.
+SHORT = [
+    "model.hidden_size=32", "model.num_layers=1", "model.num_heads=2", "model.num_kv_heads=1",
+    "model.head_dim=16", "model.intermediate_size=64", "model.loop_steps=2",
+    "sft.steps=6", "sft.batch_size=16", "grpo.steps=6", "grpo.prompts_per_step=4",
+    "grpo.group_size=2", "run.eval_every=3", "run.eval_size=8", "run.checkpoint_every=2",
+    "run.progress=false",
+]
+
+
+def _cfg(tmp_path, *extra):
+    return apply_overrides(default_config(), [*SHORT, f"run.out_dir={tmp_path}", *extra])
+
+
+def _final_params(run_dir):
+    ckpt = Checkpointer(run_dir)
+    step = ckpt.latest_step()
+    restored = ckpt.manager.restore(step)
+    ckpt.close()
+    return step, restored["state"]["params"]
+
+
+def test_sigkill_and_resume_is_bit_identical(tmp_path):
+    ref_dir, cut_dir = tmp_path / "ref", tmp_path / "cut"
+    summary = run_train(_cfg(ref_dir))
+    assert summary["steps"] == 12
+    # The same run in a subprocess, killed with SIGKILL once a mid-run checkpoint exists.
+    args = [sys.executable, "-m", "jaxrl_lp.cli.main", "train"]
+    for o in SHORT + [f"run.out_dir={cut_dir}"]:
+        args += ["--set", o]
+    proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 300
+    ckpts = cut_dir / "checkpoints"
+    rs = np.random.RandomState(0)
+    target = int(rs.choice([4, 6, 8]))  # a random point: after the 2nd, 3rd or 4th checkpoint
+    while time.time() < deadline and proc.poll() is None:
+        done = [p for p in ckpts.glob("*") if p.name.isdigit()] if ckpts.exists() else []
+        if any(int(p.name) >= target for p in done):
+            break
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    step_killed = Checkpointer(cut_dir).latest_step()
+    assert step_killed is not None and step_killed < 12, "the kill should land mid-run"
+    resumed = run_train(_cfg(cut_dir))
+    assert resumed["steps"] == 12
+    _, p_ref = _final_params(ref_dir)
+    _, p_cut = _final_params(cut_dir)
+    jax.tree.map(np.testing.assert_array_equal, p_ref, p_cut)
+    assert resumed["final_accuracy"] == summary["final_accuracy"]
+    for name in ("metrics.jsonl", "summary.json", "reward.png", "accuracy.png", "mismatch.png"):
+        assert (ref_dir / name).exists(), name
+    assert list((ref_dir / "tb").glob("events.*"))
+    s = json.loads((ref_dir / "summary.json").read_text())
+    assert {"initial_accuracy", "final_accuracy", "steps", "wall_seconds"} <= set(s)
+
+
+def test_nonfinite_steps_are_skipped_and_stop_the_run(tmp_path):
+    # A learning rate of inf makes every update non-finite from the first GRPO step.
+    cfg = _cfg(tmp_path, "sft.steps=0", "grpo.lr=inf", "grpo.max_nonfinite_in_row=2")
+    with pytest.raises(NonFiniteError, match="2 steps in a row"):
+        run_train(cfg)
+    step, params = _final_params(tmp_path)
+    assert step == 2
+    assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(params))
+
+
+def test_checkpoint_from_a_different_model_is_refused(tmp_path):
+    run_train(_cfg(tmp_path, "grpo.steps=0", "sft.steps=2"))
+    before = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
+    with pytest.raises(ValueError, match="different model"):
+        run_train(_cfg(tmp_path, "grpo.steps=0", "sft.steps=4", "model.hidden_size=48"))
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == before
+
+
+@pytest.mark.parametrize(
+    "overrides,message",
+    [
+        (["grpo.group_size=1"], "group of 1 has no signal"),
+        (["grpo.nonsense=3"], "unknown config key 'grpo.nonsense'"),
+        (["grpo.logprobs=magic"], "allowed values"),
+        (["sft.steps=many"], "sft.steps=many"),
+        (["task.kind=gsm8k", "task.path=/nonexistent/gsm8k.jsonl", "init_from=/nonexistent"],
+         "nonexistent"),
+    ],
+)
+def test_bad_input_gives_a_clear_error_and_nonzero_exit(tmp_path, capsys, overrides, message):
+    args = ["train"]
+    for o in [f"run.out_dir={tmp_path / 'run'}", *overrides]:
+        args += ["--set", o]
+    assert cli_main(args) == 2
+    assert message in capsys.readouterr().err
+    assert not (tmp_path / "run").exists()  # nothing written
+
+
+def test_empty_and_malformed_dataset_name_the_problem(tmp_path, capsys):
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"question": "q", "answer": "#### 1"}\n{"question": "q"\n')
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    for path, message in ((empty, "no examples"), (bad, "line 2")):
+        args = ["train", "--set", f"run.out_dir={tmp_path / 'run'}", "--set", "task.kind=gsm8k",
+                "--set", f"task.path={path}", "--set", f"init_from={hf}"]
+        assert cli_main(args) == 2
+        assert message in capsys.readouterr().err
+
+
+def test_config_file_and_unknown_file(tmp_path, capsys):
+    assert cli_main(["train", "--config", str(tmp_path / "missing.py")]) == 2
+    assert "does not exist" in capsys.readouterr().err
+    root = Path(__file__).resolve().parents[1]
+    from jaxrl_lp.train import load_config
+
+    assert load_config(str(root / "configs" / "default.py")) == default_config()
