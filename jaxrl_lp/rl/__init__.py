@@ -1,0 +1,32 @@
+"""The learner: log-probs (dense, replay, hybrid), GRPO maths and the jitted train steps."""
+
+from jaxrl_lp.rl.advantages import (
+    group_advantages,
+    overlong_penalty,
+    select_groups,
+    zero_variance_groups,
+)
+from jaxrl_lp.rl.corrections import correction_weights
+from jaxrl_lp.rl.logprobs import dense_logprobs, learner_logprobs, replay_logprobs
+from jaxrl_lp.rl.loss import LossConfig, kl_penalty, loss_denominator, policy_loss, select_anchor
+from jaxrl_lp.rl.metrics import mismatch_metrics
+from jaxrl_lp.rl.train_step import make_grpo_step, make_sft_step
+
+__all__ = [
+    "LossConfig",
+    "correction_weights",
+    "dense_logprobs",
+    "group_advantages",
+    "kl_penalty",
+    "learner_logprobs",
+    "loss_denominator",
+    "make_grpo_step",
+    "make_sft_step",
+    "mismatch_metrics",
+    "overlong_penalty",
+    "policy_loss",
+    "replay_logprobs",
+    "select_anchor",
+    "select_groups",
+    "zero_variance_groups",
+]
