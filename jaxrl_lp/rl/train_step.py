@@ -8,7 +8,6 @@ metric `skipped` is 1, so a NaN never reaches a checkpoint.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -22,6 +21,7 @@ from jaxrl_lp.rl.logprobs import learner_logprobs
 from jaxrl_lp.rl.loss import LossConfig, loss_denominator, policy_loss, select_anchor
 from jaxrl_lp.rollout.generate import Rollout
 from jaxrl_lp.rollout.step import LoopSpec
+from jaxrl_lp.sync.export import straight_through_served
 
 __all__ = ["make_grpo_step", "make_sft_step", "split_rows", "take_rows"]
 
@@ -55,9 +55,8 @@ def _apply_if_finite(optimizer, grads, opt_state, params, loss):
 
 def make_grpo_step(cfg: ModelConfig, policy: Policy, loop: LoopSpec, loss_cfg: LossConfig,
                    optimizer: optax.GradientTransformation, *, method: str = "hybrid",
-                   micro_batches: int = 1, remat: bool = False,
-                   loss_params_fn: Callable | None = None):
-    """Builds `step(params, opt_state, rollout, advantages_B, old_logp_BxN, ref_logp_BxN)`.
+                   micro_batches: int = 1, remat: bool = False):
+    """Builds `step(params, opt_state, rollout, advantages_B, old_logp_BxN, ref_logp_BxN, served)`.
 
     The returned function is jitted; `params` and `opt_state` are donated. One
     call is one optimizer update on one minibatch. Loss denominators,
@@ -73,18 +72,18 @@ def make_grpo_step(cfg: ModelConfig, policy: Policy, loop: LoopSpec, loss_cfg: L
         gradient in deferred mode).
       micro_batches: gradient-accumulation slices.
       remat: recompute layer activations in the backward pass.
-      loss_params_fn: maps the master params to the params the loss is
-        computed on (Fair Cast: the served copy with a straight-through
-        gradient); identity when None.
+
+    With `served` (the f32 values the sampler ran on) the loss is computed on
+    the served copy with a straight-through gradient to the master (Fair Cast):
+    `w_used = sg(served) + (master - sg(master))`.
 
     Returns:
       `step(...) -> (params, opt_state, metrics)`, metrics a dict of f32 scalars.
     """
-    to_loss_params = loss_params_fn or (lambda p: p)
-
-    def mb_loss(params, mb, adv, anchor, keep, weights, denom, ref, num_tokens):
-        logp, ent = learner_logprobs(to_loss_params(params), cfg, policy, loop, mb, method,
-                                     remat=remat)
+    def mb_loss(params, mb, adv, anchor, keep, weights, denom, ref, num_tokens, served):
+        if served is not None:
+            params = straight_through_served(params, served)
+        logp, ent = learner_logprobs(params, cfg, policy, loop, mb, method, remat=remat)
         loss, m = policy_loss(logp, anchor, adv, keep, weights, denom, loss_cfg, ref,
                               num_tokens=num_tokens)
         m = dict(m, entropy=jnp.sum(ent * keep) / num_tokens)
@@ -92,7 +91,8 @@ def make_grpo_step(cfg: ModelConfig, policy: Policy, loop: LoopSpec, loss_cfg: L
 
     grad_fn = jax.value_and_grad(mb_loss, has_aux=True)
 
-    def step(params, opt_state, ro: Rollout, adv_B, old_logp_BxN, ref_logp_BxN=None):
+    def step(params, opt_state, ro: Rollout, adv_B, old_logp_BxN, ref_logp_BxN=None,
+             served=None):
         weights, keep, cmetrics = correction_weights(old_logp_BxN, ro.logprobs,
                                                      ro.completion_mask, loss_cfg)
         anchor = select_anchor(old_logp_BxN, ro.logprobs, loss_cfg)
@@ -105,11 +105,11 @@ def make_grpo_step(cfg: ModelConfig, policy: Policy, loop: LoopSpec, loss_cfg: L
               rows(denom), rows(ref_logp_BxN))
 
         def accumulate(acc, x):
-            (loss, metrics), g = grad_fn(params, *x, num_tokens)
+            (loss, metrics), g = grad_fn(params, *x, num_tokens, served)
             return jax.tree.map(jnp.add, acc, (loss, metrics, g)), None
 
         (loss0, m0), g0 = jax.eval_shape(grad_fn, params, *jax.tree.map(lambda a: a[0], xs),
-                                         num_tokens)
+                                         num_tokens, served)
         zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), (loss0, m0, g0))
         (loss, metrics, grads), _ = jax.lax.scan(accumulate, zeros, xs)
         grad_norm = optax.global_norm(grads)

@@ -11,9 +11,10 @@ from typing import Any, Literal
 
 from jaxrl_lp.models.config import ModelConfig
 from jaxrl_lp.rl.loss import LossConfig
+from jaxrl_lp.train.sync_hooks import SyncConfig
 
-__all__ = ["GRPOConfig", "RunConfig", "SFTConfig", "TaskConfig", "TrainConfig", "apply_overrides",
-           "load_config"]
+__all__ = ["GRPOConfig", "RunConfig", "SFTConfig", "SyncConfig", "TaskConfig", "TrainConfig",
+           "apply_overrides", "load_config"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -127,6 +128,7 @@ class TrainConfig:
     sft: SFTConfig = SFTConfig()
     grpo: GRPOConfig = GRPOConfig()
     loss: LossConfig = LossConfig()
+    sync: SyncConfig = SyncConfig()
     run: RunConfig = RunConfig()
     init_from: str = ""
 

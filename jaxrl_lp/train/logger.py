@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
+
 __all__ = ["MetricsLogger", "plot_metrics"]
 
 
@@ -20,10 +22,13 @@ class MetricsLogger:
 
     def log(self, step: int, phase: str, metrics: dict) -> None:
         rec = {"step": int(step), "phase": phase}
-        rec.update({k: float(v) for k, v in metrics.items()})
+        # Non-finite values are written as null: JSON has no NaN.
+        rec.update({k: (float(v) if np.isfinite(float(v)) else None) for k, v in metrics.items()})
         with self.path.open("a") as f:
             f.write(json.dumps(rec) + "\n")
         for k, v in metrics.items():
+            if not np.isfinite(float(v)):
+                continue
             self.tb.add_scalar(f"{phase}/{k}", float(v), int(step))
 
     def records(self) -> list[dict]:
@@ -53,7 +58,8 @@ def plot_metrics(records: list[dict], out_dir: str | Path) -> list[Path]:
     for name, (phase, keys, title) in panels.items():
         fig, ax = plt.subplots(figsize=(6, 3.5))
         for k in keys:
-            pts = [(r["step"], r[k]) for r in records if r["phase"] == phase and k in r]
+            pts = [(r["step"], r[k]) for r in records
+                   if r["phase"] == phase and r.get(k) is not None]
             if pts:
                 ax.plot(*zip(*pts, strict=True), marker="." if len(pts) < 30 else None, label=k)
         ax.set_title(title)

@@ -25,12 +25,13 @@ from jaxrl_lp.numerics.policy import Policy
 from jaxrl_lp.rl.advantages import group_advantages, zero_variance_groups
 from jaxrl_lp.rl.logprobs import learner_logprobs
 from jaxrl_lp.rl.train_step import make_grpo_step, make_sft_step, take_rows
-from jaxrl_lp.rollout.generate import generate
+from jaxrl_lp.rollout.generate import generate, pad_prompts
 from jaxrl_lp.rollout.sampling import SamplingConfig
 from jaxrl_lp.rollout.step import LoopSpec
 from jaxrl_lp.train.checkpoint import Checkpointer
 from jaxrl_lp.train.config import TrainConfig
 from jaxrl_lp.train.logger import MetricsLogger, plot_metrics
+from jaxrl_lp.train.sync_hooks import SyncHooks
 
 __all__ = ["NonFiniteError", "evaluate", "evaluate_run", "run_train"]
 
@@ -122,7 +123,9 @@ def run_train(cfg: TrainConfig, *, stop_after: int | None = None) -> dict:
     loop = LoopSpec(g.exit_rule, g.compute_mode)
 
     sft_opt, grpo_opt = _optimizers(cfg)
-    state = {"params": params, "opt_sft": sft_opt.init(params), "opt_grpo": grpo_opt.init(params)}
+    hooks = SyncHooks(cfg.sync, mcfg, lpol, spol)
+    state = {"params": params, "opt_sft": sft_opt.init(params), "opt_grpo": grpo_opt.init(params),
+             "sync": hooks.init_state(params)}
     sft_it = iter(sft_loader(task.train, task.sft_example, cfg.sft.batch_size, cfg.run.seed,
                              tok.pad_id, seq_len=task.max_sequence_length))
     prompt_it = iter(prompt_loader(task.train, g.prompts_per_step, cfg.run.seed + 1))
@@ -164,10 +167,11 @@ def run_train(cfg: TrainConfig, *, stop_after: int | None = None) -> dict:
             phase = "sft"
         else:
             if meta["initial_accuracy"] is None:
+                state["sync"], state["params"] = hooks.start(state["sync"], state["params"])
                 meta["initial_accuracy"] = evaluate_now(state["params"])
                 logger.log(step, "eval", {"accuracy": meta["initial_accuracy"]})
             m = _grpo_iteration(state, step, cfg, task, mcfg, spol, loop, max_new, grpo_step,
-                                old_logp_fn, prompt_it)
+                                old_logp_fn, prompt_it, hooks)
             phase = "grpo"
         m = {k: float(v) for k, v in m.items()}
         meta["nonfinite_in_row"] = meta["nonfinite_in_row"] + 1 if m["skipped"] else 0
@@ -218,14 +222,16 @@ def run_train(cfg: TrainConfig, *, stop_after: int | None = None) -> dict:
 
 
 def _grpo_iteration(state, step, cfg, task, mcfg, spol, loop, max_new, grpo_step, old_logp_fn,
-                    prompt_it) -> dict:
-    """One GRPO step: sample groups, score, compute advantages, `mu` passes of updates."""
+                    prompt_it, hooks: SyncHooks) -> dict:
+    """One GRPO step: export, sample groups, score, advantages, `mu` passes of updates."""
     g = cfg.grpo
     tok = task.tokenizer
     key = jax.random.fold_in(jax.random.PRNGKey(cfg.run.seed), step)
     problems = next(prompt_it)
+    master = state["params"]
+    served, sampler_params, state["sync"] = hooks.export(state["sync"], master)
     t0 = time.time()
-    ro = generate(state["params"], mcfg, [task.prompt_ids(p) for p in problems], policy=spol,
+    ro = generate(sampler_params, mcfg, [task.prompt_ids(p) for p in problems], policy=spol,
                   sampling=SamplingConfig(temperature=g.temperature), max_new_tokens=max_new,
                   num_samples=g.group_size, eos_id=tok.eos_id, pad_id=tok.pad_id, loop=loop,
                   key=key, weights_version=step)
@@ -240,7 +246,19 @@ def _grpo_iteration(state, step, cfg, task, mcfg, spol, loop, max_new, grpo_step
                          g.group_size)
         n_zero_var = int(dead.sum() // g.group_size)
         ro = dataclasses.replace(ro, completion_mask=ro.completion_mask * (1.0 - dead[:, None]))
-    old_logp = old_logp_fn(state["params"], ro)
+    on_served = hooks.active and cfg.sync.loss_on_served
+    # The behaviour log-probs as the learner computes them (on the copy the loss uses).
+    old_logp = old_logp_fn(sampler_params if on_served else master, ro)
+    sync_metrics = {}
+    if hooks.active:
+        master_logp = old_logp if not on_served else old_logp_fn(master, ro)
+        state["sync"], sync_metrics = hooks.diagnostics(state["sync"], master, served, ro,
+                                                        master_logp)
+        k = cfg.sync.check_every
+        if k and (step - cfg.sft.steps) % k == 0:
+            probe = pad_prompts([task.prompt_ids(task.heldout[i]) for i in range(4)],
+                                tok.pad_id, bucket=False)[0]
+            sync_metrics.update(hooks.check(step, master, served, jnp.asarray(probe)))
     n = rewards.shape[0]
     size = n // g.minibatches
     sums: dict[str, float] = {}
@@ -249,12 +267,13 @@ def _grpo_iteration(state, step, cfg, task, mcfg, spol, loop, max_new, grpo_step
             idx = np.arange(i * size, (i + 1) * size)
             state["params"], state["opt_grpo"], m = grpo_step(
                 state["params"], state["opt_grpo"], take_rows(ro, idx), jnp.asarray(adv[idx]),
-                old_logp[idx])
+                old_logp[idx], None, sampler_params if on_served else None)
             for k, v in m.items():
                 sums[k] = sums.get(k, 0.0) + float(v)
     updates = g.mu * g.minibatches
     metrics = {k: v / updates for k, v in sums.items()}
     metrics["skipped"] = float(sums.get("skipped", 0.0) > 0)
+    metrics.update({k: float(v) for k, v in sync_metrics.items()})
     lengths = np.asarray(ro.completion_mask).sum(1)
     metrics.update(
         reward_mean=float(rewards.mean()), reward_std=float(rewards.std()),
