@@ -12,9 +12,9 @@ __all__ = ["default_config"]
 def default_config() -> TrainConfig:
     """Two-digit addition; a 2-layer, 2-loop Ouro-style model; warm-start then GRPO.
 
-    Measured on the development machine: the warm-start reaches about 45% greedy
-    held-out accuracy; GRPO at Adam 3e-4 lifts it by 30 points within 30 steps
-    (1e-3 collapsed the policy in 4 steps).
+    Measured on the development machine: the warm-start reaches 44.5% greedy
+    held-out accuracy; 60 GRPO steps at Adam 1e-4 lift it to 83.6% (at 3e-4 it
+    peaked at 77% and fell back to 61%; at 1e-3 the policy collapsed in 4 steps).
     """
     return TrainConfig(
         model=ModelConfig(
@@ -25,7 +25,7 @@ def default_config() -> TrainConfig:
         task=TaskConfig(kind="arithmetic", ops="+", max_digits=2, reverse_answer=True,
                         pad_operands=True),
         sft=SFTConfig(steps=1200, batch_size=64, lr=3e-3),
-        grpo=GRPOConfig(steps=60, prompts_per_step=32, group_size=8, lr=3e-4),
+        grpo=GRPOConfig(steps=60, prompts_per_step=32, group_size=8, lr=1e-4),
         loss=LossConfig(),
         run=RunConfig(out_dir="runs/default", eval_every=10, eval_size=256, checkpoint_every=20),
     )
