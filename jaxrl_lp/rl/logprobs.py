@@ -112,5 +112,6 @@ def learner_logprobs(params: dict, cfg: ModelConfig, policy: Policy, loop: LoopS
         return dense, entropy
     if method != "hybrid":
         raise ValueError(f"log-prob method must be 'dense', 'replay' or 'hybrid'; got {method!r}")
-    replay = jax.lax.stop_gradient(replay_logprobs(params, cfg, policy, loop, ro))
+    # stop_gradient on the *input*: a JVP-traced replay compiles differently (1 ulp off the sampler).
+    replay = jax.lax.stop_gradient(replay_logprobs(jax.lax.stop_gradient(params), cfg, policy, loop, ro))
     return replay + (dense - jax.lax.stop_gradient(dense)), entropy

@@ -1,0 +1,159 @@
+"""Learner log-probs against the sampler's: replay is exact, hybrid is replay's value with dense's gradient.
+
+One batch of rollouts per (policy, model kind): ragged prompts (lengths 3, 6
+and 1, bucketed to P=8), G=2 samples each, temperature 0.8, EOS in play so
+some rows end early. Model kinds: `dense` (tiny-qwen3), `looped_dense` and
+`looped_deferred` (tiny-ouro at R=4 loop steps, exiting by `threshold:0.5`,
+with an exit gate set so exits fall at every step and some deferred decode
+steps stop early; see `bench.exactness.exactness_model`). Each compiled
+program is built once per (policy, kind) and cached; shapes are shared so
+nothing else recompiles.
+"""
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxrl_lp.bench.exactness import (
+    EXIT_RULE,
+    KINDS,
+    POLICIES,
+    exactness_model,
+    exactness_rollout,
+    masked_max_abs_diff,
+)
+from jaxrl_lp.numerics.policy import Policy
+from jaxrl_lp.rl.logprobs import dense_logprobs, learner_logprobs, replay_logprobs
+from jaxrl_lp.rollout import LoopSpec
+
+R = 4  # loop steps of the looped model
+N = 10  # new tokens
+PROMPTS = ((1, 5, 7), (2, 9, 4, 11, 3, 8), (6,))
+G = 2
+# Each case compiles a sampler and a learner program (10-17 s of CPU on the
+# development machines). The default run keeps the looped model in both modes
+# in f32 and the dense model in bf16; the other three cases run with `-m slow`.
+SLOW_CASES = {("fp32", "dense"), ("bf16", "looped_dense"), ("bf16", "looped_deferred")}
+CASES = [pytest.param(pol, kind, marks=pytest.mark.slow if (pol, kind) in SLOW_CASES else ())
+         for pol in POLICIES for kind in KINDS]
+# Dense (parallel) learner against the sampler, absolute on log-probs: the two
+# differ by kernel-shape rounding only (measured: ~1e-6 in f32, ~1e-3 in bf16).
+DENSE_TOL = {"fp32": 1e-4, "bf16": 0.1}
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2, 3))
+def learner_values(params, cfg, policy, loop, ro):
+    """Replay and dense log-probs [B, N] in one program (jitted; cfg, policy, loop static)."""
+    return replay_logprobs(params, cfg, policy, loop, ro), dense_logprobs(params, cfg, policy, loop, ro)[0]
+
+
+@functools.cache
+def model(kind):
+    return exactness_model(kind, loop_steps=R)
+
+
+@functools.cache
+def case(pol, kind):
+    """(cfg, params, policy, loop, rollout, replay, dense) of one (policy, kind), computed once."""
+    cfg, params, loop = model(kind)
+    policy = Policy.parse(pol)
+    ro = exactness_rollout(params, cfg, policy, loop, prompts=PROMPTS, num_samples=G,
+                           max_new_tokens=N)
+    replay, dense = learner_values(params, cfg, policy, loop, ro)
+    return cfg, params, policy, loop, ro, replay, dense
+
+
+# ---------------------------------------------------------------- the rollouts test something
+@pytest.mark.parametrize("pol,kind", CASES)
+def test_rollouts_have_eos_ragged_groups_and_spread_exits(pol, kind):
+    cfg, _, _, _, ro, _, _ = case(pol, kind)
+    lengths = np.asarray(ro.completion_mask).sum(axis=1)
+    assert ro.completion_tokens.shape == (len(PROMPTS) * G, N)
+    assert np.asarray(ro.prompt_lengths).tolist() == [len(p) for p in PROMPTS for _ in range(G)]
+    assert lengths.min() < N, "EOS should end some sequences early"
+    assert lengths.max() == N, "some sequences should run to max_new_tokens"
+    if cfg.is_looped:
+        exits = np.asarray(ro.exit_steps)[np.asarray(ro.completion_mask) > 0]
+        counts = np.bincount(exits, minlength=R)
+        assert (counts >= 2).all(), f"every loop step should be the exit of some tokens: {counts}"
+        assert counts[:-1].sum() >= 0.5 * exits.size, f"most tokens should exit early: {counts}"
+    if kind == "looped_deferred":
+        # Some decode steps stopped before the last loop step (the whole batch had exited),
+        # so the cache fill of never-computed steps is exercised too.
+        assert int(ro.loop_evals) < R * (N - 1)
+
+
+# ---------------------------------------------------------------- replay == sampler, bit for bit
+@pytest.mark.parametrize("pol,kind", CASES)
+def test_replay_equals_sampler_exactly(pol, kind):
+    *_, ro, replay, _ = case(pol, kind)
+    assert masked_max_abs_diff(replay, ro.logprobs, ro.completion_mask) == 0.0
+
+
+# ---------------------------------------------------------------- dense learner: close, not exact
+@pytest.mark.parametrize("pol,kind", CASES)
+def test_dense_learner_is_close_to_sampler(pol, kind):
+    *_, ro, _, dense = case(pol, kind)
+    diff = masked_max_abs_diff(dense, ro.logprobs, ro.completion_mask)
+    print(f"dense learner vs sampler, {pol} {kind}: max |dlogp| = {diff:.3g}")
+    assert diff < DENSE_TOL[pol]
+
+
+def test_dense_learner_applies_the_deferred_schedule():
+    """In deferred mode dense == sampler to 1e-4 only because it replays the schedule.
+
+    The same rollouts read with `compute_mode="dense"` (every token runs all R
+    steps; only the read-out step is taken from the schedule) are far off,
+    because early-exited tokens present different K/V at deeper steps.
+    """
+    cfg, params, policy, loop, ro, _, dense = case("fp32", "looped_deferred")
+    assert masked_max_abs_diff(dense, ro.logprobs, ro.completion_mask) < 1e-4
+    # The looped_dense case's compiled program, fed the deferred rollouts.
+    *_, ro_dense_mode, _, _ = case("fp32", "looped_dense")
+    no_schedule = LoopSpec(EXIT_RULE, "dense")
+    _, dense_full_depth = learner_values(params, cfg, policy, no_schedule,
+                                         dataclasses.replace(ro, loop=ro_dense_mode.loop))
+    off = masked_max_abs_diff(dense_full_depth, ro.logprobs, ro.completion_mask)
+    print(f"deferred rollouts, dense log-probs without the schedule: max |dlogp| = {off:.3g}")
+    assert off > 1e-2
+
+
+# ---------------------------------------------------------------- hybrid: replay value, dense gradient
+def _grad_fn(cfg, policy, loop, method):
+    """Jitted (params, ro, w) -> (grads, logp) of sum(mask * w * logp) with `method` log-probs."""
+
+    def f(params, ro, w_BxN):
+        logp, _ = learner_logprobs(params, cfg, policy, loop, ro, method)
+        return jnp.sum(logp * ro.completion_mask * w_BxN), logp
+
+    return jax.jit(jax.grad(f, has_aux=True))
+
+
+# Gradients cost two fwd+bwd compiles per case (~25 s of CPU): by default only
+# the looped deferred model in f32 (replay has an early-stopping while_loop; a
+# 1-ulp error in the value shows best in f32, where no bf16 rounding can absorb
+# it); `-m slow` adds more.
+@pytest.mark.parametrize("pol,kind", [
+    ("fp32", "looped_deferred"),
+    pytest.param("bf16", "looped_deferred", marks=pytest.mark.slow),
+    pytest.param("bf16", "dense", marks=pytest.mark.slow),
+])
+def test_hybrid_value_is_replay_and_gradient_is_dense_exactly(pol, kind):
+    cfg, params, policy, loop, ro, replay, _ = case(pol, kind)
+    w = jax.random.normal(jax.random.PRNGKey(7), ro.logprobs.shape)
+    g_hybrid, hybrid = _grad_fn(cfg, policy, loop, "hybrid")(params, ro, w)
+    g_dense, _ = _grad_fn(cfg, policy, loop, "dense")(params, ro, w)
+    # The value inside a differentiated program is replay's bits, hence the sampler's.
+    assert masked_max_abs_diff(hybrid, replay, ro.completion_mask) == 0.0
+    assert masked_max_abs_diff(hybrid, ro.logprobs, ro.completion_mask) == 0.0
+    # Exactly the dense gradient (found exact on XLA:CPU; not merely within 1e-7).
+    flat_h, tree_h = jax.tree.flatten(g_hybrid)
+    flat_d, tree_d = jax.tree.flatten(g_dense)
+    assert tree_h == tree_d
+    for a, b in zip(flat_h, flat_d, strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert max(float(jnp.abs(a).max()) for a in flat_h) > 0.0  # a real gradient
