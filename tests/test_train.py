@@ -37,13 +37,18 @@ def _final_params(run_dir):
     return step, restored["state"]["params"]
 
 
+# Fair Cast with error feedback: the exporter's residual must survive the kill too.
+SYNC = ["sync.exporter=bf16:error_feedback", "sync.loss_on_served=true", "sync.check_every=2",
+        "sync.bf16_start=true"]
+
+
 def test_sigkill_and_resume_is_bit_identical(tmp_path):
     ref_dir, cut_dir = tmp_path / "ref", tmp_path / "cut"
-    summary = run_train(_cfg(ref_dir))
+    summary = run_train(_cfg(ref_dir, *SYNC))
     assert summary["steps"] == 12
     # The same run in a subprocess, killed with SIGKILL once a mid-run checkpoint exists.
     args = [sys.executable, "-m", "jaxrl_lp.cli.main", "train"]
-    for o in SHORT + [f"run.out_dir={cut_dir}"]:
+    for o in SHORT + SYNC + [f"run.out_dir={cut_dir}"]:
         args += ["--set", o]
     proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.time() + 300
@@ -59,7 +64,7 @@ def test_sigkill_and_resume_is_bit_identical(tmp_path):
     proc.wait()
     step_killed = Checkpointer(cut_dir).latest_step()
     assert step_killed is not None and step_killed < 12, "the kill should land mid-run"
-    resumed = run_train(_cfg(cut_dir))
+    resumed = run_train(_cfg(cut_dir, *SYNC))
     assert resumed["steps"] == 12
     _, p_ref = _final_params(ref_dir)
     _, p_cut = _final_params(cut_dir)
@@ -70,6 +75,14 @@ def test_sigkill_and_resume_is_bit_identical(tmp_path):
     assert list((ref_dir / "tb").glob("events.*"))
     s = json.loads((ref_dir / "summary.json").read_text())
     assert {"initial_accuracy", "final_accuracy", "steps", "wall_seconds"} <= set(s)
+    # Matched policies, loss on the served copy: after every sync the learner's
+    # (hybrid = replay) log-probs equal the sampler's exactly, and the checks pass.
+    grpo = [json.loads(line) for line in (ref_dir / "metrics.jsonl").read_text().splitlines()]
+    grpo = [r for r in grpo if r["phase"] == "grpo"]
+    assert len(grpo) == 6
+    assert all(r["mismatch_max_abs_dlogp"] == 0.0 for r in grpo)
+    checked = [r for r in grpo if "sync/probe_logprobs" in r]
+    assert checked and all(r[k] == 1.0 for r in checked for k in r if k.startswith("sync/"))
 
 
 def test_nonfinite_steps_are_skipped_and_stop_the_run(tmp_path):

@@ -36,7 +36,7 @@ from jaxrl_lp.models.blocks import attend, embed, lm_logits, mlp, project_qkv, r
 from jaxrl_lp.models.cache import write_positions
 from jaxrl_lp.models.config import ModelConfig
 from jaxrl_lp.models.dense import default_positions
-from jaxrl_lp.models.layers import dot, rms_norm
+from jaxrl_lp.models.layers import attention, dot, rms_norm
 from jaxrl_lp.numerics.policy import Policy
 
 __all__ = ["ExitRule", "LoopedOutput", "exit_distribution", "looped_forward"]
@@ -187,6 +187,10 @@ def looped_forward(
         cache = write_positions(cache, positions_BxT, cache_index)
     h0 = embed(params, tokens_BxT, policy)
     kv_shape = (L, b, t, cfg.num_kv_heads, cfg.head_dim)
+    # Dense mode runs the deferred graph with freezing switched off by a value XLA cannot
+    # fold: the two modes then compile to the same arithmetic (same fusions, same FMA
+    # contractions), so deferred mode without early exits is bit-identical to dense mode.
+    freeze = jax.lax.optimization_barrier(jnp.asarray(deferred))
 
     def decide(r, lam, remaining, cum):
         """Exit decision at step r from the running exit distribution."""
@@ -204,27 +208,43 @@ def looped_forward(
 
     def loop_step(r, carry):
         h, kl, vl, exited, exit_step, h_exit, remaining, cum, cache = carry
-        frozen = exited if deferred else jnp.zeros((b, t), bool)
+        frozen = exited & freeze
+        zero = jnp.zeros((), jnp.int32)
 
-        def layer(h_l, xs):
-            lp, kl_l, vl_l, ck, cv = xs
+        def layer(layer_carry, xs):
+            h_l, ck, cv, l = layer_carry
+            lp, kl_l, vl_l = xs
             x = rms_norm(h_l, lp["attn_norm_in"], cfg.rms_eps, policy)
             q, k, v = project_qkv(lp, x, positions_BxT, cfg, policy)
             # Deferred: an exited token presents its exit-step K/V at deeper steps.
             k = jnp.where(frozen[..., None, None], kl_l.astype(k.dtype), k)
             v = jnp.where(frozen[..., None, None], vl_l.astype(v.dtype), v)
-            cache_l = None if ck is None else {"k": ck, "v": cv, "pos": cache["pos"]}
-            a, new_c = attend(lp, q, k, v, positions_BxT, cache_l, cache_index, policy)
+            if ck is None:
+                a, _ = attend(lp, q, k, v, positions_BxT, None, cache_index, policy)
+            else:
+                # `attend` with a cache, on the whole [R, L, B, S, K, Dh] cache carried
+                # through both loops: the chunk is written in place at (r, l) and only
+                # that layer's slots are read, so no loop copies or restacks the cache.
+                at = (r, l, zero, cache_index, zero, zero)
+                ck = jax.lax.dynamic_update_slice(ck, k[None, None].astype(ck.dtype), at)
+                cv = jax.lax.dynamic_update_slice(cv, v[None, None].astype(cv.dtype), at)
+                keys = jax.lax.dynamic_slice(ck, (r, l, zero, zero, zero, zero),
+                                             (1, 1, *ck.shape[2:]))[0, 0]
+                values = jax.lax.dynamic_slice(cv, (r, l, zero, zero, zero, zero),
+                                               (1, 1, *cv.shape[2:]))[0, 0]
+                o = attention(q, keys, values, positions_BxT, cache["pos"], policy)
+                a = policy.round(dot(o, lp["o_proj"], policy))
             h_l = residual_add(h_l, rms_norm(a, lp["attn_norm_out"], cfg.rms_eps, policy), policy)
             m = mlp(lp, rms_norm(h_l, lp["mlp_norm_in"], cfg.rms_eps, policy), policy)
             h_l = residual_add(h_l, rms_norm(m, lp["mlp_norm_out"], cfg.rms_eps, policy), policy)
-            return h_l, (k, v, None if new_c is None else (new_c["k"], new_c["v"]))
+            return (h_l, ck, cv, l + 1), (k, v)
 
         if remat:
             layer = jax.checkpoint(layer)
-        ck = None if cache is None else cache["k"][r]
-        cv = None if cache is None else cache["v"][r]
-        h_out, (k_all, v_all, new_kv) = jax.lax.scan(layer, h, (params["layers"], kl, vl, ck, cv))
+        ck = None if cache is None else cache["k"]
+        cv = None if cache is None else cache["v"]
+        (h_out, ck, cv, _), (k_all, v_all) = jax.lax.scan(
+            layer, (h, ck, cv, zero), (params["layers"], kl, vl))
         hn = rms_norm(h_out, params["final_norm"], cfg.rms_eps, policy)
         lam = _gate(params, hn, policy)
         p, remaining, cum, now = decide(r, lam, remaining, cum)
@@ -232,13 +252,11 @@ def looped_forward(
         read_now = newly if readout_steps_BxT is None else r == readout_steps_BxT
         h_exit = jnp.where(read_now[..., None], hn, h_exit)
         exit_step = jnp.where(newly, r, exit_step)
-        # The next step's input: the normed state (f32 carrier when the residual is f32).
-        h_next = hn.astype(h.dtype)
-        if deferred:
-            h_next = jnp.where(exited[..., None], h, h_next)
+        # The next step's input: the normed state (f32 carrier when the residual is f32);
+        # a frozen (deferred, exited) token keeps its state.
+        h_next = jnp.where(frozen[..., None], h, hn.astype(h.dtype))
         if cache is not None:
-            cache = {**cache, "k": cache["k"].at[r].set(new_kv[0]),
-                     "v": cache["v"].at[r].set(new_kv[1])}
+            cache = {**cache, "k": ck, "v": cv}
         carry = (h_next, k_all, v_all, exited | newly, exit_step, h_exit, remaining, cum, cache)
         return carry, (hn, p)
 

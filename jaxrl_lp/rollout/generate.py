@@ -65,8 +65,13 @@ def bucket_length(n: int, minimum: int = 8) -> int:
     return max(minimum, 1 << (max(n, 1) - 1).bit_length())
 
 
-def pad_prompts(prompts: Sequence[Sequence[int]], pad_id: int, bucket: bool = True):
-    """Left-pads ragged prompts; returns (tokens [B, P], positions [B, P], lengths [B]) numpy."""
+def pad_prompts(prompts: Sequence[Sequence[int]], pad_id: int, bucket: bool = True,
+                max_len: int | None = None):
+    """Left-pads ragged prompts; returns (tokens [B, P], positions [B, P], lengths [B]) numpy.
+
+    With `bucket`, P is the longest prompt's `bucket_length`, capped at `max_len`
+    (but never below the longest prompt).
+    """
     if len(prompts) == 0:
         raise ValueError("no prompts given")
     lengths = np.array([len(p) for p in prompts], np.int32)
@@ -75,7 +80,8 @@ def pad_prompts(prompts: Sequence[Sequence[int]], pad_id: int, bucket: bool = Tr
                          "at least one token (e.g. a BOS token)")
     p = int(lengths.max())
     if bucket:
-        p = bucket_length(p)
+        cap = bucket_length(p) if max_len is None else min(bucket_length(p), max_len)
+        p = max(p, cap)
     toks = np.full((len(prompts), p), pad_id, np.int32)
     pos = np.full((len(prompts), p), -1, np.int32)
     for i, pr in enumerate(prompts):
@@ -179,7 +185,9 @@ def generate(
     if num_samples < 1:
         raise ValueError(f"num_samples must be >= 1; got {num_samples}")
     policy = Policy.parse(policy)
-    toks, pos, lengths = pad_prompts(prompts, pad_id)
+    # The bucket is capped so that prompt slots plus new tokens fit the context.
+    toks, pos, lengths = pad_prompts(prompts, pad_id,
+                                     max_len=cfg.max_position_embeddings - max_new_tokens)
     longest = int(lengths.max())
     if longest + max_new_tokens > cfg.max_position_embeddings:
         raise ValueError(

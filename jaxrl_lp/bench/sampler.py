@@ -1,0 +1,352 @@
+"""The sampler benchmark: our jitted sampler against Hugging Face `generate`, and deferred looped decoding.
+
+Dense (`tiny` and `small` presets): greedy decoding of the same random Qwen3
+weights, same batch, prompt and new-token lengths, by our sampler and by
+`transformers` `generate` (`hf_ref.hf_model`), on CPU, in one process, after a
+warm-up; our compile time is reported apart (`compile_s`). Policy fp32: on CPU
+XLA's bf16 matmuls are several times slower than f32 (SPEC section 11).
+
+Looped: a random Ouro-style model whose exit gate (logits of std 0.5 around a
+bias of -0.6) makes a `threshold:0.5` rule exit after about 2 of 4 loop steps,
+decoded in `dense` mode (all R loop steps) and in `deferred` mode (a token
+stops at its exit step; a decode step stops when the whole batch has exited),
+at batch 1 and 8. `ideal_speedup` is R / mean exit depth of the decode steps:
+what deferred mode would gain if loop steps were all the work of a token.
+
+Every figure is also put against the bandwidth bound of SPEC section 11:
+decode reads the weights once per step, so tokens/s <= batch * bandwidth /
+weight bytes read per step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxrl_lp.models.config import ModelConfig, get_preset
+from jaxrl_lp.models.model import init_params
+from jaxrl_lp.rollout import LoopSpec, SamplingConfig, generate
+
+__all__ = ["LOOPED_SIZES", "add_arguments", "bench_dense", "bench_looped", "run", "weight_bytes"]
+
+DENSE_PRESETS = {"tiny": "tiny-qwen3", "small": "small-qwen3"}
+# Looped models of the same shapes as the dense presets (Ouro has no QK-norm).
+LOOPED_SIZES = {
+    name: get_preset(preset).replace(family="ouro", loop_steps=4, qk_norm=False)
+    for name, preset in DENSE_PRESETS.items()
+}
+SPEC_BANDWIDTH_GBPS = 15.0  # SPEC section 11: a batch-8 f32 matrix-vector product on these CPUs
+POLICY = "fp32"
+MAX_RUNS = 50  # timed runs of one configuration at most
+
+
+def weight_bytes(cfg: ModelConfig, params: dict, loop_steps: float | None = None) -> int:
+    """Bytes of weights one decode step reads: every layer (per loop step run) and the head.
+
+    The embedding table is gathered (a few rows), not streamed, unless it is
+    also the (tied) output head.
+    """
+    nbytes = lambda tree: sum(x.size * x.dtype.itemsize for x in jax.tree_util.tree_leaves(tree))
+    layers = nbytes(params["layers"])
+    head = nbytes(params["embed"] if cfg.tie_embeddings else params["lm_head"])
+    other = nbytes(params["final_norm"]) + (nbytes(params["exit_gate"]) if cfg.is_looped else 0)
+    steps = cfg.loop_steps if loop_steps is None else loop_steps
+    return int(round(layers * steps + head + other * steps))
+
+
+def _bound(batch: int, nbytes: float, bandwidth_gbps: float) -> float:
+    return batch * bandwidth_gbps * 1e9 / nbytes
+
+
+def _timed(fn, repeats: int, min_time: float, times: list[float] | None = None):
+    """Times calls of `fn` until `repeats` calls and `min_time` seconds (at most MAX_RUNS).
+
+    Returns (times, last result). The figures reported are the fastest run: on
+    a shared machine the slower runs measure the neighbours' load as much as
+    the code.
+    """
+    times, out = ([] if times is None else times), None
+    while len(times) < repeats or (sum(times) < min_time and len(times) < MAX_RUNS):
+        t = time.perf_counter()
+        out = fn()
+        times.append(time.perf_counter() - t)
+    return times, out
+
+
+def _ours_call(params, cfg, prompts, **kwargs):
+    return lambda: jax.block_until_ready(generate(params, cfg, prompts, **kwargs))
+
+
+def _first_call(fn) -> tuple[float, object]:
+    t = time.perf_counter()
+    out = fn()
+    return time.perf_counter() - t, out
+
+
+def _hf_call(model, prompt_BxP, new_tokens):
+    """Greedy `generate` of exactly `new_tokens` tokens; returns the new tokens [B, N]."""
+    import torch
+
+    ids = torch.from_numpy(np.asarray(prompt_BxP, np.int64))
+    kwargs = dict(attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=new_tokens,
+                  min_new_tokens=new_tokens, pad_token_id=0, eos_token_id=None)
+
+    def call():
+        with torch.inference_mode():
+            return model.generate(ids, **kwargs)[:, ids.shape[1]:].numpy()
+
+    return call
+
+
+def _hf_threads(model, prompt_BxP, choice: str) -> int:
+    """torch's thread count for the race: given, or `best` of 1 and all cores on a short run.
+
+    On a busy 2-core machine torch's multi-threaded kernels can be several
+    times slower than one thread; `best` gives the reference its better setting.
+    """
+    import torch
+
+    cores = os.cpu_count() or 1
+    if choice != "best":
+        return int(choice)
+    best, best_t = 1, float("inf")
+    short = _hf_call(model, prompt_BxP, 8)
+    for n in sorted({1, cores}):
+        torch.set_num_threads(n)
+        short()  # warm-up
+        t = min(_timed(short, 2, 0.0)[0])
+        if t < best_t:
+            best, best_t = n, t
+    return best
+
+
+def bench_dense(size: str, *, batch: int, prompt_len: int, new_tokens: int, repeats: int,
+                min_time: float, hf: bool, hf_threads: str, bandwidth_gbps: float,
+                seed: int) -> dict:
+    """Greedy decoding tokens/s of our sampler and of `transformers` on one dense preset.
+
+    After a warm-up of each, timed runs of the two alternate, so that a change
+    in the machine's load falls on both.
+    """
+    cfg = get_preset(DENSE_PRESETS[size])
+    params = init_params(cfg, jax.random.PRNGKey(seed))
+    prompts = np.random.RandomState(seed).randint(1, cfg.vocab_size, (batch, prompt_len))
+    ours = _ours_call(params, cfg, prompts.tolist(), sampling=SamplingConfig(greedy=True),
+                      policy=POLICY, max_new_tokens=new_tokens, eos_id=None)
+    first, ro = _first_call(ours)
+    ours_times, hf_times = [], []
+    if hf:
+        import torch
+
+        from jaxrl_lp.bench.hf_ref import hf_model
+
+        threads_before = torch.get_num_threads()
+        model = hf_model(cfg, params)
+        n = _hf_threads(model, prompts, hf_threads)
+        torch.set_num_threads(n)
+        hf_run = _hf_call(model, prompts, new_tokens)
+        hf_tokens = hf_run()  # warm-up
+        for _ in range(repeats):
+            ours_times.append(_first_call(ours)[0])
+            hf_times.append(_first_call(hf_run)[0])
+        _timed(hf_run, 0, min_time, hf_times)
+        torch.set_num_threads(threads_before)
+    ours_times, last = _timed(ours, repeats, min_time, ours_times)
+    ro = ro if last is None else last
+    ours_s = min(ours_times)
+    tokens = batch * new_tokens
+    nbytes = weight_bytes(cfg, params)
+    out = {
+        "preset": DENSE_PRESETS[size], "params": cfg.param_count(), "batch": batch,
+        "prompt_len": prompt_len, "new_tokens": new_tokens, "policy": POLICY,
+        "compile_s": round(first - ours_s, 3), "ours_s": round(ours_s, 4),
+        "ours_runs": len(ours_times),
+        "ours_ms_per_step": round(1e3 * ours_s / new_tokens, 3),
+        "ours_tokens_per_s": round(tokens / ours_s, 1),
+        "weight_bytes_per_step": nbytes,
+        "bound_tokens_per_s": round(_bound(batch, nbytes, bandwidth_gbps), 1),
+    }
+    out["ours_fraction_of_bound"] = round(out["ours_tokens_per_s"] / out["bound_tokens_per_s"], 3)
+    if hf:
+        hf_s = min(hf_times)
+        out.update({
+            "hf_threads": n, "hf_s": round(hf_s, 4), "hf_runs": len(hf_times),
+            "hf_ms_per_step": round(1e3 * hf_s / new_tokens, 3),
+            "hf_tokens_per_s": round(tokens / hf_s, 1),
+            "ratio_vs_hf": round(hf_s / ours_s, 2),
+            "hf_fraction_of_bound": round(tokens / hf_s / out["bound_tokens_per_s"], 3),
+            # Same weights, f32, greedy: the two decodings agree until a near-tie flips.
+            "tokens_equal_hf": round(float((hf_tokens == np.asarray(ro.completion_tokens)).mean()),
+                                     4),
+        })
+    return out
+
+
+def looped_params(cfg: ModelConfig, seed: int, gate_bias: float, gate_scale: float) -> dict:
+    """Random looped weights with a gate of bias `gate_bias` and logit spread `gate_scale`.
+
+    The gate reads the final-normed hidden state (RMS ~1), so a kernel of std
+    `gate_scale / sqrt(D)` gives gate logits ~ N(gate_bias, gate_scale).
+    """
+    params = init_params(cfg, jax.random.PRNGKey(seed))
+    d = cfg.hidden_size
+    kernel = gate_scale / np.sqrt(d) * jax.random.normal(jax.random.PRNGKey(seed + 1), (d, 1))
+    params["exit_gate"] = {"kernel": kernel, "bias": jnp.array([gate_bias], jnp.float32)}
+    return params
+
+
+def bench_looped(size: str, *, batches, prompt_len: int, new_tokens: int, repeats: int,
+                 min_time: float, exit_rule: str, gate_bias: float, gate_scale: float,
+                 bandwidth_gbps: float, seed: int) -> dict:
+    """Dense against deferred compute mode on a looped model whose exits come early."""
+    cfg = LOOPED_SIZES[size]
+    r = cfg.loop_steps
+    params = looped_params(cfg, seed, gate_bias, gate_scale)
+    # Sampled (T=1, fixed key) rather than greedy: a random model's greedy output
+    # repeats one token, and so would its exit step.
+    sampling = SamplingConfig(temperature=1.0)
+    out = {
+        "model": f"{DENSE_PRESETS[size]} shapes as a looped (ouro) model, R={r}",
+        "params": cfg.param_count(), "policy": POLICY, "exit_rule": exit_rule,
+        "gate": f"random kernel, gate logits ~ N({gate_bias}, {gate_scale}^2): under {exit_rule} "
+                f"tokens exit early (mean_exit_depth, of {r}) and at different steps",
+        "sampling": "temperature 1.0, fixed key", "prompt_len": prompt_len,
+        "new_tokens": new_tokens,
+    }
+    for batch in batches:
+        prompts = np.random.RandomState(seed).randint(1, cfg.vocab_size, (batch, prompt_len))
+        res, ros = {}, {}
+        for mode in ("dense", "deferred"):
+            call = _ours_call(params, cfg, prompts.tolist(), sampling=sampling, policy=POLICY,
+                              max_new_tokens=new_tokens, eos_id=None,
+                              loop=LoopSpec(exit_rule, mode), key=jax.random.PRNGKey(seed))
+            first, _ = _first_call(call)
+            times, ros[mode] = _timed(call, repeats, min_time)
+            res[mode] = (first - min(times), min(times))
+        tokens = batch * new_tokens
+        ro = ros["deferred"]
+        decoded = np.asarray(ro.exit_steps)[:, 1:]  # token 0 comes from the full-depth prefill
+        depth = float(decoded.mean()) + 1 if decoded.size else float(r)
+        steps_per_decode = int(ro.loop_evals) / (new_tokens - 1) if new_tokens > 1 else r
+        dense_bytes = weight_bytes(cfg, params)
+        deferred_bytes = weight_bytes(cfg, params, loop_steps=steps_per_decode)
+        b = {
+            "batch": batch,
+            "dense_compile_s": round(res["dense"][0], 3),
+            "deferred_compile_s": round(res["deferred"][0], 3),
+            "dense_tokens_per_s": round(tokens / res["dense"][1], 1),
+            "deferred_tokens_per_s": round(tokens / res["deferred"][1], 1),
+            "deferred_speedup": round(res["dense"][1] / res["deferred"][1], 3),
+            "mean_exit_depth": round(depth, 3),
+            "ideal_speedup": round(r / depth, 3),
+            # Loop steps run per decode step: the batch runs until its deepest token exits.
+            "loop_steps_per_decode_step": round(steps_per_decode, 3),
+            "batch_ideal_speedup": round(r / steps_per_decode, 3),
+            "dense_loop_evals": int(ros["dense"].loop_evals),
+            "deferred_loop_evals": int(ro.loop_evals),
+            "dense_bound_tokens_per_s": round(_bound(batch, dense_bytes, bandwidth_gbps), 1),
+            "deferred_bound_tokens_per_s": round(_bound(batch, deferred_bytes, bandwidth_gbps),
+                                                 1),
+        }
+        b["speedup_fraction_of_ideal"] = round(b["deferred_speedup"] / b["ideal_speedup"], 3)
+        out[f"batch_{batch}"] = b
+    return out
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options of `jaxrl-lp bench sampler`."""
+    parser.add_argument("--sizes", default="tiny,small",
+                        help="dense sizes to race against HF: tiny (tiny-qwen3), small "
+                             "(small-qwen3: 8 layers, hidden 512, vocab 32000)")
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--prompt-len", type=int, default=16)
+    parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument("--repeats", type=int, default=2,
+                        help="timed runs after warm-up (at least; see --min-time); the fastest "
+                             "is reported")
+    parser.add_argument("--min-time", type=float, default=2.0,
+                        help="keep repeating a timed run until this many seconds (max 50 runs)")
+    parser.add_argument("--no-hf", action="store_true", help="skip the transformers reference")
+    parser.add_argument("--hf-threads", default="best",
+                        help="torch threads for the reference: a number, or 'best' of 1 and all "
+                             "cores (default)")
+    parser.add_argument("--looped-sizes", default="tiny,small",
+                        help="looped models (dense preset shapes, R=4) for the deferred race; "
+                             "'' to skip")
+    parser.add_argument("--looped-batches", default="1,8")
+    parser.add_argument("--exit-rule", default="threshold:0.5")
+    parser.add_argument("--gate-bias", type=float, default=-0.6)
+    parser.add_argument("--gate-scale", type=float, default=0.5)
+    parser.add_argument("--bandwidth-gbps", type=float, default=SPEC_BANDWIDTH_GBPS,
+                        help="memory bandwidth for the bound (SPEC section 11: 15 GB/s)")
+    parser.add_argument("--seed", type=int, default=0)
+
+
+def _csv(text: str, allowed=None) -> list[str]:
+    items = [s.strip() for s in text.split(",") if s.strip()]
+    if allowed is not None and (bad := [s for s in items if s not in allowed]):
+        raise ValueError(f"unknown size(s) {bad}; allowed: {sorted(allowed)}")
+    return items
+
+
+def run(args: argparse.Namespace) -> dict:
+    """Runs the benchmark; returns one JSON-serializable dict."""
+    for name in ("batch", "prompt_len", "new_tokens", "repeats"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
+    sizes = _csv(args.sizes, DENSE_PRESETS)
+    looped_sizes = _csv(args.looped_sizes, LOOPED_SIZES)
+    batches = [int(b) for b in _csv(args.looped_batches)]
+    info = {
+        "target": "sampler",
+        "platform": f"{platform.machine()} {jax.default_backend()}, {os.cpu_count()} cores",
+        "jax": jax.__version__, "loadavg_start": round(os.getloadavg()[0], 2),
+        "policy": POLICY,
+        "note": "policy fp32: XLA's bf16 matmuls on CPU are much slower than f32 (SPEC 11); "
+                "bounds are batch * bandwidth / weight bytes read per decode step",
+        "bandwidth_gbps": args.bandwidth_gbps,
+    }
+    if not args.no_hf:
+        import torch
+        import transformers
+
+        info.update(torch=torch.__version__, transformers=transformers.__version__)
+    dense = {s: bench_dense(s, batch=args.batch, prompt_len=args.prompt_len,
+                            new_tokens=args.new_tokens, repeats=args.repeats,
+                            min_time=args.min_time, hf=not args.no_hf,
+                            hf_threads=args.hf_threads, bandwidth_gbps=args.bandwidth_gbps,
+                            seed=args.seed) for s in sizes}
+    looped = {s: bench_looped(s, batches=batches, prompt_len=args.prompt_len,
+                              new_tokens=args.new_tokens, repeats=args.repeats,
+                              min_time=args.min_time, exit_rule=args.exit_rule, gate_bias=args.gate_bias,
+                              gate_scale=args.gate_scale, bandwidth_gbps=args.bandwidth_gbps,
+                              seed=args.seed) for s in looped_sizes}
+    summary = {}
+    for key in ("ours_tokens_per_s", "hf_tokens_per_s", "ratio_vs_hf", "compile_s",
+                "bound_tokens_per_s"):
+        vals = {s: d[key] for s, d in dense.items() if key in d}
+        if vals:
+            summary[key] = vals
+    for key in ("dense_tokens_per_s", "deferred_tokens_per_s", "deferred_speedup",
+                "mean_exit_depth", "ideal_speedup"):
+        vals = {f"{s}_batch_{b}": looped[s][f"batch_{b}"][key] for s in looped for b in batches}
+        if vals:
+            summary[key] = vals
+    checks = {}
+    if "ratio_vs_hf" in summary:
+        for s, want in (("tiny", 3.0), ("small", 1.5)):
+            if s in summary["ratio_vs_hf"]:
+                checks[f"ratio_vs_hf_{s}>={want}"] = summary["ratio_vs_hf"][s] >= want
+    for s in looped:
+        if "batch_1" in looped[s]:
+            b1 = looped[s]["batch_1"]
+            checks[f"deferred_speedup_{s}_batch_1>=0.7*ideal"] = (
+                b1["deferred_speedup"] >= 0.7 * b1["ideal_speedup"])
+    info["loadavg_end"] = round(os.getloadavg()[0], 2)
+    return {**info, **summary, "targets_met": checks, "dense": dense, "looped": looped}
