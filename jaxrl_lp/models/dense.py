@@ -8,7 +8,7 @@ import jax.numpy as jnp
 from jaxrl_lp.models.blocks import attend, embed, lm_logits, mlp, project_qkv, residual_add
 from jaxrl_lp.models.cache import write_positions
 from jaxrl_lp.models.config import ModelConfig
-from jaxrl_lp.models.layers import rms_norm
+from jaxrl_lp.models.layers import attention, dot, rms_norm
 from jaxrl_lp.numerics.policy import Policy
 
 __all__ = ["dense_forward", "default_positions"]
@@ -59,24 +59,34 @@ def dense_forward(
     if cache is not None:
         cache = write_positions(cache, positions_BxT, cache_index)
     pos_slots = None if cache is None else cache["pos"]
+    zero = jnp.zeros((), jnp.int32)
 
-    def layer(h, xs):
-        lp, ck, cv = xs
+    def layer(carry, lp):
+        h, ck, cv, l = carry
         x = rms_norm(h, lp["attn_norm"], cfg.rms_eps, policy)
         q, k, v = project_qkv(lp, x, positions_BxT, cfg, policy)
-        cache_l = None if ck is None else {"k": ck, "v": cv, "pos": pos_slots}
-        a, new_c = attend(lp, q, k, v, positions_BxT, cache_l, cache_index, policy)
+        if ck is None:
+            a, _ = attend(lp, q, k, v, positions_BxT, None, cache_index, policy)
+        else:
+            # The whole [L, B, S, K, Dh] cache rides in the carry: this layer's chunk is
+            # written in place and only this layer's slots are read, so no step
+            # slices, restacks or copies the cache.
+            at = (l, zero, cache_index, zero, zero)
+            ck = jax.lax.dynamic_update_slice(ck, k[None].astype(ck.dtype), at)
+            cv = jax.lax.dynamic_update_slice(cv, v[None].astype(cv.dtype), at)
+            o = attention(q, ck[l], cv[l], positions_BxT, pos_slots, policy)
+            a = policy.round(dot(o, lp["o_proj"], policy))  # as in `attend`
         h = residual_add(h, a, policy)
         h = residual_add(h, mlp(lp, rms_norm(h, lp["mlp_norm"], cfg.rms_eps, policy), policy),
                          policy)
-        return h, (None if new_c is None else (new_c["k"], new_c["v"]))
+        return (h, ck, cv, l + 1), None
 
     if remat:
         layer = jax.checkpoint(layer)
     ck = None if cache is None else cache["k"]
     cv = None if cache is None else cache["v"]
-    h, kv = jax.lax.scan(layer, h, (params["layers"], ck, cv))
+    (h, ck, cv, _), _ = jax.lax.scan(layer, (h, ck, cv, zero), params["layers"])
     if cache is not None:
-        cache = {**cache, "k": kv[0], "v": kv[1]}
+        cache = {**cache, "k": ck, "v": cv}
     h = rms_norm(h, params["final_norm"], cfg.rms_eps, policy)
     return lm_logits(params, h, cfg, policy), cache
