@@ -112,7 +112,7 @@ def make_grpo_step(cfg: ModelConfig, policy: Policy, loop: LoopSpec, loss_cfg: L
                                          num_tokens, served)
         zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), (loss0, m0, g0))
         (loss, metrics, grads), _ = jax.lax.scan(accumulate, zeros, xs)
-        grad_norm = optax.global_norm(grads)
+        grad_norm = optax.tree.norm(grads)
         params, opt_state, ok = _apply_if_finite(optimizer, grads, opt_state, params, loss)
         metrics = dict(metrics, **cmetrics, loss=loss, grad_norm=grad_norm,
                        skipped=1.0 - ok.astype(jnp.float32))
@@ -139,7 +139,7 @@ def make_sft_step(cfg: ModelConfig, policy: Policy, optimizer: optax.GradientTra
 
     def step(params, opt_state, tokens, mask):
         loss, grads = jax.value_and_grad(loss_fn)(params, tokens, mask)
-        grad_norm = optax.global_norm(grads)
+        grad_norm = optax.tree.norm(grads)
         params, opt_state, ok = _apply_if_finite(optimizer, grads, opt_state, params, loss)
         return params, opt_state, {"loss": loss, "grad_norm": grad_norm,
                                    "skipped": 1.0 - ok.astype(jnp.float32)}
