@@ -139,7 +139,10 @@ def _quantize_mean_abs(x, spec: FormatSpec, reduce_axes):
     mean_abs = jnp.mean(jnp.abs(x), axis=reduce_axes, keepdims=True, dtype=jnp.float32)
     if spec.name == "ternary":
         gamma = jnp.maximum(mean_abs, TERNARY_EPS)
-        codes = jnp.clip(jnp.floor(x / gamma + 0.5), -1.0, 1.0).astype(jnp.int8)
+        # Round half up by comparisons: `floor(y + 0.5)` rounds the add (y = 0.5 - 2^-25 gives
+        # 1), and XLA may fuse it into an FMA under jit, so eager and jit codes differed.
+        y = x / gamma
+        codes = (jnp.where(y >= 0.5, 1, 0) - jnp.where(y < -0.5, 1, 0)).astype(jnp.int8)
         return codes, gamma, None
     codes = jnp.where(x >= 0, 1, -1).astype(jnp.int8)  # sign(0) := +1
     return codes, mean_abs, None

@@ -1,0 +1,1 @@
+"""Numerics studies built into the library (SPEC section 7): Fair Cast and ternary export."""
