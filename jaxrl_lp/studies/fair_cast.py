@@ -113,13 +113,15 @@ def arm_figures(series: dict[str, list]) -> dict:
 
 
 def _finished_run_with(run_dir: Path, cfg) -> bool:
-    """Whether `run_dir` holds a finished run of `cfg` (ignoring `run.progress`)."""
+    """Whether `run_dir` holds a finished run of `cfg` (ignoring where it was run and
+    `run.progress`: a study's `sft/` copied into another study directory is reused)."""
     if not (run_dir / "summary.json").is_file() or not (run_dir / "config.json").is_file():
         return False
     want = json.loads(json.dumps(dataclasses.asdict(cfg)))
     have = json.loads((run_dir / "config.json").read_text())
     for c in (want, have):
-        c.get("run", {}).pop("progress", None)
+        for k in ("progress", "out_dir"):
+            c.get("run", {}).pop(k, None)
     return want == have
 
 
