@@ -92,6 +92,11 @@ class SyncHooks:
         self.exporter = make_exporter(cfg.exporter, cfg.seed)
         if self.exporter is not None:
             self._apply = jax.jit(self.exporter.apply)
+            # One compiled program for the per-step diagnostics (op by op they cost
+            # hundreds of small compiles on the first GRPO step).
+            self._measure = jax.jit(lambda stale, prog, served, params: (
+                staleness_update(stale, served), progress_update(prog, served, params),
+                ulp_distance(params, served)))
 
     @property
     def active(self) -> bool:
@@ -129,9 +134,8 @@ class SyncHooks:
         """Retention, staleness, ulp distance, served progress and lag, served-vs-master KL."""
         if not self.active:
             return state, {}
-        stale, m = staleness_update(state["staleness"], served)
-        prog, progress = progress_update(state["progress"], served, params)
-        ulps = ulp_distance(params, served)
+        (stale, m), (prog, progress), ulps = self._measure(
+            state["staleness"], state["progress"], served, params)
         kl = kl_from_logprobs(ro.logprobs, master_logp, ro.completion_mask)
         metrics = {
             "update_retention": m["retention"], "staleness_mean": m["staleness_mean"],
