@@ -233,15 +233,16 @@ def test_deferred_kv_of_exited_token_at_deeper_steps_is_its_exit_step_kv():
     assert int(evals) == exits.max() + 1 < int(evals_dense) == R
     slot = prompt.shape[1]
     for name in ("k", "v"):
-        kv_d, kv_f = np.asarray(deferred[name]), np.asarray(dense[name])  # [R, L, B, S, K, Dh]
-        np.testing.assert_array_equal(kv_d[..., :slot, :, :], kv_f[..., :slot, :, :])  # prompt
+        kv_d, kv_f = np.asarray(deferred[name]), np.asarray(dense[name])  # [R, L, B, K, S, Dh]
+        np.testing.assert_array_equal(kv_d[..., :slot, :], kv_f[..., :slot, :])  # prompt
         for b, e in enumerate(exits):
-            own = kv_d[:, :, b, slot]
-            np.testing.assert_allclose(own[: e + 1], kv_f[: e + 1, :, b, slot], rtol=0, atol=1e-6)
+            own = kv_d[:, :, b, :, slot]
+            np.testing.assert_allclose(own[: e + 1], kv_f[: e + 1, :, b, :, slot], rtol=0,
+                                       atol=1e-6)
             for d in range(e + 1, R):
                 np.testing.assert_array_equal(own[d], own[e])  # exactly the exit-step K/V
             if e + 1 < R:
-                assert not np.allclose(kv_f[e + 1, :, b, slot], own[e])  # dense differs there
+                assert not np.allclose(kv_f[e + 1, :, b, :, slot], own[e])  # dense differs there
 
 
 # ---------------------------------------------------------------- ragged prompts and G samples
@@ -346,8 +347,10 @@ def test_bad_input_gives_clear_errors():
         with pytest.raises(ValueError, match=r"top_p must be in \(0, 1\]"):
             SamplingConfig(top_p=top_p)
     for t in (0.0, -1.0):
-        with pytest.raises(ValueError, match="temperature must be > 0"):
+        with pytest.raises(ValueError, match="temperature must be > 0.*use greedy=True"):
             SamplingConfig(temperature=t)
+        with pytest.raises(ValueError, match="temperature must be > 0.*records log-probs at it"):
+            SamplingConfig(greedy=True, temperature=t)
     with pytest.raises(ValueError, match="top_k must be >= 0"):
         SamplingConfig(top_k=-1)
     for n in (0, -3):

@@ -12,7 +12,45 @@ from jaxrl_lp.models.config import ModelConfig
 from jaxrl_lp.models.layers import attention, dot, rms_norm, rope, swiglu
 from jaxrl_lp.numerics.policy import Policy
 
-__all__ = ["attend", "embed", "lm_logits", "mlp", "project_qkv", "residual_add"]
+__all__ = [
+    "attend", "embed", "kv_heads_first", "lm_logits", "mlp", "over_layers", "project_qkv",
+    "residual_add", "unstack_layers",
+]
+
+
+def unstack_layers(params: dict) -> dict:
+    """`params` with `layers` as a tuple of per-layer dicts (for decoding).
+
+    The forward functions accept either form and compute the same thing. A
+    scan over stacked weights slices one layer per iteration, which XLA on CPU
+    materializes as a copy of every weight on every decode step; unstacked
+    weights, sliced once before the decode loop, are read in place. Layer
+    loops then unroll, so compile time grows with depth.
+    """
+    layers = params["layers"]
+    if isinstance(layers, tuple):
+        return params
+    n = jax.tree_util.tree_leaves(layers)[0].shape[0]
+    return {**params, "layers": tuple(jax.tree.map(lambda x, i=i: x[i], layers) for i in range(n))}
+
+
+def over_layers(layer_fn, carry, layers, xs=()):
+    """Runs `layer_fn` over the layers: a `lax.scan` when stacked, a Python loop when unstacked.
+
+    `layer_fn(carry, (lp, l, *xs_l))` gets one layer's weights `lp`, its index
+    `l` (an int32 scalar when scanned, a Python int when unstacked) and its
+    slice of each array in `xs` (leading layer axis). `layers` is the stacked
+    per-layer dict or `unstack_layers`' tuple. Returns (carry, the per-layer
+    outputs stacked).
+    """
+    if not isinstance(layers, tuple):
+        n = jax.tree_util.tree_leaves(layers)[0].shape[0]
+        return jax.lax.scan(layer_fn, carry, (layers, jnp.arange(n, dtype=jnp.int32), *xs))
+    ys = []
+    for i, lp in enumerate(layers):
+        carry, y = layer_fn(carry, (lp, i, *(jax.tree.map(lambda a, i=i: a[i], x) for x in xs)))
+        ys.append(y)
+    return carry, jax.tree.map(lambda *a: jnp.stack(a), *ys)
 
 
 def embed(params: dict, tokens_BxT: jax.Array, policy: Policy) -> jax.Array:
@@ -54,25 +92,60 @@ def project_qkv(lp: dict, x_BxTxD: jax.Array, positions_BxT: jax.Array,
     return q, k, v
 
 
-def attend(lp: dict, q, k, v, positions_BxT, cache_l, cache_index, policy: Policy):
+def attend(lp: dict, q, k, v, positions_BxT, policy: Policy, cache_kv=None, layer=0, lead=(),
+           cache_index=0, pos_slots_BxS=None):
     """Attention output projected by o_proj (f32 accumulator rounded), and the updated cache.
 
-    Without a cache the keys are this chunk's own tokens. With `cache_l` (a dict
-    of `k`, `v` [B,S,K,Dh] and `pos` [B,S]) the chunk is written at slots
-    `[cache_index, cache_index + T)` and the queries read every visible slot.
+    Without `cache_kv` the keys are this chunk's own tokens. With `cache_kv`, the
+    cache's (`k`, `v`) pair (`models.cache`: whole arrays `[*lead, L, B, K, S,
+    Dh]`, or per-layer tuples of `[*lead, B, K, S, Dh]`), the chunk is written
+    in place at slots `cache_index + [0, T)` of `(*lead, layer)` and the queries
+    read every visible slot there (slot positions `pos_slots_BxS`). The whole
+    cache rides through the layer (and loop) loops, so no step slices,
+    restacks or copies it; with per-layer buffers `layer` must be a Python int.
+
+    Returns (output [B, T, D], the updated `cache_kv` or None).
     """
-    if cache_l is None:
-        keys, values, k_pos = k, v, positions_BxT
-        new_cache = None
-    else:
-        zero = jnp.zeros((), jnp.int32)
-        idx = (zero, cache_index, zero, zero)
-        keys = jax.lax.dynamic_update_slice(cache_l["k"], k.astype(cache_l["k"].dtype), idx)
-        values = jax.lax.dynamic_update_slice(cache_l["v"], v.astype(cache_l["v"].dtype), idx)
-        k_pos = cache_l["pos"]
-        new_cache = {"k": keys, "v": values}
-    o = attention(q, keys, values, positions_BxT, k_pos, policy)
-    return policy.round(dot(o, lp["o_proj"], policy)), new_cache
+    k_heads, v_heads = kv_heads_first(k), kv_heads_first(v)
+    if cache_kv is None:
+        o = attention(q, k_heads, v_heads, positions_BxT, positions_BxT, policy)
+        return policy.round(dot(o, lp["o_proj"], policy)), None
+    ck, cv = cache_kv
+    per_layer = isinstance(ck, tuple)
+    at = lead if per_layer else (*lead, layer)
+    buf_k, buf_v = (ck[layer], cv[layer]) if per_layer else (ck, cv)
+    buf_k = _write(buf_k, k_heads, at, cache_index)
+    buf_v = _write(buf_v, v_heads, at, cache_index)
+    o = attention(q, _read(buf_k, at), _read(buf_v, at), positions_BxT, pos_slots_BxS, policy)
+    if per_layer:
+        buf_k = (*ck[:layer], buf_k, *ck[layer + 1:])
+        buf_v = (*cv[:layer], buf_v, *cv[layer + 1:])
+    return policy.round(dot(o, lp["o_proj"], policy)), (buf_k, buf_v)
+
+
+def _write(buf, chunk_BxKxTxDh, at, cache_index):
+    """`buf[(*at, :, :, cache_index + [0, T), :)] = chunk`, in place."""
+    zero = jnp.zeros((), jnp.int32)
+    start = (*(jnp.asarray(i, jnp.int32) for i in at), zero, zero,
+             jnp.asarray(cache_index, jnp.int32), zero)
+    return jax.lax.dynamic_update_slice(
+        buf, chunk_BxKxTxDh.reshape((1,) * len(at) + chunk_BxKxTxDh.shape).astype(buf.dtype),
+        start)
+
+
+def _read(buf, at):
+    """`buf[at]`: one layer's `[B, K, S, Dh]` slots (no slicing when `at` is empty)."""
+    if not at:
+        return buf
+    zero = jnp.zeros((), jnp.int32)
+    start = (*(jnp.asarray(i, jnp.int32) for i in at), zero, zero, zero, zero)
+    inner = buf.shape[len(at):]
+    return jax.lax.dynamic_slice(buf, start, (1,) * len(at) + inner).reshape(inner)
+
+
+def kv_heads_first(x_BxTxKxDh: jax.Array) -> jax.Array:
+    """[B, T, K, Dh] -> [B, K, T, Dh], the cache's layout (each head's slots contiguous)."""
+    return jnp.swapaxes(x_BxTxKxDh, 1, 2)
 
 
 def mlp(lp: dict, x_BxTxD: jax.Array, policy: Policy) -> jax.Array:

@@ -1,12 +1,19 @@
 """The preallocated KV cache: one slot per (layer) for dense models, per (loop step, layer) for looped.
 
 A cache is a plain dict pytree:
-  `k`, `v`: `[R, L, B, S, K, Dh]` for looped models (R loop steps), `[L, B, S, K, Dh]`
-    for dense ones, stored in the policy's carrier dtype (exact: the values are
-    already rounded to compute precision).
+  `k`, `v`: `[R, L, B, K, S, Dh]` for looped models (R loop steps), `[L, B, K, S, Dh]`
+    for dense ones (K key/value heads, S slots: heads first, so each head's slots
+    are contiguous and attention reads them without a transpose), stored in the
+    policy's carrier dtype (exact: the values are already rounded to compute
+    precision).
   `pos`: `[B, S]` int32, the position held in each slot, -1 where the slot is
     empty or holds padding (never attended to).
 Writing a chunk of T tokens at slot `index` fills `[index, index + T)`.
+
+For decoding with unstacked layers (`unstack_layers`), `unstack_cache` splits
+`k` and `v` into tuples of per-layer buffers (`[R, B, K, S, Dh]` or
+`[B, K, S, Dh]`), each written and read in place: a slice of one layer out of
+a stacked cache is a copy on every decode step on CPU.
 """
 
 from __future__ import annotations
@@ -17,7 +24,7 @@ import jax.numpy as jnp
 from jaxrl_lp.models.config import ModelConfig
 from jaxrl_lp.numerics.policy import Policy
 
-__all__ = ["init_cache", "write_positions"]
+__all__ = ["init_cache", "unstack_cache", "write_positions"]
 
 
 def init_cache(cfg: ModelConfig, policy: Policy, batch: int, max_len: int) -> dict:
@@ -29,7 +36,7 @@ def init_cache(cfg: ModelConfig, policy: Policy, batch: int, max_len: int) -> di
             "the number of new tokens"
         )
     lead = (cfg.loop_steps, cfg.num_layers) if cfg.is_looped else (cfg.num_layers,)
-    shape = (*lead, batch, max_len, cfg.num_kv_heads, cfg.head_dim)
+    shape = (*lead, batch, cfg.num_kv_heads, max_len, cfg.head_dim)
     return {
         "k": jnp.zeros(shape, policy.carrier_dtype),
         "v": jnp.zeros(shape, policy.carrier_dtype),
@@ -43,3 +50,12 @@ def write_positions(cache: dict, positions_BxT: jax.Array, index: jax.Array) -> 
         cache["pos"], positions_BxT.astype(jnp.int32), (jnp.zeros((), jnp.int32), index)
     )
     return {**cache, "pos": pos}
+
+
+def unstack_cache(cache: dict, cfg: ModelConfig) -> dict:
+    """`cache` with `k` and `v` as tuples of per-layer buffers (use with `unstack_layers`)."""
+    if isinstance(cache["k"], tuple):
+        return cache
+    axis = 1 if cfg.is_looped else 0
+    split = lambda x: tuple(jnp.moveaxis(x, axis, 0))
+    return {**cache, "k": split(cache["k"]), "v": split(cache["v"])}

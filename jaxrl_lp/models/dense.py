@@ -5,10 +5,18 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jaxrl_lp.models.blocks import attend, embed, lm_logits, mlp, project_qkv, residual_add
+from jaxrl_lp.models.blocks import (
+    attend,
+    embed,
+    lm_logits,
+    mlp,
+    over_layers,
+    project_qkv,
+    residual_add,
+)
 from jaxrl_lp.models.cache import write_positions
 from jaxrl_lp.models.config import ModelConfig
-from jaxrl_lp.models.layers import attention, dot, rms_norm
+from jaxrl_lp.models.layers import rms_norm
 from jaxrl_lp.numerics.policy import Policy
 
 __all__ = ["dense_forward", "default_positions"]
@@ -35,11 +43,12 @@ def dense_forward(
 
     The same function serves the full forward (no cache), prefill and one-token
     decode (with a cache), so the sampler and the learner's replay run one
-    computation. Layers are scanned (`lax.scan`), so compile time does not grow
-    with depth.
+    computation. Stacked layers are scanned (`lax.scan`), so compile time does
+    not grow with depth; unstacked ones (`unstack_layers`, what the sampler
+    decodes with) run as straight-line code, reading each weight in place.
 
     Args:
-      params: the parameter pytree (docs/design.md).
+      params: the parameter pytree (docs/design.md), layers stacked or unstacked.
       cfg: the architecture.
       policy: the numerics.
       tokens_BxT: int token ids.
@@ -59,33 +68,25 @@ def dense_forward(
     if cache is not None:
         cache = write_positions(cache, positions_BxT, cache_index)
     pos_slots = None if cache is None else cache["pos"]
-    zero = jnp.zeros((), jnp.int32)
 
-    def layer(carry, lp):
-        h, ck, cv, l = carry
+    def layer(carry, xs):
+        h, ck, cv = carry
+        lp, l = xs
         x = rms_norm(h, lp["attn_norm"], cfg.rms_eps, policy)
         q, k, v = project_qkv(lp, x, positions_BxT, cfg, policy)
-        if ck is None:
-            a, _ = attend(lp, q, k, v, positions_BxT, None, cache_index, policy)
-        else:
-            # The whole [L, B, S, K, Dh] cache rides in the carry: this layer's chunk is
-            # written in place and only this layer's slots are read, so no step
-            # slices, restacks or copies the cache.
-            at = (l, zero, cache_index, zero, zero)
-            ck = jax.lax.dynamic_update_slice(ck, k[None].astype(ck.dtype), at)
-            cv = jax.lax.dynamic_update_slice(cv, v[None].astype(cv.dtype), at)
-            o = attention(q, ck[l], cv[l], positions_BxT, pos_slots, policy)
-            a = policy.round(dot(o, lp["o_proj"], policy))  # as in `attend`
+        a, kv = attend(lp, q, k, v, positions_BxT, policy, None if ck is None else (ck, cv), l,
+                       (), cache_index, pos_slots)
+        ck, cv = (None, None) if kv is None else kv
         h = residual_add(h, a, policy)
         h = residual_add(h, mlp(lp, rms_norm(h, lp["mlp_norm"], cfg.rms_eps, policy), policy),
                          policy)
-        return (h, ck, cv, l + 1), None
+        return (h, ck, cv), None
 
     if remat:
         layer = jax.checkpoint(layer)
     ck = None if cache is None else cache["k"]
     cv = None if cache is None else cache["v"]
-    (h, ck, cv, _), _ = jax.lax.scan(layer, (h, ck, cv, zero), params["layers"])
+    (h, ck, cv), _ = over_layers(layer, (h, ck, cv), params["layers"])
     if cache is not None:
         cache = {**cache, "k": ck, "v": cv}
     h = rms_norm(h, params["final_norm"], cfg.rms_eps, policy)

@@ -82,24 +82,26 @@ def rope(x_BxTxHxDh: jax.Array, positions_BxT: jax.Array, theta: float, policy: 
 
 def attention(
     q_BxTxHxDh: jax.Array,
-    k_BxSxKxDh: jax.Array,
-    v_BxSxKxDh: jax.Array,
+    k_BxKxSxDh: jax.Array,
+    v_BxKxSxDh: jax.Array,
     q_pos_BxT: jax.Array,
     k_pos_BxS: jax.Array,
     policy: Policy,
 ) -> jax.Array:
     """Causal grouped-query attention by positions; returns [B, T, H*Dh] in compute precision.
 
-    A key slot is visible to a query when its position is >= 0 (written, not
-    padding) and <= the query's position. With the `softmax` region the scores
-    stay f32 accumulators through the softmax; without it the scores are
-    rounded and the softmax runs in compute precision.
+    Keys and values are heads-first, `[B, K, S, Dh]`, the KV cache's layout
+    (`models.cache`). A key slot is visible to a query when its position is
+    >= 0 (written, not padding) and <= the query's position. With the
+    `softmax` region the scores stay f32 accumulators through the softmax;
+    without it the scores are rounded and the softmax runs in compute
+    precision.
     """
     b, t, h, dh = q_BxTxHxDh.shape
-    kh = k_BxSxKxDh.shape[2]
+    kh = k_BxKxSxDh.shape[1]
     q = q_BxTxHxDh.reshape(b, t, kh, h // kh, dh)
     s = jnp.einsum(
-        "btkgd,bskd->bkgts", q, k_BxSxKxDh.astype(q.dtype),
+        "btkgd,bksd->bkgts", q, k_BxKxSxDh.astype(q.dtype),
         preferred_element_type=jnp.float32, precision=jax.lax.Precision.HIGHEST,
     )
     scale = dh**-0.5
@@ -114,10 +116,12 @@ def attention(
         e = policy.round(jnp.exp(s - jnp.max(s, axis=-1, keepdims=True)))
         p = policy.round(e / policy.round(jnp.sum(e, axis=-1, keepdims=True)))
     o = jnp.einsum(
-        "bkgts,bskd->btkgd", p, v_BxSxKxDh.astype(p.dtype),
+        "bkgts,bksd->bkgtd", p, v_BxKxSxDh.astype(p.dtype),
         preferred_element_type=jnp.float32, precision=jax.lax.Precision.HIGHEST,
     )
-    return policy.round(o).reshape(b, t, h * dh)
+    # Heads to the back after the matmul (free when T == 1): asking the dot for
+    # a [B, T, K, G, Dh] result makes XLA on CPU fall back to a slow kernel.
+    return policy.round(jnp.moveaxis(o, 3, 1)).reshape(b, t, h * dh)
 
 
 def swiglu(gate_acc: jax.Array, up_acc: jax.Array, policy: Policy) -> jax.Array:

@@ -32,11 +32,19 @@ from typing import Literal, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from jaxrl_lp.models.blocks import attend, embed, lm_logits, mlp, project_qkv, residual_add
+from jaxrl_lp.models.blocks import (
+    attend,
+    embed,
+    lm_logits,
+    mlp,
+    over_layers,
+    project_qkv,
+    residual_add,
+)
 from jaxrl_lp.models.cache import write_positions
 from jaxrl_lp.models.config import ModelConfig
 from jaxrl_lp.models.dense import default_positions
-from jaxrl_lp.models.layers import attention, dot, rms_norm
+from jaxrl_lp.models.layers import dot, rms_norm
 from jaxrl_lp.numerics.policy import Policy
 
 __all__ = ["ExitRule", "LoopedOutput", "exit_distribution", "looped_forward"]
@@ -209,42 +217,30 @@ def looped_forward(
     def loop_step(r, carry):
         h, kl, vl, exited, exit_step, h_exit, remaining, cum, cache = carry
         frozen = exited & freeze
-        zero = jnp.zeros((), jnp.int32)
 
         def layer(layer_carry, xs):
-            h_l, ck, cv, l = layer_carry
-            lp, kl_l, vl_l = xs
+            h_l, ck, cv = layer_carry
+            lp, l, kl_l, vl_l = xs
             x = rms_norm(h_l, lp["attn_norm_in"], cfg.rms_eps, policy)
             q, k, v = project_qkv(lp, x, positions_BxT, cfg, policy)
             # Deferred: an exited token presents its exit-step K/V at deeper steps.
             k = jnp.where(frozen[..., None, None], kl_l.astype(k.dtype), k)
             v = jnp.where(frozen[..., None, None], vl_l.astype(v.dtype), v)
-            if ck is None:
-                a, _ = attend(lp, q, k, v, positions_BxT, None, cache_index, policy)
-            else:
-                # `attend` with a cache, on the whole [R, L, B, S, K, Dh] cache carried
-                # through both loops: the chunk is written in place at (r, l) and only
-                # that layer's slots are read, so no loop copies or restacks the cache.
-                at = (r, l, zero, cache_index, zero, zero)
-                ck = jax.lax.dynamic_update_slice(ck, k[None, None].astype(ck.dtype), at)
-                cv = jax.lax.dynamic_update_slice(cv, v[None, None].astype(cv.dtype), at)
-                keys = jax.lax.dynamic_slice(ck, (r, l, zero, zero, zero, zero),
-                                             (1, 1, *ck.shape[2:]))[0, 0]
-                values = jax.lax.dynamic_slice(cv, (r, l, zero, zero, zero, zero),
-                                               (1, 1, *cv.shape[2:]))[0, 0]
-                o = attention(q, keys, values, positions_BxT, cache["pos"], policy)
-                a = policy.round(dot(o, lp["o_proj"], policy))
+            a, kv = attend(lp, q, k, v, positions_BxT, policy,
+                           None if ck is None else (ck, cv), l, (r,), cache_index,
+                           None if cache is None else cache["pos"])
+            ck, cv = (None, None) if kv is None else kv
             h_l = residual_add(h_l, rms_norm(a, lp["attn_norm_out"], cfg.rms_eps, policy), policy)
             m = mlp(lp, rms_norm(h_l, lp["mlp_norm_in"], cfg.rms_eps, policy), policy)
             h_l = residual_add(h_l, rms_norm(m, lp["mlp_norm_out"], cfg.rms_eps, policy), policy)
-            return (h_l, ck, cv, l + 1), (k, v)
+            return (h_l, ck, cv), (k, v)
 
         if remat:
             layer = jax.checkpoint(layer)
         ck = None if cache is None else cache["k"]
         cv = None if cache is None else cache["v"]
-        (h_out, ck, cv, _), (k_all, v_all) = jax.lax.scan(
-            layer, (h, ck, cv, zero), (params["layers"], kl, vl))
+        (h_out, ck, cv), (k_all, v_all) = over_layers(layer, (h, ck, cv), params["layers"],
+                                                      (kl, vl))
         hn = rms_norm(h_out, params["final_norm"], cfg.rms_eps, policy)
         lam = _gate(params, hn, policy)
         p, remaining, cum, now = decide(r, lam, remaining, cum)
@@ -307,15 +303,24 @@ def looped_forward(
 
 
 def _fill_deferred(cache, kl, vl, n_steps, cache_index):
-    """Fills the chunk's slots at steps >= n_steps (never computed) from the last K/V."""
-    R = cache["k"].shape[0]
+    """Fills the chunk's slots at steps >= n_steps (never computed) from the last K/V.
 
-    def fill(buf, last_LxBxTxKxDh):
-        t = last_LxBxTxKxDh.shape[2]
-        start = (0, 0, 0, cache_index, 0, 0)
-        chunk = jax.lax.dynamic_slice(buf, start, (R, *last_LxBxTxKxDh.shape[:2], t, *buf.shape[4:]))
-        skipped = (jnp.arange(R) >= n_steps)[:, None, None, None, None, None]
-        chunk = jnp.where(skipped, last_LxBxTxKxDh[None].astype(buf.dtype), chunk)
+    `kl`, `vl`: [L, B, T, K, Dh], each layer's K/V at the last step computed.
+    """
+    def fill(buf, last):
+        """buf [R, ..., S, Dh]; last: buf's shape without R, with the chunk's T slots."""
+        zero = jnp.zeros((), jnp.int32)
+        r = buf.shape[0]
+        start = (zero,) * (buf.ndim - 2) + (cache_index, zero)
+        chunk = jax.lax.dynamic_slice(buf, start, (r, *last.shape))
+        skipped = (jnp.arange(r) >= n_steps).reshape((r,) + (1,) * last.ndim)
+        chunk = jnp.where(skipped, last[None].astype(buf.dtype), chunk)
         return jax.lax.dynamic_update_slice(buf, chunk, start)
 
-    return {**cache, "k": fill(cache["k"], kl), "v": fill(cache["v"], vl)}
+    def fill_all(buf, last_LxBxTxKxDh):
+        last = jnp.swapaxes(last_LxBxTxKxDh, 2, 3)  # the cache's [L, B, K, T, Dh]
+        if isinstance(buf, tuple):  # per-layer buffers [R, B, K, S, Dh]
+            return tuple(fill(b, last[i]) for i, b in enumerate(buf))
+        return fill(buf, last)  # [R, L, B, K, S, Dh]: all layers in one slice
+
+    return {**cache, "k": fill_all(cache["k"], kl), "v": fill_all(cache["v"], vl)}

@@ -20,7 +20,8 @@ from typing import Literal
 import jax
 import jax.numpy as jnp
 
-from jaxrl_lp.models.cache import init_cache
+from jaxrl_lp.models.blocks import unstack_layers
+from jaxrl_lp.models.cache import init_cache, unstack_cache
 from jaxrl_lp.models.config import ModelConfig
 from jaxrl_lp.models.model import forward
 from jaxrl_lp.numerics.policy import Policy
@@ -81,7 +82,8 @@ def replay_logprobs(params: dict, cfg: ModelConfig, policy: Policy, loop: LoopSp
     """
     b, p = ro.prompt_tokens.shape
     n = ro.completion_tokens.shape[1]
-    cache = init_cache(cfg, policy, b, p + n)
+    params = unstack_layers(params)  # as the sampler (`generate`) decodes
+    cache = unstack_cache(init_cache(cfg, policy, b, p + n), cfg)
     positions = prompt_positions(ro.prompt_tokens, ro.prompt_lengths)
     logits, cache, _, _ = prefill(params, cfg, policy, loop, ro.prompt_tokens, positions, cache,
                                   readout_steps_B=ro.exit_steps[:, 0] if cfg.is_looped else None)

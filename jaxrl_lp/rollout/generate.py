@@ -17,7 +17,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxrl_lp.models.cache import init_cache
+from jaxrl_lp.models.blocks import unstack_layers
+from jaxrl_lp.models.cache import init_cache, unstack_cache
 from jaxrl_lp.models.config import ModelConfig
 from jaxrl_lp.numerics.policy import Policy
 from jaxrl_lp.rollout.sampling import SamplingConfig, sample_tokens
@@ -96,7 +97,9 @@ def _generate(params, prompt_BxP, positions_BxP, lengths_B, key, version, *, cfg
               sampling, max_new_tokens, eos_id, pad_id):
     b, p = prompt_BxP.shape
     n = max_new_tokens
-    cache = init_cache(cfg, policy, b, p + n)
+    # Sliced once, here: inside the loop a scan over stacked weights copies them every step.
+    params = unstack_layers(params)
+    cache = unstack_cache(init_cache(cfg, policy, b, p + n), cfg)
     logits, cache, exit0, _ = prefill(params, cfg, policy, loop, prompt_BxP, positions_BxP, cache)
     key, sub = jax.random.split(key)
     tok, lp = sample_tokens(logits, sub, sampling)

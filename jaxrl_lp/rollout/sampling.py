@@ -30,9 +30,10 @@ class SamplingConfig:
 
     def __post_init__(self):
         if not self.temperature > 0:
+            hint = ("greedy decoding ignores it for the choice but records log-probs at it; "
+                    "leave it at 1.0") if self.greedy else "use greedy=True for argmax decoding"
             raise ValueError(
-                f"SamplingConfig.temperature must be > 0 (got {self.temperature}); "
-                "use greedy=True for argmax decoding"
+                f"SamplingConfig.temperature must be > 0 (got {self.temperature}); {hint}"
             )
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"SamplingConfig.top_p must be in (0, 1]; got {self.top_p}")
