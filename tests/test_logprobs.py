@@ -85,6 +85,11 @@ def test_rollouts_have_eos_ragged_groups_and_spread_exits(pol, kind):
         # Some decode steps stopped before the last loop step (the whole batch had exited),
         # so the cache fill of never-computed steps is exercised too.
         assert int(ro.loop_evals) < R * (N - 1)
+        # Finished sequences are not computed: a decode step runs until the deepest
+        # exit among the sequences still generating (done rows record exit 0).
+        mask, exits = np.asarray(ro.completion_mask) > 0, np.asarray(ro.exit_steps)
+        want = sum(int(exits[mask[:, j], j].max()) + 1 for j in range(1, N) if mask[:, j].any())
+        assert int(ro.loop_evals) == want
 
 
 # ---------------------------------------------------------------- replay == sampler, bit for bit

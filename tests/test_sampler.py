@@ -208,6 +208,34 @@ def test_deferred_early_exit_schedule_logprobs_and_loop_count():
     assert int(ro.loop_evals) == int((exits[:, 1:].max(0) + 1).sum()) < R * (N - 1)
 
 
+def test_finished_sequences_do_not_hold_the_deferred_loop():
+    """A sequence past its EOS is not computed, so it cannot keep a decode step looping.
+
+    The pad token (fed to finished sequences) gets an embedding the exit gate reads
+    as "do not exit" (alone it exits at step 2 or 3), while row 0's tokens all exit
+    at step 0; row 1 ends after two tokens.
+    """
+    params = dict(looped_params())
+    u = jax.random.normal(jax.random.PRNGKey(7), (LOOPED.hidden_size,))
+    u = u / jnp.linalg.norm(u)
+    params["embed"] = params["embed"].at[0].set(16.0 * u)
+    params["exit_gate"] = {"kernel": (-12.0 * u)[:, None], "bias": jnp.array([8.0])}
+    loop = LoopSpec(THRESHOLD, "deferred")
+    free = generate(params, LOOPED, PROMPTS, max_new_tokens=N, loop=loop)
+    eos = int(free.completion_tokens[1, 1])
+    ro = generate(params, LOOPED, PROMPTS, max_new_tokens=N, loop=loop, eos_id=eos)
+    mask, exits = np.asarray(ro.completion_mask) > 0, np.asarray(ro.exit_steps)
+    assert mask[1].sum() == 2 and mask[0].all() and (exits[0] == 0).all()
+    # Each decode step runs to the deepest exit among the sequences still generating:
+    # 4 loop steps for the first (row 1's second token exits at the last step), then 1.
+    want = sum(int(exits[mask[:, j], j].max()) + 1 for j in range(1, N) if mask[:, j].any())
+    assert int(ro.loop_evals) == want == R + (N - 2)
+    # The live row is unaffected by its finished neighbour.
+    np.testing.assert_array_equal(np.asarray(ro.completion_tokens)[0],
+                                  np.asarray(free.completion_tokens)[0])
+    np.testing.assert_array_equal(np.asarray(ro.logprobs)[0], np.asarray(free.logprobs)[0])
+
+
 @functools.partial(jax.jit, static_argnames=("loop",))
 def _prefill_and_step(params, prompt, positions, token, *, loop):
     policy = Policy.parse("fp32")

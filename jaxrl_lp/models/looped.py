@@ -154,6 +154,7 @@ def looped_forward(
     readout_steps_BxT: jax.Array | None = None,
     readout: Literal["exit", "expected"] = "exit",
     early_stop: bool = False,
+    active_BxT: jax.Array | None = None,
     remat: bool = False,
 ) -> LoopedOutput:
     """Logits of a looped decoder, reading and writing an optional [R, L, ...] KV cache.
@@ -172,6 +173,10 @@ def looped_forward(
       readout: `exit` or `expected`.
       early_stop: in deferred mode, stop looping once every token has exited
         (a `lax.while_loop`: for sampling and replay, not differentiable).
+      active_BxT: bool, False for tokens of sequences that have finished. In
+        deferred mode such a token counts as exited before step 0: it is never
+        computed (its logits and cache slots are meaningless), so a finished
+        sequence does not hold the batch's loop. Ignored in dense mode.
       remat: recompute each layer's activations in the backward pass.
 
     Returns:
@@ -256,11 +261,12 @@ def looped_forward(
         carry = (h_next, k_all, v_all, exited | newly, exit_step, h_exit, remaining, cum, cache)
         return carry, (hn, p)
 
+    exited0 = jnp.zeros((b, t), bool) if active_BxT is None else ~active_BxT & freeze
     carry0 = (
         h0,
         jnp.zeros(kv_shape, policy.carrier_dtype),
         jnp.zeros(kv_shape, policy.carrier_dtype),
-        jnp.zeros((b, t), bool),
+        exited0,
         jnp.full((b, t), R - 1, jnp.int32),
         jnp.zeros((b, t, cfg.hidden_size), policy.carrier_dtype),
         jnp.ones((b, t), jnp.float32),

@@ -93,7 +93,8 @@ def replay_logprobs(params: dict, cfg: ModelConfig, policy: Policy, loop: LoopSp
         logits, cache, _, _ = decode_step(
             params, cfg, policy, loop, ro.completion_tokens[:, j - 1],
             ro.prompt_lengths + j - 1, cache, p + j - 1,
-            exit_steps_B=ro.exit_steps[:, j] if cfg.is_looped else None)
+            exit_steps_B=ro.exit_steps[:, j] if cfg.is_looped else None,
+            active_B=ro.completion_mask[:, j] > 0)  # as the sampler ran it
         return cache, token_logprobs(logits, ro.completion_tokens[:, j], ro.temperature)
 
     _, rest = jax.lax.scan(body, cache, jnp.arange(1, n, dtype=jnp.int32))

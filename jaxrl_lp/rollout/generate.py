@@ -117,7 +117,7 @@ def _generate(params, prompt_BxP, positions_BxP, lengths_B, key, version, *, cfg
         i, tok, done, cache, key, evals, buf_tok, buf_lp, buf_exit, buf_mask = s
         pos = lengths_B + i - 1
         logits, cache, exits, ev = decode_step(params, cfg, policy, loop, tok, pos, cache,
-                                               p + i - 1)
+                                               p + i - 1, active_B=~done)
         key, sub = jax.random.split(key)
         new, lp = sample_tokens(logits, sub, sampling)
         new = jnp.where(done, pad_id, new)

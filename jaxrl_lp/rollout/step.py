@@ -64,11 +64,14 @@ def prefill(params, cfg: ModelConfig, policy: Policy, loop: LoopSpec, prompt_BxP
 
 
 def decode_step(params, cfg: ModelConfig, policy: Policy, loop: LoopSpec, tokens_B, positions_B,
-                cache, index, exit_steps_B=None):
+                cache, index, exit_steps_B=None, active_B=None):
     """One token per sequence at cache slot `index`.
 
     Returns (logits [B, V], cache, exit step [B], loop evaluations). With
     `exit_steps_B` the recorded schedule is replayed instead of the exit rule.
+    `active_B` (bool) marks the sequences still generating: in deferred mode
+    the others are not computed (their outputs are meaningless) and do not
+    keep the loop over steps running.
     """
     kwargs = {}
     if cfg.is_looped:
@@ -78,6 +81,7 @@ def decode_step(params, cfg: ModelConfig, policy: Policy, loop: LoopSpec, tokens
             "compute_mode": loop.compute_mode,
             "early_stop": deferred,
             "exit_steps_BxT": None if exit_steps_B is None else exit_steps_B[:, None],
+            "active_BxT": None if active_B is None else active_B[:, None],
         }
     logits, cache, out = forward(params, cfg, policy, tokens_B[:, None], positions_B[:, None],
                                  cache, index, **kwargs)
