@@ -13,6 +13,8 @@ from jaxrl_lp.models import (
     init_cache,
     init_params,
     param_shapes,
+    unstack_cache,
+    unstack_layers,
 )
 from jaxrl_lp.numerics.policy import Policy
 
@@ -152,7 +154,9 @@ def test_looped_r1_is_sandwich_decoder_and_dense_has_no_loop_options():
         ("tiny-ouro", {"readout": "expected"}),
     ],
 )
-def test_incremental_decoding_equals_full_forward(preset, kwargs):
+@pytest.mark.parametrize("layout", ["stacked", "unstacked"])
+def test_incremental_decoding_equals_full_forward(preset, kwargs, layout):
+    """One token at a time with the cache == the full forward; also with the decode layout."""
     cfg = get_preset(preset)
     if cfg.is_looped:
         cfg = cfg.replace(loop_steps=3)
@@ -166,6 +170,9 @@ def test_incremental_decoding_equals_full_forward(preset, kwargs):
         lambda p, tk, c, i: forward(p, cfg, "fp32", tk, None, c, i, **kwargs),
     )
     cache = init_cache(cfg, Policy.parse("fp32"), batch=2, max_len=16)
+    if layout == "unstacked":  # what the sampler decodes with: per-layer weights and buffers
+        params, cache = unstack_layers(params), unstack_cache(cache, cfg)
+        assert isinstance(params["layers"], tuple) and isinstance(cache["k"], tuple)
     logits, cache, out = step(params, toks[:, :4], cache, 0)  # prefill 4 tokens
     got, exits = [logits], [None if out is None else out.exit_steps]
     for i in range(4, 10):

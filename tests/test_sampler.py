@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from jaxrl_lp.models import forward, get_preset, init_params
+from jaxrl_lp.models import forward, get_preset, init_params, unstack_layers
 from jaxrl_lp.models.cache import init_cache
 from jaxrl_lp.numerics.policy import Policy
 from jaxrl_lp.rollout import LoopSpec, SamplingConfig, decode_step, generate, prefill
@@ -271,6 +271,16 @@ def test_deferred_kv_of_exited_token_at_deeper_steps_is_its_exit_step_kv():
                 np.testing.assert_array_equal(own[d], own[e])  # exactly the exit-step K/V
             if e + 1 < R:
                 assert not np.allclose(kv_f[e + 1, :, b, :, slot], own[e])  # dense differs there
+
+
+def test_unstacked_params_give_the_same_rollout():
+    """`generate` unstacks the layers itself; passing them unstacked changes nothing."""
+    params = looped_params()
+    kw = dict(max_new_tokens=N, loop=LoopSpec(THRESHOLD, "deferred"))
+    a = generate(params, LOOPED, PROMPTS, **kw)
+    b = generate(unstack_layers(params), LOOPED, PROMPTS, **kw)
+    for name in ("completion_tokens", "logprobs", "exit_steps", "loop_evals"):
+        np.testing.assert_array_equal(np.asarray(getattr(a, name)), np.asarray(getattr(b, name)))
 
 
 # ---------------------------------------------------------------- ragged prompts and G samples

@@ -275,7 +275,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--prompt-len", type=int, default=16)
     parser.add_argument("--new-tokens", type=int, default=128)
-    parser.add_argument("--repeats", type=int, default=2,
+    parser.add_argument("--repeats", type=int, default=5,
                         help="timed runs after warm-up (at least; see --min-time); the fastest "
                              "is reported")
     parser.add_argument("--min-time", type=float, default=2.0,

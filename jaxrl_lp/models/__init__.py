@@ -1,6 +1,7 @@
 """Dense (Qwen3) and looped (Ouro) decoders, their configs, caches and checkpoints."""
 
-from jaxrl_lp.models.cache import init_cache
+from jaxrl_lp.models.blocks import unstack_layers
+from jaxrl_lp.models.cache import init_cache, unstack_cache
 from jaxrl_lp.models.config import PRESETS, ModelConfig, get_preset
 from jaxrl_lp.models.dense import dense_forward
 from jaxrl_lp.models.looped import ExitRule, LoopedOutput, exit_distribution, looped_forward
@@ -21,6 +22,8 @@ __all__ = [
     "init_params",
     "looped_forward",
     "param_shapes",
+    "unstack_cache",
+    "unstack_layers",
 ]
 
 

@@ -163,8 +163,12 @@ def generate(
     The decode loop stops as soon as every sequence has produced `eos_id` (or
     after `max_new_tokens`).
 
+    The layer weights are unstacked once per call (`unstack_layers`, a
+    transient copy of them): pass params already unstacked to skip it when
+    sampling repeatedly from the same weights.
+
     Args:
-      params: parameter pytree (the served copy).
+      params: parameter pytree (the served copy), layers stacked or unstacked.
       cfg: model architecture.
       prompts: ragged lists of token ids.
       policy: the sampler's precision policy.
