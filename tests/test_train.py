@@ -75,6 +75,7 @@ def test_sigkill_and_resume_is_bit_identical(tmp_path):
     assert list((ref_dir / "tb").glob("events.*"))
     s = json.loads((ref_dir / "summary.json").read_text())
     assert {"initial_accuracy", "final_accuracy", "steps", "wall_seconds"} <= set(s)
+    assert 0.0 <= s["final_accuracy_served"] <= 1.0  # the bf16 served copy, scored apart
     # Matched policies, loss on the served copy: after every sync the learner's
     # (hybrid = replay) log-probs equal the sampler's exactly, and the checks pass.
     grpo = [json.loads(line) for line in (ref_dir / "metrics.jsonl").read_text().splitlines()]
@@ -83,6 +84,17 @@ def test_sigkill_and_resume_is_bit_identical(tmp_path):
     assert all(r["mismatch_max_abs_dlogp"] == 0.0 for r in grpo)
     checked = [r for r in grpo if "sync/probe_logprobs" in r]
     assert checked and all(r[k] == 1.0 for r in checked for k in r if k.startswith("sync/"))
+
+
+def test_warm_start_resumes_with_another_exporter_but_a_grpo_run_does_not(tmp_path):
+    run_train(_cfg(tmp_path), stop_after=6)  # the warm-start (sft.steps=6), exporter none
+    assert Checkpointer(tmp_path).latest_meta()["sync"]["exporter"] == "none"
+    summary = run_train(_cfg(tmp_path, "sync.exporter=bf16:stochastic"), stop_after=8)
+    assert summary["steps"] == 8
+    assert Checkpointer(tmp_path).latest_meta()["sync"]["exporter"] == "bf16:stochastic"
+    with pytest.raises(ValueError, match=r"has done GRPO steps with "
+                                         r"sync.exporter=bf16:stochastic.*--set sync.exporter="):
+        run_train(_cfg(tmp_path, "sync.exporter=bf16:nearest"))
 
 
 def test_nonfinite_steps_are_skipped_and_stop_the_run(tmp_path):

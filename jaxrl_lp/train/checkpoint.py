@@ -35,14 +35,19 @@ class Checkpointer:
             state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)))
         self.manager.wait_until_finished()
 
+    def latest_meta(self) -> dict:
+        """The JSON metadata saved with the latest step."""
+        step = self.latest_step()
+        return self.manager.restore(step, args=ocp.args.Composite(
+            meta=ocp.args.JsonRestore()))["meta"]
+
     def restore(self, state_like: Any, model_config: Any) -> tuple[Any, dict]:
         """Restores the latest step into the structure of `state_like`.
 
         Raises a ValueError when the checkpoint was written for another model.
         """
         step = self.latest_step()
-        meta = self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))
-        meta = meta["meta"]
+        meta = self.latest_meta()
         want = json.loads(json.dumps(dataclasses.asdict(model_config)))
         if meta.get("model") != want:
             diff = {k: (meta.get("model", {}).get(k), v) for k, v in want.items()

@@ -31,7 +31,7 @@ from jaxrl_lp.rollout.step import LoopSpec
 from jaxrl_lp.train.checkpoint import Checkpointer
 from jaxrl_lp.train.config import TrainConfig
 from jaxrl_lp.train.logger import MetricsLogger, plot_metrics
-from jaxrl_lp.train.sync_hooks import SyncHooks
+from jaxrl_lp.train.sync_hooks import SyncConfig, SyncHooks
 
 __all__ = ["NonFiniteError", "evaluate", "evaluate_run", "run_train"]
 
@@ -104,6 +104,31 @@ def evaluate_run(cfg: TrainConfig, size: int | None = None) -> dict:
     return {"step": step, "accuracy": acc}
 
 
+def _resume(ckpt, state, cfg, mcfg, hooks, lpol, spol):
+    """The latest checkpoint, when it was written with other sync settings too.
+
+    Before GRPO has started the exporter's state is still its initial state, so
+    a warm-start can be resumed with another `sync.exporter` (its state is made
+    afresh); once GRPO steps have used the saved exporter, resuming with another
+    would not continue that run, and is refused.
+    """
+    saved = ckpt.latest_meta().get("sync")
+    if saved is None or saved.get("exporter") == cfg.sync.exporter:
+        return ckpt.restore(state, mcfg)
+    saved_hooks = SyncHooks(SyncConfig(**saved), mcfg, lpol, spol)
+    restored, meta = ckpt.restore({**state, "sync": saved_hooks.init_state(state["params"])},
+                                  mcfg)
+    if meta["initial_accuracy"] is not None:
+        raise ValueError(
+            f"the run in {cfg.run.out_dir} has done GRPO steps with "
+            f"sync.exporter={saved['exporter']}; resuming it with "
+            f"sync.exporter={cfg.sync.exporter} would not continue that run. Resume with "
+            f"--set sync.exporter={saved['exporter']}, or start the new exporter from a "
+            "warm-start checkpoint (jaxrl-lp sft) in another run.out_dir")
+    restored["sync"] = hooks.init_state(restored["params"])
+    return restored, meta
+
+
 def run_train(cfg: TrainConfig, *, stop_after: int | None = None) -> dict:
     """Runs (or resumes) a training run; returns the summary dict (also in summary.json).
 
@@ -133,7 +158,7 @@ def run_train(cfg: TrainConfig, *, stop_after: int | None = None) -> dict:
 
     ckpt = Checkpointer(run_dir, keep=cfg.run.keep_checkpoints)
     if ckpt.latest_step() is not None:
-        state, meta = ckpt.restore(state, mcfg)
+        state, meta = _resume(ckpt, state, cfg, mcfg, hooks, lpol, spol)
         sft_it.set_state(meta["sft_data"])
         prompt_it.set_state(meta["prompt_data"])
     else:
@@ -149,7 +174,8 @@ def run_train(cfg: TrainConfig, *, stop_after: int | None = None) -> dict:
 
     def save(step):
         meta.update(step=step, sft_data=sft_it.get_state(), prompt_data=prompt_it.get_state(),
-                    model=json.loads(json.dumps(dataclasses.asdict(mcfg))))
+                    model=json.loads(json.dumps(dataclasses.asdict(mcfg))),
+                    sync=dataclasses.asdict(cfg.sync))
         ckpt.save(step, state, meta)
 
     bar = None
@@ -201,13 +227,19 @@ def run_train(cfg: TrainConfig, *, stop_after: int | None = None) -> dict:
     if meta["initial_accuracy"] is None:
         meta["initial_accuracy"] = evaluate_now(state["params"])
     final = evaluate_now(state["params"])
-    logger.log(step, "eval", {"accuracy": final})
+    final_served = None
+    if hooks.active:  # what the sampler would serve next (a fresh export; the state is kept)
+        _, served_params, _ = hooks.export(state["sync"], state["params"])
+        final_served = evaluate_now(served_params)
+    logger.log(step, "eval", {"accuracy": final} | (
+        {} if final_served is None else {"accuracy_served": final_served}))
     records = logger.records()
     plot_metrics(records, run_dir)
     summary = {
         "initial_accuracy": meta["initial_accuracy"],
         "final_accuracy": final,
         "accuracy_gain": final - meta["initial_accuracy"],
+        **({} if final_served is None else {"final_accuracy_served": final_served}),
         "steps": step,
         "sft_steps": cfg.sft.steps,
         "grpo_steps": g.steps,
