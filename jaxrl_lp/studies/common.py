@@ -101,6 +101,7 @@ def reseat_checkpoint(src_cfg: TrainConfig, dst_cfg: TrainConfig) -> int:
     state, meta, _, mcfg, _ = restore_state(src_cfg)
     lpol, spol = _policies(dst_cfg)
     state["sync"] = SyncHooks(dst_cfg.sync, mcfg, lpol, spol).init_state(state["params"])
+    meta["sync"] = dataclasses.asdict(dst_cfg.sync)  # what the sync state now is
     step = int(meta["step"])
     shutil.rmtree(Path(dst_cfg.run.out_dir) / "checkpoints")
     ckpt = Checkpointer(dst_cfg.run.out_dir, keep=dst_cfg.run.keep_checkpoints)
