@@ -101,8 +101,10 @@ def attend(lp: dict, q, k, v, positions_BxT, policy: Policy, cache_kv=None, laye
     Dh]`, or per-layer tuples of `[*lead, B, K, S, Dh]`), the chunk is written
     in place at slots `cache_index + [0, T)` of `(*lead, layer)` and the queries
     read every visible slot there (slot positions `pos_slots_BxS`). The whole
-    cache rides through the layer (and loop) loops, so no step slices,
-    restacks or copies it; with per-layer buffers `layer` must be a Python int.
+    cache rides through the layer (and loop) loops and is written in place, so
+    no step restacks it; reading one layer out of a stacked cache is still a
+    copy on CPU, which per-layer buffers (`unstack_cache`) avoid. With
+    per-layer buffers `layer` must be a Python int.
 
     Returns (output [B, T, D], the updated `cache_kv` or None).
     """
