@@ -111,6 +111,8 @@ def test_bench_sampler_prints_one_json_object(capsys):
                 "mean_exit_depth", "ideal_speedup"):
         assert looped[key] > 0 and res[key]["tiny_batch_1"] == looped[key]
     assert looped["mean_exit_depth"] < 4  # the gate makes exits early
+    # The decomposition runs (all exits at the first / last step) were timed too.
+    assert {"loop_step_ms_per_token", "fixed_ms_per_token", "attainable_speedup"} <= set(looped)
     assert looped["ideal_speedup"] == pytest.approx(4 / looped["mean_exit_depth"], abs=2e-3)
     assert set(res["targets_met"]) == {"ratio_vs_hf_tiny>=3.0",
                                        "deferred_speedup_tiny_batch_1>=0.7*ideal"}

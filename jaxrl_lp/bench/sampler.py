@@ -64,19 +64,26 @@ def _bound(batch: int, nbytes: float, bandwidth_gbps: float) -> float:
     return batch * bandwidth_gbps * 1e9 / nbytes
 
 
-def _timed(fn, repeats: int, min_time: float, times: list[float] | None = None):
-    """Times calls of `fn` until `repeats` calls and `min_time` seconds (at most MAX_RUNS).
+def _race(calls: dict, repeats: int, min_time: float):
+    """Times the calls in turn (so a change in load falls on all of them), after a warm-up.
 
-    Returns (times, last result). The figures reported are the fastest run: on
-    a shared machine the slower runs measure the neighbours' load as much as
-    the code.
+    Returns (first-call seconds, timed seconds, last results), each a dict keyed
+    like `calls`; every call runs at least `repeats` times and until all of
+    them together took `len(calls) * min_time` (at most MAX_RUNS each). The
+    figures reported are the fastest runs: on a shared machine the slower runs
+    measure the neighbours' load as much as the code.
     """
-    times, out = ([] if times is None else times), None
-    while len(times) < repeats or (sum(times) < min_time and len(times) < MAX_RUNS):
-        t = time.perf_counter()
-        out = fn()
-        times.append(time.perf_counter() - t)
-    return times, out
+    firsts, times, outs = {}, {m: [] for m in calls}, {}
+    for m, fn in calls.items():
+        firsts[m], outs[m] = _first_call(fn)
+    some = next(iter(calls))
+    while (len(times[some]) < repeats
+           or (sum(map(sum, times.values())) < len(calls) * min_time
+               and len(times[some]) < MAX_RUNS)):
+        for m, fn in calls.items():
+            t, outs[m] = _first_call(fn)
+            times[m].append(t)
+    return firsts, times, outs
 
 
 def _ours_call(params, cfg, prompts, **kwargs):
@@ -119,8 +126,7 @@ def _hf_threads(model, prompt_BxP, choice: str) -> int:
     short = _hf_call(model, prompt_BxP, 8)
     for n in sorted({1, cores}):
         torch.set_num_threads(n)
-        short()  # warm-up
-        t = min(_timed(short, 2, 0.0)[0])
+        t = min(_race({"short": short}, 2, 0.0)[1]["short"])
         if t < best_t:
             best, best_t = n, t
     return best
@@ -139,8 +145,7 @@ def bench_dense(size: str, *, batch: int, prompt_len: int, new_tokens: int, repe
     prompts = np.random.RandomState(seed).randint(1, cfg.vocab_size, (batch, prompt_len))
     ours = _ours_call(params, cfg, prompts.tolist(), sampling=SamplingConfig(greedy=True),
                       policy=POLICY, max_new_tokens=new_tokens, eos_id=None)
-    first, ro = _first_call(ours)
-    ours_times, hf_times = [], []
+    calls = {"ours": ours}
     if hf:
         import torch
 
@@ -150,15 +155,11 @@ def bench_dense(size: str, *, batch: int, prompt_len: int, new_tokens: int, repe
         model = hf_model(cfg, params)
         n = _hf_threads(model, prompts, hf_threads)
         torch.set_num_threads(n)
-        hf_run = _hf_call(model, prompts, new_tokens)
-        hf_tokens = hf_run()  # warm-up
-        for _ in range(repeats):
-            ours_times.append(_first_call(ours)[0])
-            hf_times.append(_first_call(hf_run)[0])
-        _timed(hf_run, 0, min_time, hf_times)
+        calls["hf"] = _hf_call(model, prompts, new_tokens)
+    firsts, times, outs = _race(calls, repeats, min_time)
+    if hf:
         torch.set_num_threads(threads_before)
-    ours_times, last = _timed(ours, repeats, min_time, ours_times)
-    ro = ro if last is None else last
+    first, ro, ours_times = firsts["ours"], outs["ours"], times["ours"]
     ours_s = min(ours_times)
     tokens = batch * new_tokens
     nbytes = weight_bytes(cfg, params)
@@ -174,7 +175,7 @@ def bench_dense(size: str, *, batch: int, prompt_len: int, new_tokens: int, repe
     }
     out["ours_fraction_of_bound"] = round(out["ours_tokens_per_s"] / out["bound_tokens_per_s"], 3)
     if hf:
-        hf_s = min(hf_times)
+        hf_s, hf_times, hf_tokens = min(times["hf"]), times["hf"], outs["hf"]
         out.update({
             "hf_threads": n, "hf_s": round(hf_s, 4), "hf_runs": len(hf_times),
             "hf_ms_per_step": round(1e3 * hf_s / new_tokens, 3),
@@ -221,20 +222,19 @@ def bench_looped(size: str, *, batches, prompt_len: int, new_tokens: int, repeat
     }
     for batch in batches:
         prompts = np.random.RandomState(seed).randint(1, cfg.vocab_size, (batch, prompt_len))
-        calls, firsts, times, ros = {}, {}, {}, {}
-        for mode in ("dense", "deferred"):
-            calls[mode] = _ours_call(params, cfg, prompts.tolist(), sampling=sampling,
-                                     policy=POLICY, max_new_tokens=new_tokens, eos_id=None,
-                                     loop=LoopSpec(exit_rule, mode), key=jax.random.PRNGKey(seed))
-            firsts[mode], _ = _first_call(calls[mode])
-            times[mode] = []
-        # Timed runs of the two modes alternate, so a change in load falls on both.
-        while (len(times["dense"]) < repeats
-               or (sum(times["dense"]) + sum(times["deferred"]) < 2 * min_time
-                   and len(times["dense"]) < MAX_RUNS)):
-            for mode in ("dense", "deferred"):
-                t, ros[mode] = _first_call(calls[mode])
-                times[mode].append(t)
+        prompt_list = prompts.tolist()
+        call = lambda p, mode, rule=exit_rule, pl=prompt_list: _ours_call(
+            p, cfg, pl, sampling=sampling, policy=POLICY,
+            max_new_tokens=new_tokens, eos_id=None, loop=LoopSpec(rule, mode),
+            key=jax.random.PRNGKey(seed))
+        calls = {"dense": call(params, "dense"), "deferred": call(params, "deferred")}
+        if batch == 1:
+            # Where deferred time goes: every token exiting at the first / the last step
+            # gives the cost of one loop step and the per-token cost no exit can skip.
+            for name, bias in (("first", 10.0), ("last", -10.0)):
+                calls[f"exit_{name}"] = call(looped_params(cfg, seed, bias, gate_scale),
+                                             "deferred")
+        firsts, times, ros = _race(calls, repeats, min_time)
         res = {m: (firsts[m] - min(times[m]), min(times[m])) for m in times}
         tokens = batch * new_tokens
         ro = ros["deferred"]
@@ -263,6 +263,16 @@ def bench_looped(size: str, *, batches, prompt_len: int, new_tokens: int, repeat
                                                  1),
         }
         b["speedup_fraction_of_ideal"] = round(b["deferred_speedup"] / b["ideal_speedup"], 3)
+        if batch == 1:
+            per_tok = {m: min(times[m]) / new_tokens for m in times}
+            step = (per_tok["exit_last"] - per_tok["exit_first"]) / (r - 1)
+            fixed = per_tok["exit_first"] - step
+            b.update({
+                "loop_step_ms_per_token": round(1e3 * step, 4),
+                "fixed_ms_per_token": round(1e3 * fixed, 4),
+                # What deferred mode can reach at this depth when the fixed part stays.
+                "attainable_speedup": round(per_tok["dense"] / (fixed + depth * step), 3),
+            })
         out[f"batch_{batch}"] = b
     return out
 
