@@ -45,10 +45,10 @@ CASES = [pytest.param(pol, kind, marks=pytest.mark.slow if (pol, kind) in SLOW_C
 DENSE_TOL = {"fp32": 1e-4, "bf16": 0.1}
 
 
-@functools.partial(jax.jit, static_argnums=(1, 2, 3))
-def learner_values(params, cfg, policy, loop, ro):
-    """Replay and dense log-probs [B, N] in one program (jitted; cfg, policy, loop static)."""
-    return replay_logprobs(params, cfg, policy, loop, ro), dense_logprobs(params, cfg, policy, loop, ro)[0]
+@functools.partial(jax.jit, static_argnums=(1, 2))
+def learner_values(params, cfg, policy, ro):
+    """Replay and dense log-probs [B, N] in one program (jitted; cfg, policy, ro's loop static)."""
+    return replay_logprobs(params, cfg, policy, ro), dense_logprobs(params, cfg, policy, ro)[0]
 
 
 @functools.cache
@@ -63,7 +63,7 @@ def case(pol, kind):
     policy = Policy.parse(pol)
     ro = exactness_rollout(params, cfg, policy, loop, prompts=PROMPTS, num_samples=G,
                            max_new_tokens=N)
-    replay, dense = learner_values(params, cfg, policy, loop, ro)
+    replay, dense = learner_values(params, cfg, policy, ro)
     return cfg, params, policy, loop, ro, replay, dense
 
 
@@ -117,14 +117,40 @@ def test_dense_learner_applies_the_deferred_schedule():
     """
     cfg, params, policy, loop, ro, _, dense = case("fp32", "looped_deferred")
     assert masked_max_abs_diff(dense, ro.logprobs, ro.completion_mask) < 1e-4
-    # The looped_dense case's compiled program, fed the deferred rollouts.
+    # The looped_dense case's compiled program, fed the deferred rollouts relabelled as
+    # dense-mode ones (what a learner that ignored the rollout's loop spec would compute).
     *_, ro_dense_mode, _, _ = case("fp32", "looped_dense")
-    no_schedule = LoopSpec(EXIT_RULE, "dense")
-    _, dense_full_depth = learner_values(params, cfg, policy, no_schedule,
+    _, dense_full_depth = learner_values(params, cfg, policy,
                                          dataclasses.replace(ro, loop=ro_dense_mode.loop))
     off = masked_max_abs_diff(dense_full_depth, ro.logprobs, ro.completion_mask)
     print(f"deferred rollouts, dense log-probs without the schedule: max |dlogp| = {off:.3g}")
     assert off > 1e-2
+
+
+def test_learner_refuses_a_rollout_sampled_with_another_loop_spec_or_policy():
+    """A rollout says how it was sampled; a learner asked to read it otherwise refuses."""
+    cfg, params, policy, loop, ro, _, _ = case("fp32", "looped_deferred")
+    assert ro.loop == LoopSpec(EXIT_RULE, "deferred").resolve(cfg)
+    for method in ("dense", "replay", "hybrid"):
+        with pytest.raises(ValueError, match="sampled with loop spec .*deferred.* asked to "
+                                             "compute .*dense"):
+            learner_logprobs(params, cfg, policy, ro, method, loop=LoopSpec(EXIT_RULE, "dense"))
+    with pytest.raises(ValueError, match="cannot be read by this dense model"):
+        dense_cfg, dense_params, _ = model("dense")
+        dense_logprobs(dense_params, dense_cfg, policy, ro)
+    import optax
+
+    from jaxrl_lp.rl import LossConfig, make_grpo_step
+    step = make_grpo_step(cfg, policy, LossConfig(), optax.sgd(0.1), loop=loop,
+                          sampler_policy="bf16")
+    adv = jnp.zeros(ro.logprobs.shape[:1])
+    with pytest.raises(ValueError, match="sampled under policy .*c=f32.* built for rollouts of .*c=bf16"):
+        step(jax.tree.map(jnp.copy, params), optax.sgd(0.1).init(params), ro, adv, ro.logprobs)
+    wrong_loop = make_grpo_step(cfg, policy, LossConfig(), optax.sgd(0.1),
+                                loop=LoopSpec(EXIT_RULE, "dense"))
+    with pytest.raises(ValueError, match="asked to compute"):
+        wrong_loop(jax.tree.map(jnp.copy, params), optax.sgd(0.1).init(params), ro, adv,
+                   ro.logprobs)
 
 
 # ---------------------------------------------------------------- hybrid: replay value, dense gradient
@@ -132,7 +158,7 @@ def _grad_fn(cfg, policy, loop, method):
     """Jitted (params, ro, w) -> (grads, logp) of sum(mask * w * logp) with `method` log-probs."""
 
     def f(params, ro, w_BxN):
-        logp, _ = learner_logprobs(params, cfg, policy, loop, ro, method)
+        logp, _ = learner_logprobs(params, cfg, policy, ro, method, loop=loop)
         return jnp.sum(logp * ro.completion_mask * w_BxN), logp
 
     return jax.jit(jax.grad(f, has_aux=True))

@@ -7,6 +7,7 @@ import pytest
 
 from jaxrl_lp.models import (
     CausalLM,
+    LoopSpec,
     exit_distribution,
     forward,
     get_preset,
@@ -111,17 +112,17 @@ def test_looped_matches_reference_all_readouts(loops):
         rem = rem * (1 - lams[r])
     np.testing.assert_allclose(pdf, hand, atol=1e-6)
 
-    fwd = jax.jit(forward, static_argnames=("cfg", "policy", "exit_rule", "readout"))
+    fwd = jax.jit(forward, static_argnames=("cfg", "policy", "loop", "readout"))
     last, _, out = fwd(params, cfg, "fp32", toks)
     np.testing.assert_allclose(last[0], step_logits[-1], atol=REF_TOL)
     np.testing.assert_allclose(out.exit_pdf[0], hand, atol=1e-5)
     expected, _, _ = fwd(params, cfg, "fp32", toks, readout="expected")
     np.testing.assert_allclose(expected[0], np.einsum("rtv,tr->tv", step_logits, hand), atol=REF_TOL)
     for k in range(1, loops + 1):
-        fixed, _, out = fwd(params, cfg, "fp32", toks, exit_rule=f"fixed:{k}")
+        fixed, _, out = fwd(params, cfg, "fp32", toks, loop=LoopSpec(f"fixed:{k}"))
         np.testing.assert_allclose(fixed[0], step_logits[k - 1], atol=REF_TOL)
         assert (np.asarray(out.exit_steps) == k - 1).all()
-    thr, _, out = fwd(params, cfg, "fp32", toks, exit_rule="threshold:0.5")
+    thr, _, out = fwd(params, cfg, "fp32", toks, loop=LoopSpec("threshold:0.5"))
     cum = np.cumsum(hand, -1)
     want = np.where((cum >= 0.5).any(-1), np.argmax(cum >= 0.5, -1), loops - 1)
     np.testing.assert_array_equal(out.exit_steps[0], want)
@@ -147,10 +148,10 @@ def test_looped_r1_is_sandwich_decoder_and_dense_has_no_loop_options():
     "preset,kwargs",
     [
         ("tiny-qwen3", {}),
-        ("tiny-ouro", {"exit_rule": "full"}),
-        ("tiny-ouro", {"exit_rule": "fixed:2"}),
-        ("tiny-ouro", {"exit_rule": "threshold:0.5"}),
-        ("tiny-ouro", {"exit_rule": "threshold:0.5:2", "readout": "exit"}),
+        ("tiny-ouro", {"loop": LoopSpec("full")}),
+        ("tiny-ouro", {"loop": LoopSpec("fixed:2")}),
+        ("tiny-ouro", {"loop": LoopSpec("threshold:0.5")}),
+        ("tiny-ouro", {"loop": LoopSpec("threshold:0.5:2"), "readout": "exit"}),
         ("tiny-ouro", {"readout": "expected"}),
     ],
 )
@@ -266,3 +267,36 @@ def test_model_module_and_bad_params():
     with pytest.raises(ValueError, match="missing.*lm_head"):
         CausalLM(cfg, {k: v for k, v in params.items() if k != "lm_head"})
     assert set(param_shapes(cfg)["layers"]) >= {"q_norm", "k_norm", "attn_norm", "mlp_norm"}
+
+
+def test_exit_rules_loop_specs_and_their_hf_keys():
+    from jaxrl_lp.models import ExitRule, ModelConfig
+    from jaxrl_lp.models.loop import exit_rule_from_hf, exit_rule_to_hf
+
+    # Strings round-trip; a threshold above 1 is a legal rule (f32 sums can exceed 1.0).
+    for spec in ("full", "fixed:2", "threshold:0.5:1", "threshold:1.0:2", "threshold:1.5:1"):
+        assert str(ExitRule.parse(spec)) == spec
+    for bad in ("threshold:0", "threshold:nan", "fixed:0", "sometimes", "threshold:0.5:0"):
+        with pytest.raises(ValueError):
+            ExitRule.parse(bad)
+    assert LoopSpec.parse("threshold:0.5:1/deferred") == LoopSpec("threshold:0.5", "deferred")
+    assert str(LoopSpec()) == "model/dense"
+    looped = get_preset("tiny-ouro").replace(exit_rule="fixed:3")
+    assert LoopSpec().resolve(looped) == LoopSpec("fixed:3", "dense")
+    assert LoopSpec("full", "deferred").resolve(get_preset("tiny-qwen3")) == LoopSpec("full", "dense")
+    with pytest.raises(ValueError, match="exceeds the model's 4 loop steps"):
+        LoopSpec("fixed:5").resolve(looped)
+    with pytest.raises(ValueError, match="ModelConfig.exit_rule"):
+        ModelConfig(family="ouro", loop_steps=2, qk_norm=False, exit_rule="fixed:3")
+    with pytest.raises(ValueError, match="must be 'full' for the dense"):
+        ModelConfig(exit_rule="threshold:0.5")
+    # The Ouro config keys: written so the reference reads out by the rule, and read back.
+    for rule in ("full", "fixed:1", "fixed:3", "threshold:0.5:1", "threshold:1.0:1"):
+        keys = exit_rule_to_hf(rule, 4)
+        assert exit_rule_from_hf(keys, 4) == rule
+    assert exit_rule_to_hf("full", 4)["early_exit_step"] == 3  # the reference's last index
+    assert exit_rule_from_hf({}, 4) == "threshold:1.0:1"  # OuroConfig's default
+    assert exit_rule_from_hf({"early_exit_step": 9, "early_exit_threshold": 0.7}, 4) \
+        == "threshold:0.7:1"  # an out-of-range step is ignored, as the reference does
+    with pytest.raises(NotImplementedError, match="min_loops"):
+        exit_rule_to_hf("threshold:0.5:2", 4)

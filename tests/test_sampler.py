@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from jaxrl_lp.models import forward, get_preset, init_params, unstack_layers
+from jaxrl_lp.models import ExitSchedule, forward, get_preset, init_params, unstack_layers
 from jaxrl_lp.models.cache import init_cache
 from jaxrl_lp.numerics.policy import Policy
 from jaxrl_lp.rollout import LoopSpec, SamplingConfig, decode_step, generate, prefill
@@ -63,8 +63,9 @@ def full_forward(params, tokens_BxT, exit_steps_BxT=None, readout_steps_BxT=None
     """Cache-free f32 forward; looped: returns (logits, exit pdf) at the given read-out steps."""
     if not cfg.is_looped:
         return forward(params, cfg, "fp32", tokens_BxT)[0], None
-    logits, _, out = forward(params, cfg, "fp32", tokens_BxT, compute_mode=compute_mode,
-                             exit_steps_BxT=exit_steps_BxT, readout_steps_BxT=readout_steps_BxT)
+    logits, _, out = forward(params, cfg, "fp32", tokens_BxT,
+                             loop=LoopSpec("full", compute_mode),
+                             schedule=ExitSchedule(exit_steps_BxT, readout_steps_BxT))
     return logits, out.exit_pdf
 
 
@@ -123,7 +124,7 @@ def test_dense_greedy_is_argmax_of_full_forward_and_logprobs_match():
     sampling = SamplingConfig(greedy=True)
     ro = generate(params, DENSE, PROMPTS, sampling=sampling, max_new_tokens=N)
     assert ro.completion_tokens.shape == (2, N) and ro.logprobs.dtype == jnp.float32
-    assert ro.loop == "full/dense" and ro.temperature == 1.0 and ro.policy == str(Policy.parse("fp32"))
+    assert str(ro.loop) == "full/dense" and ro.temperature == 1.0 and ro.policy == str(Policy.parse("fp32"))
     np.testing.assert_array_equal(ro.completion_mask, 1.0)
     np.testing.assert_array_equal(ro.exit_steps, 0)
     seq, p = sequence(ro, PROMPTS)
@@ -142,7 +143,7 @@ def test_looped_greedy_is_argmax_of_full_forward_every_exit_rule(rule):
     temperature = 1.7 if rule == THRESHOLD else 1.0  # log-probs are taken after temperature
     ro = generate(params, LOOPED, PROMPTS, max_new_tokens=N, loop=LoopSpec(rule, "dense"),
                   sampling=SamplingConfig(greedy=True, temperature=temperature))
-    assert ro.loop == f"{LoopSpec(rule).exit_rule}/dense"
+    assert ro.loop == LoopSpec(rule, "dense") and str(ro.loop) == f"{LoopSpec(rule).exit_rule}/dense"
     seq, p = sequence(ro, PROMPTS)
     logits, exits = looped_readout_logits(params, jnp.asarray(seq), rule)
     check_against_full(ro, logits, p, temperature, greedy=True)

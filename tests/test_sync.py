@@ -12,7 +12,7 @@ from jaxrl_lp.models import get_preset, param_shapes
 from jaxrl_lp.numerics import Policy, QArray, ulp
 from jaxrl_lp.numerics import quantize as quantize_array
 from jaxrl_lp.rl.logprobs import replay_logprobs
-from jaxrl_lp.rollout import LoopSpec, generate
+from jaxrl_lp.rollout import generate
 from jaxrl_lp.sync import (
     ROUNDINGS,
     SamplerState,
@@ -332,12 +332,12 @@ def test_replay_logprobs_equal_sampler_after_export(master):
     ro = generate(held, CFG, [[1, 2, 3], [4, 5]], policy=policy, max_new_tokens=6,
                   weights_version=VERSION)
     used = straight_through_served(master, served_params_for_forward(served))
-    replay = jax.jit(replay_logprobs, static_argnums=(1, 2, 3))
-    lp = replay(used, CFG, policy, LoopSpec(), ro)
+    replay = jax.jit(replay_logprobs, static_argnums=(1, 2))
+    lp = replay(used, CFG, policy, ro)
     mask = np.asarray(ro.completion_mask) > 0
     assert np.asarray(lp)[mask].tobytes() == np.asarray(ro.logprobs)[mask].tobytes()
     # The master itself (rounded by nearest in the forward) is not what was served.
-    lp_master = replay(master, CFG, policy, LoopSpec(), ro)
+    lp_master = replay(master, CFG, policy, ro)
     assert np.abs(np.asarray(lp_master - ro.logprobs)[mask]).max() > 0
 
 

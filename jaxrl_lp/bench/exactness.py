@@ -75,8 +75,8 @@ LOG_RATIO_CLIP = 20.0
 # Ragged prompts (bucketed to P = 8), each sampled G times.
 PROMPTS: tuple[tuple[int, ...], ...] = ((1, 5, 7), (2, 9, 4, 11, 3, 8), (6,), (12, 13, 14, 15))
 
-# Jitted once per (cfg, policy, loop): those are static.
-_jit_replay = jax.jit(replay_logprobs, static_argnums=(1, 2, 3))
+# Jitted once per (cfg, policy) and rollout statics (its loop spec): those are static.
+_jit_replay = jax.jit(replay_logprobs, static_argnums=(1, 2))
 
 
 def exactness_model(kind: str, *, loop_steps: int = 4, seed: int = 0, gate_scale: float = 20.0,
@@ -142,7 +142,7 @@ def learner_step(cfg: ModelConfig, policy: Policy, loop: LoopSpec, method: str):
     """A jitted `(params, ro, adv_B) -> ((loss, logp_BxN), grads)` with `method` log-probs."""
 
     def loss_fn(params, ro, adv_B):
-        logp, _ = learner_logprobs(params, cfg, policy, loop, ro, method)
+        logp, _ = learner_logprobs(params, cfg, policy, ro, method, loop=loop)
         return grpo_like_loss(logp, ro, adv_B), logp
 
     return jax.jit(jax.value_and_grad(loss_fn, has_aux=True))
@@ -167,7 +167,7 @@ def _prepare(pol: str, kind: str, *, loop_steps: int, max_new_tokens: int, num_s
                            num_samples=num_samples, seed=seed + 1)
     adv = jax.random.normal(jax.random.PRNGKey(seed + 2), ro.logprobs.shape[:1])
     # Compiled ahead of time: the static arguments are bound, calls take the rest.
-    replay = _jit_replay.lower(params, cfg, policy, loop, ro).compile()
+    replay = _jit_replay.lower(params, cfg, policy, ro).compile()
     steps = {m: learner_step(cfg, policy, loop, m).lower(params, ro, adv).compile()
              for m in ("hybrid", "dense")}
     return {"cfg": cfg, "params": params, "ro": ro, "adv": adv, "replay": replay, "steps": steps}

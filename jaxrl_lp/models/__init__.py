@@ -4,13 +4,16 @@ from jaxrl_lp.models.blocks import unstack_layers
 from jaxrl_lp.models.cache import init_cache, unstack_cache
 from jaxrl_lp.models.config import PRESETS, ModelConfig, get_preset
 from jaxrl_lp.models.dense import dense_forward
-from jaxrl_lp.models.looped import ExitRule, LoopedOutput, exit_distribution, looped_forward
+from jaxrl_lp.models.loop import ExitRule, ExitSchedule, LoopSpec, exit_distribution
+from jaxrl_lp.models.looped import LoopedOutput, looped_forward
 from jaxrl_lp.models.model import CausalLM, forward, init_params, param_shapes
 
 __all__ = [
     "PRESETS",
     "CausalLM",
     "ExitRule",
+    "ExitSchedule",
+    "LoopSpec",
     "LoopedOutput",
     "ModelConfig",
     "dense_forward",

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Literal
+
+from jaxrl_lp.models.loop import ExitRule
 
 __all__ = ["ModelConfig", "PRESETS", "get_preset"]
 
@@ -35,6 +38,11 @@ class ModelConfig:
       bos_token_id / eos_token_id / pad_token_id: special ids (may coincide;
         the shipped Ouro config sets all three to 0).
       init_std: standard deviation of the random initialization.
+      exit_rule: a looped model's default exit rule and read-out (`full`,
+        `fixed:K`, `threshold:T`): what `CausalLM.__call__`, the sampler and
+        `jaxrl-lp sample` use unless told otherwise. An Ouro checkpoint sets it
+        from its `early_exit_step` / `early_exit_threshold` (`threshold:1.0`
+        when absent, as its reference code reads out); `full` for dense models.
     """
 
     family: Family = "qwen3"
@@ -56,6 +64,7 @@ class ModelConfig:
     eos_token_id: int | None = None
     pad_token_id: int | None = None
     init_std: float = 0.02
+    exit_rule: str = "full"
 
     def __post_init__(self):
         if self.family not in ("qwen3", "ouro"):
@@ -76,6 +85,24 @@ class ModelConfig:
             raise ValueError(f"ModelConfig.head_dim must be even for RoPE; got {self.head_dim}")
         if self.family == "qwen3" and self.loop_steps != 1:
             raise ValueError("ModelConfig.loop_steps must be 1 for the dense 'qwen3' family")
+        for f in ("rope_theta", "rms_eps", "init_std"):
+            v = getattr(self, f)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) \
+                    or v <= 0:
+                raise ValueError(f"ModelConfig.{f} must be a finite number > 0; got {v!r}")
+        for f in ("bos_token_id", "eos_token_id", "pad_token_id"):
+            v = getattr(self, f)  # any integer: some Hugging Face configs write -1 for "none"
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int)):
+                raise ValueError(f"ModelConfig.{f} must be None or an integer; got {v!r}")
+        try:
+            rule = ExitRule.parse(self.exit_rule)
+            rule.check(self.loop_steps)
+        except ValueError as e:
+            raise ValueError(f"ModelConfig.exit_rule: {e}") from None
+        if self.family == "qwen3" and rule.kind != "full":
+            raise ValueError(f"ModelConfig.exit_rule must be 'full' for the dense 'qwen3' family; "
+                             f"got {self.exit_rule!r}")
+        object.__setattr__(self, "exit_rule", str(rule))
 
     @property
     def is_looped(self) -> bool:
@@ -106,13 +133,13 @@ PRESETS: dict[str, ModelConfig] = {
         family="ouro", vocab_size=49152, hidden_size=2048, num_layers=24, num_heads=16,
         num_kv_heads=16, head_dim=128, intermediate_size=5632, rope_theta=1_000_000.0,
         rms_eps=1e-6, tie_embeddings=False, qk_norm=False, max_position_embeddings=65536,
-        loop_steps=4, bos_token_id=0, eos_token_id=0, pad_token_id=0,
+        loop_steps=4, bos_token_id=0, eos_token_id=0, pad_token_id=0, exit_rule="threshold:1.0",
     ),
     "ouro-2.6b": ModelConfig(
         family="ouro", vocab_size=49152, hidden_size=2048, num_layers=48, num_heads=16,
         num_kv_heads=16, head_dim=128, intermediate_size=5632, rope_theta=1_000_000.0,
         rms_eps=1e-6, tie_embeddings=False, qk_norm=False, max_position_embeddings=65536,
-        loop_steps=4, bos_token_id=0, eos_token_id=0, pad_token_id=0,
+        loop_steps=4, bos_token_id=0, eos_token_id=0, pad_token_id=0, exit_rule="threshold:1.0",
     ),
     # Qwen/Qwen3-0.6B config.json.
     "qwen3-0.6b": ModelConfig(

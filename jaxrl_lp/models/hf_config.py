@@ -15,6 +15,14 @@ Both are read; either is written (`dialect="4"` or `"5"`). The mapping is:
 | `llama` | `family="qwen3", qk_norm=False, attention_bias=False` |
 | `ouro` | `family="ouro", qk_norm=False, attention_bias=False`, `total_ut_steps` -> `loop_steps` |
 
+An Ouro config's `early_exit_step` / `early_exit_threshold` become the model's
+default `exit_rule` (`models.loop.exit_rule_from_hf`): the reference forward
+reads out at `early_exit_step` when set, else at the first loop step whose f32
+cumulative exit probability reaches `early_exit_threshold` (1.0 when absent;
+with saturated gates that happens before the last step). Saving writes the
+keys that make the reference read out by the config's rule
+(`exit_rule_to_hf`).
+
 Anything our model would compute differently from the checkpoint's own code is
 refused with an error naming the field (RoPE scaling, sliding-window layers,
 output-projection or MLP biases, activations other than SiLU) rather than
@@ -28,6 +36,7 @@ import os
 from typing import Any, Literal
 
 from jaxrl_lp.models.config import ModelConfig
+from jaxrl_lp.models.loop import exit_rule_from_hf, exit_rule_to_hf
 
 __all__ = ["SUPPORTED_MODEL_TYPES", "config_from_hf", "config_to_hf", "read_hf_config"]
 
@@ -183,6 +192,8 @@ def config_from_hf(cfg: dict[str, Any]) -> ModelConfig:
         pad_token_id=_first_id(cfg.get("pad_token_id")),
         init_std=float(cfg.get("initializer_range", 0.02)),
     )
+    if model_type == "ouro":
+        fields["exit_rule"] = exit_rule_from_hf(cfg, fields["loop_steps"])
     return ModelConfig(**fields)
 
 
@@ -214,8 +225,9 @@ def config_to_hf(
 
     Dense configs become `qwen3` (QK-norm), `qwen2` (q/k/v biases) or `llama`
     (neither), all loadable by `transformers.AutoModelForCausalLM`. Looped configs
-    become an `OuroConfig` dict (`model_type="ouro"`, `total_ut_steps`,
-    `early_exit_threshold=1.0`, i.e. run every loop step) with the `auto_map` of
+    become an `OuroConfig` dict (`model_type="ouro"`, `total_ut_steps`, and
+    `early_exit_step` / `early_exit_threshold` written from `config.exit_rule`,
+    so the reference forward reads out where ours does) with the `auto_map` of
     the released checkpoints, so the checkpoint loads with
     `trust_remote_code=True` once Ouro's `configuration_ouro.py` and
     `modeling_ouro.py` are copied next to it.
@@ -277,7 +289,7 @@ def config_to_hf(
         out.update(
             auto_map=dict(_OURO_AUTO_MAP),
             total_ut_steps=config.loop_steps,
-            early_exit_threshold=1.0,
+            **exit_rule_to_hf(config.exit_rule, config.loop_steps),
         )
     if dialect == "4":
         out.update(rope_theta=config.rope_theta, rope_scaling=None)

@@ -1,16 +1,15 @@
-"""The looped decoder (Ouro / LoopLM family) as a pure function, with exit rules.
+"""The looped decoder (Ouro / LoopLM family) as a pure function.
 
 A stack of L sandwich-norm layers is applied R times with shared weights. After
 each loop step r the final RMSNorm gives h_r, which is both the next step's
 input and the hidden state read out at step r. The exit gate gives
-`lambda_r = sigmoid(gate(h_r))` and the exit distribution
+`lambda_r = sigmoid(gate(h_r))` and the exit distribution of `models.loop`
+(computed as the steps run, in the reference code's order).
 
-    p_r = lambda_r * prod_{j<r} (1 - lambda_j)   for r < R - 1,
-    p_{R-1} = prod_{j<R-1} (1 - lambda_j)          (the remaining mass).
-
-Read-outs: `exit` (the logits of h at each token's exit step, chosen by an
-`ExitRule`; with the default rule `full` that is the last step, as the Hugging
-Face Ouro code does) and `expected` (the p-weighted mixture of every step's
+Read-outs: `exit` (the logits of h at each token's exit step, chosen by the
+`LoopSpec`'s exit rule or a recorded `ExitSchedule`; by default the model's
+own rule, `ModelConfig.exit_rule`, which for an Ouro checkpoint is the read-out
+of its reference code) and `expected` (the p-weighted mixture of every step's
 logits, the training read-out).
 
 Compute modes:
@@ -26,7 +25,6 @@ Loop steps are 0-based here: an exit step e means e + 1 loop steps were run.
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Literal, NamedTuple
 
 import jax
@@ -45,66 +43,10 @@ from jaxrl_lp.models.cache import write_positions
 from jaxrl_lp.models.config import ModelConfig
 from jaxrl_lp.models.dense import default_positions
 from jaxrl_lp.models.layers import dot, rms_norm
+from jaxrl_lp.models.loop import ExitSchedule, LoopSpec
 from jaxrl_lp.numerics.policy import Policy
 
-__all__ = ["ExitRule", "LoopedOutput", "exit_distribution", "looped_forward"]
-
-
-@dataclasses.dataclass(frozen=True)
-class ExitRule:
-    """Which loop step a token exits at.
-
-    kind: `full` (the last step), `fixed` (after `steps` loop steps, 1..R) or
-      `threshold` (the first step whose cumulative exit probability reaches
-      `threshold`, once at least `min_loops` steps have run; the last step if
-      none does).
-    String forms: `full`, `fixed:2`, `threshold:0.9`, `threshold:0.9:2`.
-    """
-
-    kind: Literal["full", "fixed", "threshold"] = "full"
-    steps: int = 0
-    threshold: float = 1.0
-    min_loops: int = 1
-
-    def __post_init__(self):
-        if self.kind not in ("full", "fixed", "threshold"):
-            raise ValueError(f"ExitRule.kind must be 'full', 'fixed' or 'threshold'; got {self.kind!r}")
-        if self.kind == "fixed" and self.steps < 1:
-            raise ValueError(f"ExitRule fixed(k) needs k >= 1 loop steps; got {self.steps}")
-        if self.kind == "threshold" and not 0.0 < self.threshold <= 1.0:
-            raise ValueError(f"ExitRule threshold must be in (0, 1]; got {self.threshold}")
-        if self.min_loops < 1:
-            raise ValueError(f"ExitRule.min_loops must be >= 1; got {self.min_loops}")
-
-    @classmethod
-    def parse(cls, spec: str | ExitRule) -> ExitRule:
-        if isinstance(spec, ExitRule):
-            return spec
-        parts = spec.split(":")
-        try:
-            if parts[0] == "full" and len(parts) == 1:
-                return cls("full")
-            if parts[0] == "fixed" and len(parts) == 2:
-                return cls("fixed", steps=int(parts[1]))
-            if parts[0] == "threshold" and len(parts) in (2, 3):
-                ml = int(parts[2]) if len(parts) == 3 else 1
-                return cls("threshold", threshold=float(parts[1]), min_loops=ml)
-        except ValueError as e:
-            raise ValueError(f"bad exit rule {spec!r}: {e}") from None
-        raise ValueError(
-            f"bad exit rule {spec!r}; use 'full', 'fixed:K' or 'threshold:T[:MIN_LOOPS]'"
-        )
-
-    def __str__(self) -> str:
-        if self.kind == "full":
-            return "full"
-        if self.kind == "fixed":
-            return f"fixed:{self.steps}"
-        return f"threshold:{self.threshold}:{self.min_loops}"
-
-    def check(self, loop_steps: int) -> None:
-        if self.kind == "fixed" and self.steps > loop_steps:
-            raise ValueError(f"exit rule fixed:{self.steps} exceeds the model's {loop_steps} loop steps")
+__all__ = ["LoopedOutput", "looped_forward"]
 
 
 class LoopedOutput(NamedTuple):
@@ -124,19 +66,32 @@ class LoopedOutput(NamedTuple):
     loop_evals: jax.Array
 
 
-def exit_distribution(lambdas_RxBxT: jax.Array) -> jax.Array:
-    """The exit distribution p [B, T, R] from per-step gate probabilities (module docstring)."""
-    r = lambdas_RxBxT.shape[0]
-    survive = jnp.cumprod(1.0 - lambdas_RxBxT, axis=0)
-    before = jnp.concatenate([jnp.ones_like(survive[:1]), survive[:-1]], axis=0)
-    p = jnp.where(jnp.arange(r)[:, None, None] < r - 1, lambdas_RxBxT * before, before)
-    return jnp.moveaxis(p, 0, -1)
-
-
 def _gate(params, hn_BxTxD, policy):
     acc = dot(hn_BxTxD, params["exit_gate"]["kernel"], policy)[..., 0]
     # The gate is read in f32: its bias and sigmoid decide exits, not activations.
     return jax.nn.sigmoid(acc + params["exit_gate"]["bias"].astype(jnp.float32)[0])
+
+
+class _LoopCarry(NamedTuple):
+    """The state carried from one loop step to the next (shapes per chunk of T tokens)."""
+
+    h: jax.Array  # [B, T, D] the next step's input (frozen for exited tokens in deferred mode)
+    k_last: jax.Array  # [L, B, T, K, Dh] each layer's K at the last step computed
+    v_last: jax.Array  # [L, B, T, K, Dh] each layer's V at the last step computed
+    exited: jax.Array  # [B, T] bool: the token has exited (in deferred mode: stopped computing)
+    exit_step: jax.Array  # [B, T] int32 0-based exit step (R - 1 until decided)
+    h_exit: jax.Array  # [B, T, D] the normed hidden state read out
+    remaining: jax.Array  # [B, T] f32 exit probability mass not yet assigned
+    cum: jax.Array  # [B, T] f32 cumulative exit probability
+    cache: dict | None  # the KV cache, written in place
+
+
+class _StepsState(NamedTuple):
+    """The `while_loop` state of an early-stopping (deferred) loop over steps."""
+
+    r: jax.Array  # [] int32 the next loop step
+    carry: _LoopCarry
+    pdf_RxBxT: jax.Array  # [R, B, T] f32 exit distribution (zeros at steps not computed)
 
 
 def looped_forward(
@@ -148,49 +103,44 @@ def looped_forward(
     cache: dict | None = None,
     cache_index: jax.Array | int = 0,
     *,
-    exit_rule: ExitRule | str = "full",
-    compute_mode: Literal["dense", "deferred"] = "dense",
-    exit_steps_BxT: jax.Array | None = None,
-    readout_steps_BxT: jax.Array | None = None,
+    loop: LoopSpec | None = None,
+    schedule: ExitSchedule | None = None,
     readout: Literal["exit", "expected"] = "exit",
     early_stop: bool = False,
-    active_BxT: jax.Array | None = None,
     remat: bool = False,
 ) -> LoopedOutput:
     """Logits of a looped decoder, reading and writing an optional [R, L, ...] KV cache.
 
+    Not jitted itself: it is traced inside the sampler's, the learner's and the
+    tests' jitted programs. `loop`, `readout`, `early_stop` and `remat` are
+    Python values that shape the program (static for the caller's jit);
+    `schedule` holds arrays.
+
     Args:
       params, cfg, policy, tokens_BxT, positions_BxT, cache, cache_index: as in
         `dense_forward`.
-      exit_rule: decides each token's exit step online (ignored when
-        `exit_steps_BxT` is given).
-      compute_mode: `dense` or `deferred` (module docstring).
-      exit_steps_BxT: a recorded schedule (0-based exit steps) to replay
-        instead of applying the rule.
-      readout_steps_BxT: the step each token is read out at, when it differs
-        from its exit step (a prompt's last token runs at full depth in deferred
-        mode but is read out where the rule said). Default: the exit step.
+      loop: the exit rule and compute mode (`models.loop.LoopSpec`); default
+        the model's own exit rule (`cfg.exit_rule`) in dense mode.
+      schedule: per-token schedule data (`ExitSchedule`): a recorded exit
+        schedule to replay instead of the rule (`depth_BxT`), read-out steps
+        that differ from it (`readout_BxT`), live sequences (`active_BxT`,
+        deferred mode only).
       readout: `exit` or `expected`.
       early_stop: in deferred mode, stop looping once every token has exited
         (a `lax.while_loop`: for sampling and replay, not differentiable).
-      active_BxT: bool, False for tokens of sequences that have finished. In
-        deferred mode such a token counts as exited before step 0: it is never
-        computed (its logits and cache slots are meaningless), so a finished
-        sequence does not hold the batch's loop. Ignored in dense mode.
       remat: recompute each layer's activations in the backward pass.
 
     Returns:
       A `LoopedOutput`.
     """
-    exit_rule = ExitRule.parse(exit_rule)
-    exit_rule.check(cfg.loop_steps)
-    if compute_mode not in ("dense", "deferred"):
-        raise ValueError(f"compute_mode must be 'dense' or 'deferred'; got {compute_mode!r}")
+    loop = (loop or LoopSpec()).resolve(cfg)
+    exit_rule = loop.rule
+    schedule = schedule or ExitSchedule()
     if readout not in ("exit", "expected"):
         raise ValueError(f"readout must be 'exit' or 'expected'; got {readout!r}")
-    if early_stop and (compute_mode != "deferred" or readout != "exit"):
+    if early_stop and (loop.compute_mode != "deferred" or readout != "exit"):
         raise ValueError("early_stop needs compute_mode='deferred' and readout='exit'")
-    deferred = compute_mode == "deferred"
+    deferred = loop.compute_mode == "deferred"
     R, L = cfg.loop_steps, cfg.num_layers
     b, t = tokens_BxT.shape
     cache_index = jnp.asarray(cache_index, jnp.int32)
@@ -206,11 +156,11 @@ def looped_forward(
     freeze = jax.lax.optimization_barrier(jnp.asarray(deferred))
 
     def decide(r, lam, remaining, cum):
-        """Exit decision at step r from the running exit distribution."""
+        """Exit decision at step r from the running exit distribution (reference order)."""
         p = jnp.where(r < R - 1, lam * remaining, remaining)
         cum = cum + p
-        if exit_steps_BxT is not None:
-            now = r == exit_steps_BxT
+        if schedule.depth_BxT is not None:
+            now = r == schedule.depth_BxT
         elif exit_rule.kind == "full":
             now = jnp.full((b, t), r == R - 1)
         elif exit_rule.kind == "fixed":
@@ -219,9 +169,8 @@ def looped_forward(
             now = ((cum >= exit_rule.threshold) & (r + 1 >= exit_rule.min_loops)) | (r == R - 1)
         return p, remaining * (1.0 - lam), cum, now
 
-    def loop_step(r, carry):
-        h, kl, vl, exited, exit_step, h_exit, remaining, cum, cache = carry
-        frozen = exited & freeze
+    def loop_step(r, c: _LoopCarry):
+        frozen = c.exited & freeze
 
         def layer(layer_carry, xs):
             h_l, ck, cv = layer_carry
@@ -233,7 +182,7 @@ def looped_forward(
             v = jnp.where(frozen[..., None, None], vl_l.astype(v.dtype), v)
             a, kv = attend(lp, q, k, v, positions_BxT, policy,
                            None if ck is None else (ck, cv), l, (r,), cache_index,
-                           None if cache is None else cache["pos"])
+                           None if c.cache is None else c.cache["pos"])
             ck, cv = (None, None) if kv is None else kv
             h_l = residual_add(h_l, rms_norm(a, lp["attn_norm_out"], cfg.rms_eps, policy), policy)
             m = mlp(lp, rms_norm(h_l, lp["mlp_norm_in"], cfg.rms_eps, policy), policy)
@@ -242,70 +191,68 @@ def looped_forward(
 
         if remat:
             layer = jax.checkpoint(layer)
-        ck = None if cache is None else cache["k"]
-        cv = None if cache is None else cache["v"]
-        (h_out, ck, cv), (k_all, v_all) = over_layers(layer, (h, ck, cv), params["layers"],
-                                                      (kl, vl))
+        ck = None if c.cache is None else c.cache["k"]
+        cv = None if c.cache is None else c.cache["v"]
+        (h_out, ck, cv), (k_all, v_all) = over_layers(layer, (c.h, ck, cv), params["layers"],
+                                                      (c.k_last, c.v_last))
         hn = rms_norm(h_out, params["final_norm"], cfg.rms_eps, policy)
         lam = _gate(params, hn, policy)
-        p, remaining, cum, now = decide(r, lam, remaining, cum)
-        newly = now & ~exited
-        read_now = newly if readout_steps_BxT is None else r == readout_steps_BxT
-        h_exit = jnp.where(read_now[..., None], hn, h_exit)
-        exit_step = jnp.where(newly, r, exit_step)
+        p, remaining, cum, now = decide(r, lam, c.remaining, c.cum)
+        newly = now & ~c.exited
+        read_now = newly if schedule.readout_BxT is None else r == schedule.readout_BxT
         # The next step's input: the normed state (f32 carrier when the residual is f32);
         # a frozen (deferred, exited) token keeps its state.
-        h_next = jnp.where(frozen[..., None], h, hn.astype(h.dtype))
-        if cache is not None:
-            cache = {**cache, "k": ck, "v": cv}
-        carry = (h_next, k_all, v_all, exited | newly, exit_step, h_exit, remaining, cum, cache)
+        carry = _LoopCarry(
+            h=jnp.where(frozen[..., None], c.h, hn.astype(c.h.dtype)),
+            k_last=k_all, v_last=v_all, exited=c.exited | newly,
+            exit_step=jnp.where(newly, r, c.exit_step),
+            h_exit=jnp.where(read_now[..., None], hn, c.h_exit),
+            remaining=remaining, cum=cum,
+            cache=None if c.cache is None else {**c.cache, "k": ck, "v": cv},
+        )
         return carry, (hn, p)
 
-    exited0 = jnp.zeros((b, t), bool) if active_BxT is None else ~active_BxT & freeze
-    carry0 = (
-        h0,
-        jnp.zeros(kv_shape, policy.carrier_dtype),
-        jnp.zeros(kv_shape, policy.carrier_dtype),
-        exited0,
-        jnp.full((b, t), R - 1, jnp.int32),
-        jnp.zeros((b, t, cfg.hidden_size), policy.carrier_dtype),
-        jnp.ones((b, t), jnp.float32),
-        jnp.zeros((b, t), jnp.float32),
-        cache,
+    active = schedule.active_BxT
+    carry0 = _LoopCarry(
+        h=h0,
+        k_last=jnp.zeros(kv_shape, policy.carrier_dtype),
+        v_last=jnp.zeros(kv_shape, policy.carrier_dtype),
+        exited=jnp.zeros((b, t), bool) if active is None else ~active & freeze,
+        exit_step=jnp.full((b, t), R - 1, jnp.int32),
+        h_exit=jnp.zeros((b, t, cfg.hidden_size), policy.carrier_dtype),
+        remaining=jnp.ones((b, t), jnp.float32),
+        cum=jnp.zeros((b, t), jnp.float32),
+        cache=cache,
     )
 
     if early_stop:
-        def cond(state):
-            r, carry, _ = state
-            return (r < R) & ~jnp.all(carry[3])
+        def cond(s: _StepsState):
+            return (s.r < R) & ~jnp.all(s.carry.exited)
 
-        def body(state):
-            r, carry, pdf = state
-            carry, (_, p) = loop_step(r, carry)
-            return r + 1, carry, pdf.at[r].set(p)
+        def body(s: _StepsState):
+            carry, (_, p) = loop_step(s.r, s.carry)
+            return _StepsState(s.r + 1, carry, s.pdf_RxBxT.at[s.r].set(p))
 
-        n, carry, pdf_R = jax.lax.while_loop(
-            cond, body, (jnp.zeros((), jnp.int32), carry0, jnp.zeros((R, b, t), jnp.float32))
-        )
-        cache = carry[-1]
+        n, carry, pdf_R = jax.lax.while_loop(cond, body, _StepsState(
+            jnp.zeros((), jnp.int32), carry0, jnp.zeros((R, b, t), jnp.float32)))
+        cache = carry.cache
         if cache is not None:
-            cache = _fill_deferred(cache, carry[1], carry[2], n, cache_index)
+            cache = _fill_deferred(cache, carry.k_last, carry.v_last, n, cache_index)
         hn_steps = None
     else:
         carry, (hn_steps, pdf_R) = jax.lax.scan(
             lambda c, r: loop_step(r, c), carry0, jnp.arange(R, dtype=jnp.int32)
         )
         n = jnp.asarray(R, jnp.int32)
-        cache = carry[-1]
+        cache = carry.cache
 
-    exit_steps, h_exit = carry[4], carry[5]
     pdf = jnp.moveaxis(pdf_R, 0, -1)
     if readout == "expected":
         logits_R = jax.vmap(lambda hn: lm_logits(params, hn, cfg, policy))(hn_steps)
         logits = jnp.einsum("rbtv,btr->btv", logits_R, pdf, precision=jax.lax.Precision.HIGHEST)
     else:
-        logits = lm_logits(params, h_exit, cfg, policy)
-    return LoopedOutput(logits, cache, exit_steps, pdf, n)
+        logits = lm_logits(params, carry.h_exit, cfg, policy)
+    return LoopedOutput(logits, cache, carry.exit_step, pdf, n)
 
 
 def _fill_deferred(cache, kl, vl, n_steps, cache_index):

@@ -21,7 +21,8 @@ from flax import nnx
 
 from jaxrl_lp.models.config import ModelConfig
 from jaxrl_lp.models.dense import dense_forward
-from jaxrl_lp.models.looped import ExitRule, LoopedOutput, looped_forward
+from jaxrl_lp.models.loop import MODEL_DEFAULT, ExitRule, ExitSchedule, LoopSpec
+from jaxrl_lp.models.looped import LoopedOutput, looped_forward
 from jaxrl_lp.numerics.policy import Policy
 
 __all__ = ["CausalLM", "forward", "init_params", "param_shapes"]
@@ -71,20 +72,25 @@ def init_params(cfg: ModelConfig, key: jax.Array) -> dict:
 
 def forward(params: dict, cfg: ModelConfig, policy: Policy | str, tokens_BxT: jax.Array,
             positions_BxT: jax.Array | None = None, cache: dict | None = None,
-            cache_index: jax.Array | int = 0, **looped_kwargs):
-    """Dispatches to `dense_forward` or `looped_forward`; returns (logits, cache[, LoopedOutput]).
+            cache_index: jax.Array | int = 0, *, loop: LoopSpec | None = None,
+            schedule: ExitSchedule | None = None, readout: str = "exit",
+            early_stop: bool = False, remat: bool = False):
+    """Dispatches to `dense_forward` or `looped_forward`; returns (logits, cache, LoopedOutput|None).
 
     For looped models the third element is the full `LoopedOutput` (exit steps,
-    exit distribution, loop evaluations); for dense models it is None.
+    exit distribution, loop evaluations); for dense models it is None. `loop`,
+    `schedule`, `readout` and `early_stop` are the looped forward's (see
+    `looped_forward`); a dense model ignores `loop` and refuses the others.
+    Not jitted itself; the options are Python values, static for the caller.
     """
     policy = Policy.parse(policy)
     if cfg.is_looped:
-        out: LoopedOutput = looped_forward(params, cfg, policy, tokens_BxT, positions_BxT, cache,
-                                           cache_index, **looped_kwargs)
+        out: LoopedOutput = looped_forward(
+            params, cfg, policy, tokens_BxT, positions_BxT, cache, cache_index, loop=loop,
+            schedule=schedule, readout=readout, early_stop=early_stop, remat=remat)
         return out.logits, out.cache, out
-    remat = looped_kwargs.pop("remat", False)
-    if looped_kwargs:
-        raise ValueError(f"options {sorted(looped_kwargs)} apply to looped models only")
+    if schedule is not None or readout != "exit" or early_stop:
+        raise ValueError("schedule, readout='expected' and early_stop apply to looped models only")
     logits, cache = dense_forward(params, cfg, policy, tokens_BxT, positions_BxT, cache,
                                   cache_index, remat=remat)
     return logits, cache, None
@@ -108,7 +114,8 @@ class CausalLM(nnx.Module):
       rngs: initialization randomness when `params` is None.
 
     Calling the model on int tokens [B, T] returns f32 logits [B, T, V]; looped
-    models read out after the last loop step, like the Hugging Face Ouro code.
+    models read out by `config.exit_rule` unless told otherwise, which for a
+    loaded Ouro checkpoint is where its reference code reads out.
     """
 
     def __init__(self, config: ModelConfig, params: dict | None = None, *,
@@ -126,11 +133,14 @@ class CausalLM(nnx.Module):
         """The parameter pytree as a plain nested dict of arrays."""
         return nnx.to_pure_dict(nnx.state(self, nnx.Param))
 
-    def __call__(self, tokens_BxT: jax.Array, *, exit_rule: ExitRule | str = "full",
+    def __call__(self, tokens_BxT: jax.Array, *, exit_rule: ExitRule | str = MODEL_DEFAULT,
                  readout: str = "exit") -> jax.Array:
-        kwargs = {"exit_rule": exit_rule, "readout": readout} if self.config.is_looped else {}
+        """Logits [B, T, V] f32; `exit_rule` and `readout` apply to looped models only."""
+        looped = self.config.is_looped
         logits, _, _ = forward(self.params(), self.config, self.policy,
-                               jnp.asarray(tokens_BxT, jnp.int32), **kwargs)
+                               jnp.asarray(tokens_BxT, jnp.int32),
+                               loop=LoopSpec(str(exit_rule)) if looped else None,
+                               readout=readout if looped else "exit")
         return logits
 
 

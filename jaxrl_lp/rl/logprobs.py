@@ -11,6 +11,14 @@
 - `hybrid`: `stop_gradient(replay) + (dense - stop_gradient(dense))`. The
   bracket is exactly 0.0 in value, so the value is replay's bits; its gradient
   is exactly the dense gradient.
+
+A rollout says how to read it: its `loop` (exit rule and compute mode) and
+`temperature` are what every function here computes with. A caller that
+passes `loop=` states what it expects, and a rollout sampled otherwise is
+refused (a deferred rollout read in dense mode is wrong by more than 1e-2 in
+log-prob, silently). None of these functions is jitted itself; the sampler's
+statics (`cfg`, `policy`, the rollout's `loop`/`temperature`) are static for the
+caller's jit.
 """
 
 from __future__ import annotations
@@ -23,6 +31,7 @@ import jax.numpy as jnp
 from jaxrl_lp.models.blocks import unstack_layers
 from jaxrl_lp.models.cache import init_cache, unstack_cache
 from jaxrl_lp.models.config import ModelConfig
+from jaxrl_lp.models.loop import MODEL_DEFAULT, ExitSchedule
 from jaxrl_lp.models.model import forward
 from jaxrl_lp.numerics.policy import Policy
 from jaxrl_lp.rollout.generate import Rollout
@@ -30,7 +39,7 @@ from jaxrl_lp.rollout.sampling import token_logprobs
 from jaxrl_lp.rollout.step import LoopSpec, decode_step, prefill
 
 __all__ = ["LogprobMethod", "dense_logprobs", "learner_logprobs", "prompt_positions",
-           "replay_logprobs"]
+           "replay_logprobs", "rollout_loop"]
 
 LogprobMethod = Literal["dense", "replay", "hybrid"]
 
@@ -42,21 +51,54 @@ def prompt_positions(prompt_BxP: jax.Array, lengths_B: jax.Array) -> jax.Array:
     return jnp.where(pos >= 0, pos, -1).astype(jnp.int32)
 
 
+def rollout_loop(ro: Rollout, cfg: ModelConfig, loop: LoopSpec | None = None) -> LoopSpec:
+    """The loop spec to read `ro` with: its own, checked against `cfg` and an expected `loop`.
+
+    Raises:
+      ValueError: the rollout was sampled with another loop spec than `loop`
+        (resolved against `cfg`), or is not one `cfg`'s model can replay.
+    """
+    spec = LoopSpec.parse(ro.loop)
+    if spec.exit_rule == MODEL_DEFAULT:
+        raise ValueError(f"rollout records an unresolved loop spec {spec}; a rollout from "
+                         "`generate` records the rule it ran")
+    try:
+        own = spec.resolve(cfg)
+    except ValueError as e:
+        raise ValueError(f"rollout sampled with loop spec {spec} cannot be read by this "
+                         f"model: {e}") from None
+    if own != spec:
+        raise ValueError(f"rollout sampled with loop spec {spec} cannot be read by this "
+                         f"{'looped' if cfg.is_looped else 'dense'} model (it reads {own})")
+    if loop is not None and LoopSpec.parse(loop).resolve(cfg) != own:
+        raise ValueError(
+            f"rollout was sampled with loop spec {own} but the learner was asked to compute "
+            f"{LoopSpec.parse(loop).resolve(cfg)}; a rollout's log-probs are taken with the "
+            "schedule it was sampled with: pass loop=None to read it from the rollout, or "
+            "sample with the spec the learner expects")
+    return own
+
+
 def _entropy(logits_xV: jax.Array, temperature: float) -> jax.Array:
     lp = jax.nn.log_softmax(logits_xV.astype(jnp.float32) / temperature, axis=-1)
     return -jnp.sum(jnp.exp(lp) * lp, axis=-1)
 
 
-def dense_logprobs(params: dict, cfg: ModelConfig, policy: Policy, loop: LoopSpec,
-                   ro: Rollout, *, remat: bool = False):
-    """Teacher-forced log-probs and entropies [B, N] from one parallel forward (differentiable)."""
+def dense_logprobs(params: dict, cfg: ModelConfig, policy: Policy, ro: Rollout, *,
+                   loop: LoopSpec | None = None, remat: bool = False):
+    """Teacher-forced log-probs and entropies [B, N] from one parallel forward (differentiable).
+
+    The forward applies the rollout's recorded schedule in its compute mode
+    (`rollout_loop`; `loop`, if given, must match it).
+    """
+    loop = rollout_loop(ro, cfg, loop)
     b, p = ro.prompt_tokens.shape
     n = ro.completion_tokens.shape[1]
     tokens = jnp.concatenate([ro.prompt_tokens, ro.completion_tokens], axis=1)
     positions = jnp.concatenate(
         [prompt_positions(ro.prompt_tokens, ro.prompt_lengths),
          ro.prompt_lengths[:, None] + jnp.arange(n, dtype=jnp.int32)[None]], axis=1)
-    kwargs = {"remat": remat}
+    schedule = None
     if cfg.is_looped:
         full = jnp.full((b, p + n), cfg.loop_steps - 1, jnp.int32)
         # Position P-1+j reads out completion token j at its recorded exit step.
@@ -64,22 +106,25 @@ def dense_logprobs(params: dict, cfg: ModelConfig, policy: Policy, loop: LoopSpe
         # Compute depth: prompt tokens run at full depth; completion token j-1
         # (at position P+j-1) stopped where the step that produced token j did.
         depth = jax.lax.dynamic_update_slice(full, ro.exit_steps[:, 1:], (0, p))
-        kwargs.update(compute_mode=loop.compute_mode, exit_steps_BxT=depth,
-                      readout_steps_BxT=readout)
-    logits, _, _ = forward(params, cfg, policy, tokens, positions, **kwargs)
+        schedule = ExitSchedule(depth_BxT=depth, readout_BxT=readout)
+    logits, _, _ = forward(params, cfg, policy, tokens, positions,
+                           loop=loop if cfg.is_looped else None, schedule=schedule, remat=remat)
     logits = logits[:, p - 1:p - 1 + n]
     t = ro.temperature
     return token_logprobs(logits, ro.completion_tokens, t), _entropy(logits, t)
 
 
-def replay_logprobs(params: dict, cfg: ModelConfig, policy: Policy, loop: LoopSpec,
-                    ro: Rollout) -> jax.Array:
+def replay_logprobs(params: dict, cfg: ModelConfig, policy: Policy, ro: Rollout, *,
+                    loop: LoopSpec | None = None) -> jax.Array:
     """The sampler's computation replayed over the recorded tokens and schedule: [B, N].
 
     Bit-equal to `ro.logprobs` on the completion mask when `params` and
-    `policy` are the sampler's. Differentiable except in deferred mode (its
-    early-stopping loop is a `while_loop`); use `hybrid` for gradients there.
+    `policy` are the sampler's (under another policy it is the learner's own
+    decode computation, which is how an unmatched learner measures the
+    mismatch). Differentiable except in deferred mode (its early-stopping loop
+    is a `while_loop`); use `hybrid` for gradients there.
     """
+    loop = rollout_loop(ro, cfg, loop)
     b, p = ro.prompt_tokens.shape
     n = ro.completion_tokens.shape[1]
     params = unstack_layers(params)  # as the sampler (`generate`) decodes
@@ -101,20 +146,27 @@ def replay_logprobs(params: dict, cfg: ModelConfig, policy: Policy, loop: LoopSp
     return jnp.concatenate([lp0[:, None], rest.T], axis=1)
 
 
-def learner_logprobs(params: dict, cfg: ModelConfig, policy: Policy, loop: LoopSpec,
-                     ro: Rollout, method: LogprobMethod = "hybrid", *, remat: bool = False):
+def learner_logprobs(params: dict, cfg: ModelConfig, policy: Policy, ro: Rollout,
+                     method: LogprobMethod = "hybrid", *, loop: LoopSpec | None = None,
+                     remat: bool = False):
     """Log-probs [B, N] (and entropies [B, N], from the dense forward; zeros for replay).
 
     Args:
+      params, cfg, policy: the learner's weights, model and numerics.
+      ro: the rollout; its loop spec and temperature are used (`rollout_loop`).
       method: `dense`, `replay` or `hybrid` (module docstring).
+      loop: the loop spec the caller expects the rollout to have (checked), or
+        None to take the rollout's.
+      remat: recompute layer activations in the dense backward.
     """
+    rollout_loop(ro, cfg, loop)  # refuses a rollout sampled otherwise than expected
     if method == "replay":
-        return replay_logprobs(params, cfg, policy, loop, ro), jnp.zeros(ro.logprobs.shape)
-    dense, entropy = dense_logprobs(params, cfg, policy, loop, ro, remat=remat)
+        return replay_logprobs(params, cfg, policy, ro), jnp.zeros(ro.logprobs.shape)
+    dense, entropy = dense_logprobs(params, cfg, policy, ro, remat=remat)
     if method == "dense":
         return dense, entropy
     if method != "hybrid":
         raise ValueError(f"log-prob method must be 'dense', 'replay' or 'hybrid'; got {method!r}")
     # stop_gradient on the *input*: a JVP-traced replay compiles differently (1 ulp off the sampler).
-    replay = jax.lax.stop_gradient(replay_logprobs(jax.lax.stop_gradient(params), cfg, policy, loop, ro))
+    replay = jax.lax.stop_gradient(replay_logprobs(jax.lax.stop_gradient(params), cfg, policy, ro))
     return replay + (dense - jax.lax.stop_gradient(dense)), entropy

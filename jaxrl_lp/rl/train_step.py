@@ -17,7 +17,7 @@ from jaxrl_lp.models.config import ModelConfig
 from jaxrl_lp.models.model import forward
 from jaxrl_lp.numerics.policy import Policy
 from jaxrl_lp.rl.corrections import correction_weights
-from jaxrl_lp.rl.logprobs import learner_logprobs
+from jaxrl_lp.rl.logprobs import learner_logprobs, rollout_loop
 from jaxrl_lp.rl.loss import LossConfig, loss_denominator, policy_loss, select_anchor
 from jaxrl_lp.rollout.generate import Rollout
 from jaxrl_lp.rollout.step import LoopSpec
@@ -53,21 +53,31 @@ def _apply_if_finite(optimizer, grads, opt_state, params, loss):
     return keep(new_params, params), keep(new_opt, opt_state), ok
 
 
-def make_grpo_step(cfg: ModelConfig, policy: Policy, loop: LoopSpec, loss_cfg: LossConfig,
-                   optimizer: optax.GradientTransformation, *, method: str = "hybrid",
+def make_grpo_step(cfg: ModelConfig, policy: Policy, loss_cfg: LossConfig,
+                   optimizer: optax.GradientTransformation, *, loop: LoopSpec | None = None,
+                   sampler_policy: Policy | str | None = None, method: str = "hybrid",
                    micro_batches: int = 1, remat: bool = False):
     """Builds `step(params, opt_state, rollout, advantages_B, old_logp_BxN, ref_logp_BxN, served)`.
 
-    The returned function is jitted; `params` and `opt_state` are donated. One
-    call is one optimizer update on one minibatch. Loss denominators,
-    correction weights and the token count are computed on the whole
-    minibatch, then gradients are accumulated over `micro_batches` row slices,
-    so the update does not depend on the split.
+    The returned function is jitted; `params` and `opt_state` are donated. The
+    rollout's static fields (policy, loop spec, temperature) are static: a
+    rollout sampled otherwise compiles anew (after the checks below). Called
+    by the training program and the studies. One call is one optimizer update
+    on one minibatch. Loss denominators, correction weights and the token
+    count are computed on the whole minibatch, then gradients are accumulated
+    over `micro_batches` row slices, so the update does not depend on the split.
+
+    Rollouts are checked when the step is traced: their loop spec must be
+    `loop` (when given; the learner replays the rollout's own schedule in any
+    case) and their policy `sampler_policy` (default: the learner's `policy`,
+    i.e. matched sampler and learner); a mismatch is a ValueError naming both.
 
     Args:
-      cfg, policy, loop: the learner's model, numerics and looped schedule mode.
+      cfg, policy: the learner's model and numerics.
       loss_cfg: the GRPO loss.
       optimizer: an optax transformation.
+      loop: the loop spec the rollouts must have been sampled with (or None).
+      sampler_policy: the policy the rollouts must have been sampled under.
       method: learner log-probs, `dense` or `hybrid` (`replay` has no
         gradient in deferred mode).
       micro_batches: gradient-accumulation slices.
@@ -83,16 +93,23 @@ def make_grpo_step(cfg: ModelConfig, policy: Policy, loop: LoopSpec, loss_cfg: L
     def mb_loss(params, mb, adv, anchor, keep, weights, denom, ref, num_tokens, served):
         if served is not None:
             params = straight_through_served(params, served)
-        logp, ent = learner_logprobs(params, cfg, policy, loop, mb, method, remat=remat)
+        logp, ent = learner_logprobs(params, cfg, policy, mb, method, remat=remat)
         loss, m = policy_loss(logp, anchor, adv, keep, weights, denom, loss_cfg, ref,
                               num_tokens=num_tokens)
         m = dict(m, entropy=jnp.sum(ent * keep) / num_tokens)
         return loss, m
 
     grad_fn = jax.value_and_grad(mb_loss, has_aux=True)
+    want_policy = str(Policy.parse(policy if sampler_policy is None else sampler_policy))
 
     def step(params, opt_state, ro: Rollout, adv_B, old_logp_BxN, ref_logp_BxN=None,
              served=None):
+        rollout_loop(ro, cfg, loop)
+        if ro.policy != want_policy:
+            raise ValueError(
+                f"rollout was sampled under policy {ro.policy!r} but this learner step was built "
+                f"for rollouts of {want_policy!r}; build it with sampler_policy={ro.policy!r} "
+                "(an unmatched learner) or sample under the expected policy")
         weights, keep, cmetrics = correction_weights(old_logp_BxN, ro.logprobs,
                                                      ro.completion_mask, loss_cfg)
         anchor = select_anchor(old_logp_BxN, ro.logprobs, loss_cfg)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -44,7 +45,8 @@ class Rollout:
       loop_evals: [] int32 loop-step evaluations of the decode steps (counted).
       weights_version: [] int32 learner step whose weights sampled this.
       policy: the sampler's precision policy string (static).
-      loop: the looped-model `LoopSpec` as `exit_rule/compute_mode` (static).
+      loop: the `LoopSpec` the rollout was sampled with, resolved (static):
+        the learner replays `exit_steps` with it and refuses another.
       temperature: the temperature the log-probs were taken at (static).
     """
 
@@ -57,7 +59,8 @@ class Rollout:
     loop_evals: jax.Array
     weights_version: jax.Array
     policy: str = dataclasses.field(default="fp32", metadata={"static": True})
-    loop: str = dataclasses.field(default="full/dense", metadata={"static": True})
+    loop: LoopSpec = dataclasses.field(default=LoopSpec("full", "dense"),
+                                       metadata={"static": True})
     temperature: float = dataclasses.field(default=1.0, metadata={"static": True})
 
 
@@ -91,10 +94,28 @@ def pad_prompts(prompts: Sequence[Sequence[int]], pad_id: int, bucket: bool = Tr
     return toks, pos, lengths
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "policy", "loop", "sampling", "max_new_tokens", "eos_id",
-                          "pad_id"))
+class _DecodeState(NamedTuple):
+    """The decode `while_loop` state (B sequences, N new tokens at most)."""
+
+    i: jax.Array  # [] int32 index of the token being generated
+    token: jax.Array  # [B] int32 the last token (fed back next)
+    done: jax.Array  # [B] bool the sequence has produced EOS
+    cache: dict  # the KV cache
+    key: jax.Array  # the sampling PRNG key
+    loop_evals: jax.Array  # [] int32 loop-step evaluations so far
+    tokens: jax.Array  # [B, N] int32 generated tokens (pad after EOS)
+    logprobs: jax.Array  # [B, N] f32 sampler log-probs
+    exit_steps: jax.Array  # [B, N] int32 exit step of the forward that produced each token
+    mask: jax.Array  # [B, N] f32 1 on generated tokens
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "policy", "loop", "sampling",
+                                             "max_new_tokens", "eos_id", "pad_id"))
 def _generate(params, prompt_BxP, positions_BxP, lengths_B, key, version, *, cfg, policy, loop,
               sampling, max_new_tokens, eos_id, pad_id):
+    """The jitted sampler. Static (a new value compiles anew): `cfg`, `policy`, `loop`,
+    `sampling`, `max_new_tokens`, `eos_id`, `pad_id`, and the shapes of the prompt
+    arrays (bucketed by `pad_prompts`). Nothing is donated. Traced by `generate` only."""
     b, p = prompt_BxP.shape
     n = max_new_tokens
     # Sliced once, here: inside the loop a scan over stacked weights copies them every step.
@@ -103,42 +124,39 @@ def _generate(params, prompt_BxP, positions_BxP, lengths_B, key, version, *, cfg
     logits, cache, exit0, _ = prefill(params, cfg, policy, loop, prompt_BxP, positions_BxP, cache)
     key, sub = jax.random.split(key)
     tok, lp = sample_tokens(logits, sub, sampling)
-    done = jnp.zeros((b,), bool) if eos_id is None else tok == eos_id
-    buf_tok = jnp.full((b, n), pad_id, jnp.int32).at[:, 0].set(tok)
-    buf_lp = jnp.zeros((b, n), jnp.float32).at[:, 0].set(lp)
-    buf_exit = jnp.zeros((b, n), jnp.int32).at[:, 0].set(exit0)
-    buf_mask = jnp.zeros((b, n), jnp.float32).at[:, 0].set(1.0)
 
-    def cond(s):
-        i, done = s[0], s[2]
-        return (i < n) & ~jnp.all(done)
+    def cond(s: _DecodeState):
+        return (s.i < n) & ~jnp.all(s.done)
 
-    def body(s):
-        i, tok, done, cache, key, evals, buf_tok, buf_lp, buf_exit, buf_mask = s
-        pos = lengths_B + i - 1
-        logits, cache, exits, ev = decode_step(params, cfg, policy, loop, tok, pos, cache,
-                                               p + i - 1, active_B=~done)
-        key, sub = jax.random.split(key)
+    def body(s: _DecodeState):
+        pos = lengths_B + s.i - 1
+        logits, cache, exits, ev = decode_step(params, cfg, policy, loop, s.token, pos, s.cache,
+                                               p + s.i - 1, active_B=~s.done)
+        key, sub = jax.random.split(s.key)
         new, lp = sample_tokens(logits, sub, sampling)
-        new = jnp.where(done, pad_id, new)
-        live = (~done).astype(jnp.float32)
-        buf_tok = buf_tok.at[:, i].set(new)
-        buf_lp = buf_lp.at[:, i].set(lp * live)
-        buf_exit = buf_exit.at[:, i].set(jnp.where(done, 0, exits))
-        buf_mask = buf_mask.at[:, i].set(live)
-        if eos_id is not None:
-            done = done | (new == eos_id)
-        return (i + 1, new, done, cache, key, evals + ev, buf_tok, buf_lp, buf_exit, buf_mask)
+        new = jnp.where(s.done, pad_id, new)
+        live = (~s.done).astype(jnp.float32)
+        done = s.done if eos_id is None else s.done | (new == eos_id)
+        return _DecodeState(
+            i=s.i + 1, token=new, done=done, cache=cache, key=key, loop_evals=s.loop_evals + ev,
+            tokens=s.tokens.at[:, s.i].set(new), logprobs=s.logprobs.at[:, s.i].set(lp * live),
+            exit_steps=s.exit_steps.at[:, s.i].set(jnp.where(s.done, 0, exits)),
+            mask=s.mask.at[:, s.i].set(live))
 
-    state = (jnp.int32(1), tok, done, cache, key, jnp.int32(0), buf_tok, buf_lp, buf_exit,
-             buf_mask)
-    state = jax.lax.while_loop(cond, body, state)
-    _, _, _, _, _, evals, buf_tok, buf_lp, buf_exit, buf_mask = state
+    state = _DecodeState(
+        i=jnp.int32(1), token=tok,
+        done=jnp.zeros((b,), bool) if eos_id is None else tok == eos_id,
+        cache=cache, key=key, loop_evals=jnp.int32(0),
+        tokens=jnp.full((b, n), pad_id, jnp.int32).at[:, 0].set(tok),
+        logprobs=jnp.zeros((b, n), jnp.float32).at[:, 0].set(lp),
+        exit_steps=jnp.zeros((b, n), jnp.int32).at[:, 0].set(exit0),
+        mask=jnp.zeros((b, n), jnp.float32).at[:, 0].set(1.0))
+    s = jax.lax.while_loop(cond, body, state)
     return Rollout(
-        prompt_tokens=prompt_BxP, prompt_lengths=lengths_B, completion_tokens=buf_tok,
-        completion_mask=buf_mask, logprobs=buf_lp, exit_steps=buf_exit, loop_evals=evals,
-        weights_version=jnp.asarray(version, jnp.int32), policy=str(policy),
-        loop=f"{loop.exit_rule}/{loop.compute_mode}", temperature=sampling.temperature,
+        prompt_tokens=prompt_BxP, prompt_lengths=lengths_B, completion_tokens=s.tokens,
+        completion_mask=s.mask, logprobs=s.logprobs, exit_steps=s.exit_steps,
+        loop_evals=s.loop_evals, weights_version=jnp.asarray(version, jnp.int32),
+        policy=str(policy), loop=loop, temperature=sampling.temperature,
     )
 
 
@@ -177,7 +195,9 @@ def generate(
       num_samples: G completions per prompt.
       eos_id: the end-of-sequence id, or None.
       pad_id: filler for padding and finished sequences.
-      loop: exit rule and compute mode (looped models).
+      loop: exit rule and compute mode (looped models); the default runs the
+        model's own exit rule (`cfg.exit_rule`) in dense mode. The rollout
+        records it resolved.
       key: PRNG key for sampling (required unless greedy).
       weights_version: recorded in the rollout.
 
@@ -192,6 +212,7 @@ def generate(
     if num_samples < 1:
         raise ValueError(f"num_samples must be >= 1; got {num_samples}")
     policy = Policy.parse(policy)
+    loop = LoopSpec.parse(loop).resolve(cfg)
     # The bucket is capped so that prompt slots plus new tokens fit the context.
     toks, pos, lengths = pad_prompts(prompts, pad_id,
                                      max_len=cfg.max_position_embeddings - max_new_tokens)
