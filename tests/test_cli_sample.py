@@ -50,9 +50,17 @@ def test_sample_from_checkpoint_directory_equals_preset(tmp_path, capsys):
     save_hf_checkpoint(tmp_path, cfg, init_params(cfg, jax.random.PRNGKey(0)))
     common = ["--greedy", "--prompt-ids", "1,5,9,14", "--max-new-tokens", "4", "--json"]
     assert main(["sample", "--checkpoint", str(tmp_path), *common]) == 0
-    from_ckpt = _json_lines(capsys.readouterr().out)
+    captured = capsys.readouterr()
+    from_ckpt = _json_lines(captured.out)
+    # The directory has no tokenizer.json: one warning line says so and how to pass one.
+    warning = captured.err.strip()
+    assert warning.startswith("jaxrl-lp sample: warning:") and "\n" not in warning
+    assert "no tokenizer.json" in warning and "character tokenizer" in warning
+    assert "--tokenizer" in warning
     assert main(["sample", "--preset", "tiny-qwen3", "--seed", "0", *common]) == 0
-    from_preset = _json_lines(capsys.readouterr().out)
+    captured = capsys.readouterr()
+    from_preset = _json_lines(captured.out)
+    assert "warning" not in captured.err  # a preset uses the character tokenizer by design
     assert len(from_ckpt) == 1 and from_ckpt[0]["completion_ids"] == from_preset[0]["completion_ids"]
     assert from_ckpt[0]["logprob"] == pytest.approx(from_preset[0]["logprob"], abs=1e-5)
 

@@ -10,23 +10,24 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
+from helpers import short_run
 
 from jaxrl_lp.cli.main import main as cli_main
 from jaxrl_lp.train import NonFiniteError, apply_overrides, default_config, run_train
 from jaxrl_lp.train.checkpoint import Checkpointer
 
 # A run small enough to compile and finish in seconds on 2 cores.
-SHORT = [
-    "model.hidden_size=32", "model.num_layers=1", "model.num_heads=2", "model.num_kv_heads=1",
-    "model.head_dim=16", "model.intermediate_size=64", "model.loop_steps=2",
-    "sft.steps=6", "sft.batch_size=16", "grpo.steps=6", "grpo.prompts_per_step=4",
-    "grpo.group_size=2", "run.eval_every=3", "run.eval_size=8", "run.checkpoint_every=2",
-    "run.progress=false",
-]
+SHORT = short_run()
 
 
 def _cfg(tmp_path, *extra):
     return apply_overrides(default_config(), [*SHORT, f"run.out_dir={tmp_path}", *extra])
+
+
+def _records(run_dir):
+    """metrics.jsonl without its wall-clock figures."""
+    recs = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [{k: v for k, v in r.items() if k != "tokens_per_s"} for r in recs]
 
 
 def _final_params(run_dir):
@@ -70,6 +71,9 @@ def test_sigkill_and_resume_is_bit_identical(tmp_path):
     _, p_cut = _final_params(cut_dir)
     jax.tree.map(np.testing.assert_array_equal, p_ref, p_cut)
     assert resumed["final_accuracy"] == summary["final_accuracy"]
+    # One record per step and phase across the kill: the records the killed run wrote past
+    # its last checkpoint were dropped and redone, so the log equals the uninterrupted one's.
+    assert _records(cut_dir) == _records(ref_dir)
     for name in ("metrics.jsonl", "summary.json", "reward.png", "accuracy.png", "mismatch.png"):
         assert (ref_dir / name).exists(), name
     assert list((ref_dir / "tb").glob("events.*"))
@@ -97,9 +101,17 @@ def test_warm_start_resumes_with_another_exporter_but_a_grpo_run_does_not(tmp_pa
         run_train(_cfg(tmp_path, "sync.exporter=bf16:nearest"))
 
 
-def test_nonfinite_steps_are_skipped_and_stop_the_run(tmp_path):
-    # A learning rate of inf makes every update non-finite from the first GRPO step.
-    cfg = _cfg(tmp_path, "sft.steps=0", "grpo.lr=inf", "grpo.max_nonfinite_in_row=2")
+def test_nonfinite_steps_are_skipped_and_stop_the_run(tmp_path, monkeypatch):
+    # A learning rate of inf makes every update non-finite from the first GRPO step. The
+    # config refuses grpo.lr=inf, so the GRPO optimizer is patched to use it.
+    import optax
+
+    from jaxrl_lp.train import program
+
+    optimizers = program._optimizers
+    monkeypatch.setattr(program, "_optimizers", lambda cfg: (optimizers(cfg)[0], optax.chain(
+        optax.clip_by_global_norm(1.0), optax.adam(float("inf")))))
+    cfg = _cfg(tmp_path, "sft.steps=0", "grpo.max_nonfinite_in_row=2")
     with pytest.raises(NonFiniteError, match="2 steps in a row"):
         run_train(cfg)
     step, params = _final_params(tmp_path)

@@ -1,1 +1,2 @@
-"""The `jaxrl-lp` command line: train, sft, sample, eval, convert, bench, study."""
+"""The `jaxrl-lp` command line: train, sft, sample, eval, convert, config,
+bench, study (plain `jaxrl-lp` prints help)."""

@@ -14,6 +14,8 @@ import importlib
 import json
 import sys
 
+from jaxrl_lp.cli.help import show_defaults
+
 TARGETS = ("sampler", "exactness")
 
 
@@ -40,6 +42,7 @@ def add_parser(subparsers) -> None:
         mod.add_arguments(sub)
         if hasattr(mod, "run"):
             sub.add_argument("--out", default=None, help="also write the JSON to this file")
+        show_defaults(sub)
         sub.set_defaults(bench_module=mod)
     parser.set_defaults(func=run, bench_parser=parser)
 

@@ -12,7 +12,7 @@ import argparse
 import importlib
 import sys
 
-SUBCOMMANDS = ("train", "sft", "sample", "eval", "convert", "bench", "study")
+SUBCOMMANDS = ("train", "sft", "sample", "eval", "convert", "config", "bench", "study")
 
 
 class UserError(Exception):
@@ -23,6 +23,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="jaxrl-lp",
         description="Low-precision RL for dense and looped language models in JAX.",
+        epilog="`jaxrl-lp train` runs the embedded default (a small looped model learns "
+               "arithmetic on CPU); `jaxrl-lp COMMAND --help` describes a command.",
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name in SUBCOMMANDS:
@@ -39,8 +41,9 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     parser = build_parser()
-    if not argv:
-        argv = ["train"]  # the embedded default: `jaxrl-lp` alone runs `jaxrl-lp train`
+    if not argv:  # plain `jaxrl-lp` explains itself rather than starting a run
+        parser.print_help()
+        return 0
     args = parser.parse_args(argv)
     if not getattr(args, "func", None):
         parser.print_help()

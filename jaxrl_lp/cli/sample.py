@@ -16,9 +16,11 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 
 import numpy as np
 
+from jaxrl_lp.cli.help import show_defaults
 from jaxrl_lp.cli.main import UserError
 
 SPECIALS_NOTE = "ids the tokenizer does not know are shown as [#id]"
@@ -43,14 +45,17 @@ def add_parser(subparsers) -> None:
                    help="tokenizer.json (or its directory), or 'char'; default: the "
                         "checkpoint's tokenizer.json, else the character tokenizer")
     p.add_argument("--no-bos", action="store_true", help="do not prepend the BOS token to text")
-    p.add_argument("--max-new-tokens", type=int, default=32)
+    p.add_argument("--max-new-tokens", type=int, default=32, help="completion budget per sample")
     p.add_argument("--num-samples", type=int, default=1, help="completions per prompt (G)")
     p.add_argument("--greedy", action="store_true", help="argmax decoding")
-    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--temperature", type=float, default=1.0,
+                   help="logits are divided by it (> 0; log-probs are recorded at it)")
     p.add_argument("--top-k", type=int, default=0, help="0 = off")
     p.add_argument("--top-p", type=float, default=1.0, help="1.0 = off")
-    p.add_argument("--exit-rule", default="full",
-                   help="looped models: full, fixed:K or threshold:T[:MIN_LOOPS]")
+    p.add_argument("--exit-rule", default="model",
+                   help="looped models: model (the checkpoint's own read-out: an Ouro "
+                        "config's early_exit_step/early_exit_threshold), full, fixed:K or "
+                        "threshold:T[:MIN_LOOPS]")
     p.add_argument("--compute-mode", default="dense", choices=("dense", "deferred"),
                    help="looped models: run every loop step, or stop each token at its exit")
     p.add_argument("--policy", default="fp32", help="precision policy, e.g. fp32, bf16")
@@ -59,6 +64,7 @@ def add_parser(subparsers) -> None:
                         "-1 for none)")
     p.add_argument("--out", default=None, metavar="FILE.npz", help="write the rollouts here")
     p.add_argument("--json", action="store_true", help="print one JSON object per completion")
+    show_defaults(p)
     p.set_defaults(func=run)
 
 
@@ -80,6 +86,12 @@ def _load_tokenizer(spec, checkpoint, vocab_size):
 
     if spec is None and checkpoint and os.path.isfile(os.path.join(checkpoint, "tokenizer.json")):
         spec = checkpoint
+    elif spec is None and checkpoint:
+        fits = CharTokenizer().vocab_size <= vocab_size
+        print(f"jaxrl-lp sample: warning: {checkpoint} has no tokenizer.json; "
+              + ("falling back to the built-in character tokenizer" if fits else
+                 "the character tokenizer does not fit its vocabulary, so text is shown as [#id]")
+              + " (pass --tokenizer PATH/tokenizer.json for the model's own)", file=sys.stderr)
     if spec is None or spec == "char":
         tok = CharTokenizer()
         if tok.vocab_size > vocab_size:
@@ -149,7 +161,8 @@ def run(args) -> int:
     sampling = SamplingConfig(greedy=args.greedy, temperature=args.temperature, top_k=args.top_k,
                               top_p=args.top_p)
     loop = LoopSpec(args.exit_rule, args.compute_mode)
-    if not cfg.is_looped and (args.exit_rule != "full" or args.compute_mode != "dense"):
+    if not cfg.is_looped and (args.exit_rule not in ("model", "full")
+                              or args.compute_mode != "dense"):
         raise UserError("--exit-rule and --compute-mode apply to looped models only")
     ro = generate(params, cfg, prompts, policy=args.policy, sampling=sampling,
                   max_new_tokens=args.max_new_tokens, num_samples=args.num_samples, eos_id=eos,
@@ -182,7 +195,7 @@ def run(args) -> int:
         arrays = {k: np.asarray(getattr(ro, k)) for k in (
             "prompt_tokens", "prompt_lengths", "completion_tokens", "completion_mask", "logprobs",
             "exit_steps", "loop_evals", "weights_version")}
-        np.savez(args.out, **arrays, policy=np.array(ro.policy), loop=np.array(ro.loop),
+        np.savez(args.out, **arrays, policy=np.array(ro.policy), loop=np.array(str(ro.loop)),
                  temperature=np.array(ro.temperature), texts=np.array(texts, dtype=str))
         if not args.json:
             print(f"wrote {comp.shape[0]} rollouts to {args.out}")

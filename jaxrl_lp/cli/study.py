@@ -12,16 +12,20 @@ Each prints its result as JSON and writes it (and plots) under `--out`
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import tempfile
+
+from jaxrl_lp.cli.help import show_defaults
 
 STUDIES = ("fair-cast", "ternary-export")
 
 
 def add_parser(sub) -> None:
     p = sub.add_parser("study", help="run a built-in numerics study (fair-cast, ternary-export)",
-                       description=__doc__.split("\n\n", 1)[1].split("\n\nEach")[0])
+                       description=__doc__.split("\n\n", 1)[1].split("\n\nEach")[0],
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("name", choices=STUDIES, help="the study")
     p.add_argument("--out", default=None, help="output directory (default runs/study-<name>)")
     p.add_argument("--steps", type=int, default=None,
@@ -29,13 +33,15 @@ def add_parser(sub) -> None:
     p.add_argument("--sft-steps", type=int, default=None,
                    help="warm-start steps (default: fair-cast the default config's, "
                         "ternary-export 2000)")
-    p.add_argument("--lr", type=float, default=None, help="fair-cast: GRPO learning rate (1e-6)")
+    p.add_argument("--lr", type=float, default=None, help="fair-cast: GRPO learning rate (default 1e-6)")
     p.add_argument("--arms", default=None,
-                   help="fair-cast: comma-separated subset of f32,nearest,stochastic,error_feedback")
+                   help="fair-cast: comma-separated subset of f32,nearest,stochastic,error_feedback "
+                        "(default: all)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="extra config override for every run of the study (repeatable)")
     p.add_argument("--quick", action="store_true", help="a tiny smoke version (seconds to minutes)")
     p.add_argument("--progress", action="store_true", help="show training progress bars")
+    show_defaults(p)
     p.set_defaults(func=run)
 
 

@@ -172,6 +172,25 @@ class GSM8KTask:
         """The evaluation records."""
         return self._split(heldout=True)
 
+    @functools.cached_property
+    def _lengths(self) -> tuple[int, int]:
+        """(longest prompt, longest SFT completion) in tokens over every record."""
+        records = [*self.records, *(self.heldout_records or ())]
+        prompt = max(len(self.prompt_ids(r)) for r in records)
+        answer = max(len(self.sft_example(r)[1]) for r in records)
+        return prompt, answer
+
+    @property
+    def max_completion_tokens(self) -> int:
+        """The longest reference completion in tokens, EOS included: the default budget
+        of a sampled completion (`grpo.max_new_tokens` overrides it)."""
+        return self._lengths[1]
+
+    @property
+    def max_sequence_length(self) -> int:
+        """The longest prompt plus the longest completion, in tokens: the SFT `seq_len`."""
+        return sum(self._lengths)
+
     def prompt_ids(self, record: dict[str, str]) -> list[int]:
         """BOS (if any) then the filled prompt template."""
         text = self.prompt_template.format(question=record["question"])

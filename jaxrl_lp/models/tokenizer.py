@@ -120,6 +120,52 @@ class CharTokenizer:
                 out.append(self.alphabet[i - len(self.SPECIALS)])
         return "".join(out)
 
+    def save(self, path: str | os.PathLike, model_max_length: int | None = None) -> list[str]:
+        """Writes this tokenizer as a Hugging Face `tokenizer.json` + `tokenizer_config.json`.
+
+        Built with the `tokenizers` library: a `WordLevel` vocabulary (the
+        specials, then the alphabet, so every id is ours), a pre-tokenizer
+        splitting the text into single characters (`[\\s\\S]`, newlines
+        included), no normalizer, no post-processor (nothing is added
+        implicitly) and a `Fuse` decoder (tokens joined without spaces).
+        `HFTokenizer.from_file` and `transformers.AutoTokenizer` read it back to
+        the same ids for every character and special, and the same special ids.
+        One difference remains: those readers match special tokens written as
+        text (`"<eos>"` encodes to id 2), where `encode` here spells them out.
+
+        Args:
+          path: output directory (created if needed).
+          model_max_length: recorded in `tokenizer_config.json` when given.
+
+        Returns:
+          The file names written.
+
+        Example:
+          >>> CharTokenizer().save("out/ckpt")
+          ['tokenizer.json', 'tokenizer_config.json']
+        """
+        from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
+        from tokenizers import Tokenizer as _Tokenizer
+
+        vocab = {s: i for i, s in enumerate(self.SPECIALS)} | dict(self._ids)
+        tok = _Tokenizer(models.WordLevel(vocab, unk_token=None))
+        tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
+        tok.decoder = decoders.Fuse()
+        tok.add_special_tokens([AddedToken(s, special=True, normalized=False)
+                                for s in self.SPECIALS])
+        path = os.fspath(path)
+        os.makedirs(path, exist_ok=True)
+        tok.save(os.path.join(path, "tokenizer.json"))
+        pad, bos, eos = self.SPECIALS
+        config = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": bos,
+                  "eos_token": eos, "pad_token": pad, "clean_up_tokenization_spaces": False}
+        if model_max_length is not None:
+            config["model_max_length"] = int(model_max_length)
+        with open(os.path.join(path, "tokenizer_config.json"), "w") as f:
+            json.dump(config, f, indent=2)
+            f.write("\n")
+        return ["tokenizer.json", "tokenizer_config.json"]
+
 
 def _token_content(value: Any) -> str | None:
     # tokenizer_config.json stores a special token as a string or as an

@@ -69,15 +69,11 @@ def restore_state(cfg: TrainConfig) -> tuple[dict, dict, Any, Any, SyncHooks]:
       training program's state (`params`, `opt_sft`, `opt_grpo`, `sync`), `hooks`
       the `SyncHooks` for `cfg.sync`.
     """
-    # The program's own builders, so the restored structure is exactly the one it saves.
-    from jaxrl_lp.train.program import _optimizers, _task_and_model
+    # The program's own builder, so the restored structure is exactly the one it saves.
+    from jaxrl_lp.train.program import initial_state
 
-    task, mcfg, params = _task_and_model(cfg)
-    lpol, spol = _policies(cfg)
-    hooks = SyncHooks(cfg.sync, mcfg, lpol, spol)
-    sft_opt, grpo_opt = _optimizers(cfg)
-    like = {"params": params, "opt_sft": sft_opt.init(params), "opt_grpo": grpo_opt.init(params),
-            "sync": hooks.init_state(params)}
+    plan, like, hooks = initial_state(cfg)
+    task, mcfg = plan.task, plan.model
     ckpt = Checkpointer(cfg.run.out_dir)
     try:
         if ckpt.latest_step() is None:

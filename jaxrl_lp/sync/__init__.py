@@ -8,6 +8,7 @@
 - `checks`: the seven sync checks and `run_sync_checks` -> `SyncReport`; `probe`: check 7
   and `probe_logprobs`; `report`: `CheckResult`, `SyncReport`, `SamplerState`.
 - `diagnostics`: update retention, staleness, ulp distance, KL, served progress.
+- `served_io`: the served copy on disk (`write_served`, `read_served`; docs/served_layout.md).
 """
 
 from jaxrl_lp.sync.checks import (
@@ -58,6 +59,7 @@ from jaxrl_lp.sync.layout import (
 )
 from jaxrl_lp.sync.probe import PROBE_ATOL, check_probe_logprobs, probe_logprobs
 from jaxrl_lp.sync.report import CheckResult, SamplerState, SyncReport
+from jaxrl_lp.sync.served_io import quantization_config, read_served, write_served
 from jaxrl_lp.sync.ternary import (
     TERNARY_PATHS,
     code_disagreement,
@@ -104,7 +106,9 @@ __all__ = [
     "probe_logprobs",
     "progress_init",
     "progress_update",
+    "quantization_config",
     "quantize",
+    "read_served",
     "run_sync_checks",
     "served_params_for_forward",
     "served_progress",
@@ -116,4 +120,5 @@ __all__ = [
     "ternary_fixed_point",
     "ulp_distance",
     "update_retention",
+    "write_served",
 ]

@@ -3,6 +3,18 @@
 Orbax writes each checkpoint into a temporary directory and renames it into
 place once complete, so a crash or a SIGKILL never leaves a half-written step:
 the latest finalized step is what a resumed run restores.
+
+Readers that need only part of a checkpoint (`jaxrl-lp eval`, `convert`) use
+`restore_params` / `restore_part`: an orbax partial restore, so they need
+neither the optimizers nor the sync settings the run was written with.
+
+A checkpoint damaged after it was written (a truncated or corrupted array
+file, a missing metadata file) fails to restore with `DamagedCheckpointError`,
+which names the step, its directory and what orbax found. A resuming run sets
+it aside (`set_aside`: renamed `<step>.damaged`, never deleted) and falls back
+to the newest intact step. A checkpoint that reads back whole but does not fit
+the run's state (another program version, say) is a plain ValueError: nothing
+is set aside for that.
 """
 
 from __future__ import annotations
@@ -15,17 +27,49 @@ from typing import Any
 import jax
 import orbax.checkpoint as ocp
 
-__all__ = ["Checkpointer"]
+__all__ = ["Checkpointer", "DamagedCheckpointError", "check_model"]
+
+
+class DamagedCheckpointError(ValueError):
+    """A checkpoint's files cannot be read back (truncated, corrupted or missing).
+
+    A ValueError, so the command line reports it as one line (exit 2).
+    """
+
+    def __init__(self, step: int, path: Path, reason: str):
+        self.step, self.path = step, path
+        super().__init__(f"checkpoint step {step} at {path} is damaged: {reason}")
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0][:200] if text else ''}"
 
 
 class Checkpointer:
     """Saves and restores `{"state": pytree, "meta": json}` under `<run_dir>/checkpoints`."""
 
-    def __init__(self, run_dir: str | Path, keep: int = 2):
+    def __init__(self, run_dir: str | Path, keep: int = 2, *, create: bool = True):
+        """Opens (with `create`, makes) `<run_dir>/checkpoints`.
+
+        Args:
+          run_dir: the run directory.
+          keep: checkpoints kept when saving.
+          create: False for readers: nothing is written, and a run directory
+            without checkpoints is a FileNotFoundError naming it.
+        """
         self.dir = Path(run_dir).absolute() / "checkpoints"
+        if not create:
+            if not Path(run_dir).is_dir():
+                raise FileNotFoundError(f"run directory {str(run_dir)!r} does not exist")
+            if not self.dir.is_dir() or not any(p.name.isdigit() for p in self.dir.iterdir()):
+                raise FileNotFoundError(
+                    f"run directory {str(run_dir)!r} has no checkpoints (no {self.dir}/<step>); "
+                    "train first (jaxrl-lp train/sft), or convert hf-to-run")
         self.manager = ocp.CheckpointManager(
-            self.dir, options=ocp.CheckpointManagerOptions(max_to_keep=keep, create=True),
+            self.dir, options=ocp.CheckpointManagerOptions(max_to_keep=keep, create=create),
         )
+        self._reader = None
 
     def latest_step(self) -> int | None:
         return self.manager.latest_step()
@@ -37,29 +81,183 @@ class Checkpointer:
 
     def latest_meta(self) -> dict:
         """The JSON metadata saved with the latest step."""
-        step = self.latest_step()
-        return self.manager.restore(step, args=ocp.args.Composite(
-            meta=ocp.args.JsonRestore()))["meta"]
+        return self.meta()
 
-    def restore(self, state_like: Any, model_config: Any) -> tuple[Any, dict]:
-        """Restores the latest step into the structure of `state_like`.
+    def restore(self, state_like: Any, model_config: Any,
+                step: int | None = None) -> tuple[Any, dict]:
+        """Restores `step` (default: the latest) into the structure of `state_like`.
 
-        Raises a ValueError when the checkpoint was written for another model.
+        Raises:
+          ValueError: the checkpoint was written for another model, or its
+            state does not have `state_like`'s structure.
+          DamagedCheckpointError: its files cannot be read back.
         """
-        step = self.latest_step()
-        meta = self.latest_meta()
-        want = json.loads(json.dumps(dataclasses.asdict(model_config)))
-        if meta.get("model") != want:
-            diff = {k: (meta.get("model", {}).get(k), v) for k, v in want.items()
-                    if meta.get("model", {}).get(k) != v}
-            raise ValueError(
-                f"checkpoint at {self.dir} was written for a different model "
-                f"(field: (checkpoint, config) = {diff}); use another --set run.out_dir "
-                "or the matching model config")
+        step = self.resolve_step(step)
+        meta = self.meta(step)
+        check_model(meta, model_config, self.dir)
         abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, state_like)
-        restored = self.manager.restore(step, args=ocp.args.Composite(
-            state=ocp.args.StandardRestore(abstract)))
+        try:
+            restored = self.manager.restore(step, args=ocp.args.Composite(
+                state=ocp.args.StandardRestore(abstract)))
+        except Exception as e:  # noqa: BLE001 - orbax/tensorstore raise plain Exception
+            if self._readable(step):
+                raise ValueError(
+                    f"checkpoint {self.dir / str(step)} does not hold the state this run "
+                    f"expects ({_first_line(e)}); it was written by another configuration or "
+                    "version: use another run.out_dir") from None
+            raise DamagedCheckpointError(step, self.dir / str(step), _first_line(e)) from None
         return restored["state"], meta
+
+    def _readable(self, step: int) -> bool:
+        """Whether every array of `step`'s state reads back in its own recorded structure."""
+        try:
+            tree = self._read_manager().item_metadata(step)["state"]
+            tree = getattr(tree, "tree", tree)
+            like = jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype), tree)
+            self.restore_part(like, step)
+            return True
+        except Exception:  # noqa: BLE001 - any failure to read is damage
+            return False
+
+    def set_aside(self, step: int) -> Path:
+        """Renames a damaged step's directory to `<step>.damaged` (kept for inspection)."""
+        src = self.dir / str(step)
+        dst = self.dir / f"{step}.damaged"
+        n = 1
+        while dst.exists():
+            n += 1
+            dst = self.dir / f"{step}.damaged-{n}"
+        src.rename(dst)
+        self.manager.reload()
+        if self._reader is not None:
+            self._reader.reload()
+        return dst
+
+    def steps(self) -> list[int]:
+        """The finalized checkpoint steps, ascending."""
+        return sorted(self.manager.all_steps())
+
+    def resolve_step(self, step: int | None = None) -> int:
+        """`step`, or the latest one when None; errors name the steps there are.
+
+        Raises:
+          FileNotFoundError: no checkpoint at all.
+          ValueError: no checkpoint at `step`.
+        """
+        steps = self.steps()
+        if not steps:
+            raise FileNotFoundError(f"no checkpoint in {self.dir}; train first or point at a "
+                                    "run directory")
+        if step is None:
+            return steps[-1]
+        if step not in steps:
+            raise ValueError(f"no checkpoint at step {step} in {self.dir}; it has steps {steps}")
+        return int(step)
+
+    def meta(self, step: int | None = None) -> dict:
+        """The JSON metadata saved with `step` (default: the latest).
+
+        Raises `DamagedCheckpointError` when it cannot be read.
+        """
+        step = self.resolve_step(step)
+        try:
+            return self.manager.restore(step, args=ocp.args.Composite(
+                meta=ocp.args.JsonRestore()))["meta"]
+        except Exception as e:  # noqa: BLE001 - a missing or torn metadata file
+            raise DamagedCheckpointError(step, self.dir / str(step), _first_line(e)) from None
+
+    def _read_manager(self) -> ocp.CheckpointManager:
+        """A manager whose `state` handler restores parts of trees (the saving one's cannot)."""
+        if self._reader is None:
+            registry = ocp.handlers.DefaultCheckpointHandlerRegistry()
+            registry.add("state", ocp.args.PyTreeRestore, ocp.PyTreeCheckpointHandler)
+            self._reader = ocp.CheckpointManager(
+                self.dir, options=ocp.CheckpointManagerOptions(create=False),
+                handler_registry=registry)
+        return self._reader
+
+    def restore_part(self, like: dict, step: int | None = None) -> dict:
+        """Restores only the parts of the saved state that `like` names (orbax partial restore).
+
+        Args:
+          like: a tree with some of the state's keys (`{"params": ...}`,
+            `{"sync": {"exporter": ...}}`), whose leaves give shapes and dtypes
+            (arrays or `jax.ShapeDtypeStruct`s).
+          step: the checkpoint step (default: the latest).
+
+        Returns:
+          The tree of `like` holding the saved arrays (on the default device).
+
+        Raises:
+          ValueError naming a part of `like` the checkpoint does not hold.
+        """
+        step = self.resolve_step(step)
+        device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+        abstract = jax.tree.map(
+            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=device), like)
+        partial = ocp.args.PyTreeRestore(
+            item=abstract, restore_args=ocp.checkpoint_utils.construct_restore_args(abstract),
+            partial_restore=True)
+        restored = self._read_manager().restore(
+            step, args=ocp.args.Composite(state=partial))["state"]
+        # A part the checkpoint lacks comes back as its placeholder, not as an error.
+        missing = [jax.tree_util.keystr(p) for p, x in jax.tree_util.tree_leaves_with_path(restored)
+                   if isinstance(x, jax.ShapeDtypeStruct)]
+        if missing:
+            raise ValueError(f"checkpoint {self.dir}/{step} does not hold {missing[:4]}")
+        return restored
+
+    def restore_params(self, step: int | None = None,
+                       model_config: Any = None) -> tuple[dict, dict]:
+        """The saved params alone, with the shapes and dtypes the checkpoint records.
+
+        Needs no model, optimizer or sync settings, so it reads any run (with or
+        without an exporter, warm-start or finished).
+
+        Args:
+          step: the checkpoint step (default: the latest).
+          model_config: when given, the checkpoint must have been written for it
+            (ValueError otherwise).
+
+        Returns:
+          `(params, meta)`: the f32 params tree and the step's JSON metadata.
+
+        Example:
+          >>> params, meta = Checkpointer("runs/default", create=False).restore_params()
+        """
+        step = self.resolve_step(step)
+        meta = self.meta(step)
+        if model_config is not None:
+            check_model(meta, model_config, self.dir)
+        try:
+            tree = self._read_manager().item_metadata(step)["state"]
+            tree = getattr(tree, "tree", tree)
+            like = {"params": jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype),
+                                           tree["params"])}
+            return self.restore_part(like, step)["params"], meta
+        except Exception as e:  # noqa: BLE001 - orbax/tensorstore raise plain Exception
+            raise DamagedCheckpointError(step, self.dir / str(step), _first_line(e)) from None
 
     def close(self) -> None:
         self.manager.close()
+        if self._reader is not None:
+            self._reader.close()
+
+
+def check_model(meta: dict, model_config: Any, where: Any = "the checkpoint") -> None:
+    """Raises a ValueError unless `meta["model"]` records `model_config`.
+
+    A field the checkpoint does not record (written before the field existed)
+    matches its default value.
+    """
+    want = json.loads(json.dumps(dataclasses.asdict(model_config)))
+    have = meta.get("model", {})
+    defaults = {f.name: json.loads(json.dumps(f.default)) for f in dataclasses.fields(model_config)
+                if f.default is not dataclasses.MISSING}
+    diff = {k: (have.get(k), v) for k, v in want.items()
+            if (have[k] if k in have else defaults.get(k)) != v}
+    if diff:
+        raise ValueError(
+            f"checkpoint at {where} was written for a different model "
+            f"(field: (checkpoint, config) = {diff}); use another --set run.out_dir, "
+            "or the config the run was made with (its config.json)")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import traceback
 import types
 import typing
 from pathlib import Path
@@ -11,17 +12,32 @@ from typing import Any, Literal
 
 from jaxrl_lp.models.config import ModelConfig
 from jaxrl_lp.rl.loss import LossConfig
+from jaxrl_lp.train.fields import (
+    check_bool,
+    check_choice,
+    check_int,
+    check_number,
+    check_str,
+    user_key,
+)
 from jaxrl_lp.train.sync_hooks import SyncConfig
 
 __all__ = ["GRPOConfig", "RunConfig", "SFTConfig", "SyncConfig", "TaskConfig", "TrainConfig",
-           "apply_overrides", "load_config"]
+           "apply_overrides", "config_from_dict", "load_config"]
 
 
 @dataclasses.dataclass(frozen=True)
 class TaskConfig:
     """The task: `arithmetic` (generated) or `gsm8k` (a local JSONL/parquet file at `path`).
 
-    `reverse_answer`: arithmetic answers are written least significant digit first.
+    Attributes:
+      kind: `arithmetic` (generated problems) or `gsm8k` (a local file; needs init_from).
+      ops: arithmetic: the operations, distinct characters from `+-*`.
+      max_digits: arithmetic: operands have up to this many digits (1..9).
+      reverse_answer: arithmetic answers are written least significant digit first.
+      pad_operands: arithmetic operands are zero-padded to max_digits.
+      path: gsm8k: the local JSONL or parquet file (question, answer with `#### final`).
+      seed: the order of the task's train and held-out splits.
     """
 
     kind: Literal["arithmetic", "gsm8k"] = "arithmetic"
@@ -33,20 +49,49 @@ class TaskConfig:
     seed: int = 0
 
     def __post_init__(self):
-        if self.kind not in ("arithmetic", "gsm8k"):
-            raise ValueError(f"task.kind must be 'arithmetic' or 'gsm8k'; got {self.kind!r}")
+        check_choice("task.kind", self.kind, ("arithmetic", "gsm8k"))
+        check_str("task.ops", self.ops, nonempty=True, what="operations from '+-*', e.g. '+-'")
+        check_int("task.max_digits", self.max_digits, minimum=1)
+        check_bool("task.reverse_answer", self.reverse_answer)
+        check_bool("task.pad_operands", self.pad_operands)
+        check_str("task.path", self.path)
+        check_int("task.seed", self.seed, minimum=0)
         if self.kind == "gsm8k" and not self.path:
-            raise ValueError("task.path must name a local GSM8K JSONL or parquet file")
+            raise ValueError("task.path must name a local GSM8K JSONL or parquet file "
+                             "(task.kind=gsm8k)")
+        if self.kind == "arithmetic":
+            if self.path:
+                raise ValueError(f"task.path={self.path!r} is read by task.kind=gsm8k only; "
+                                 "set task.kind=gsm8k or leave task.path empty")
+            from jaxrl_lp.data.arithmetic import ArithmeticTask
+
+            try:  # the task's own rules for ops and max_digits (it builds nothing yet)
+                ArithmeticTask(ops=self.ops, max_digits=self.max_digits, seed=self.seed)
+            except ValueError as e:
+                raise ValueError(str(e).replace("ArithmeticTask: ", "task.")) from None
 
 
 @dataclasses.dataclass(frozen=True)
 class SFTConfig:
-    """The supervised warm-start."""
+    """The supervised warm-start.
+
+    Attributes:
+      steps: warm-start steps (0: start GRPO from the initial weights).
+      batch_size: sequences per warm-start step.
+      lr: peak AdamW learning rate (linear warmup, then cosine decay to 0).
+      warmup_steps: learning-rate warmup steps (at most half of steps).
+    """
 
     steps: int = 300
     batch_size: int = 64
     lr: float = 3e-3
     warmup_steps: int = 20
+
+    def __post_init__(self):
+        check_int("sft.steps", self.steps, minimum=0)
+        check_int("sft.batch_size", self.batch_size, minimum=1)
+        check_number("sft.lr", self.lr, gt=0)
+        check_int("sft.warmup_steps", self.warmup_steps, minimum=0)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,14 +100,21 @@ class GRPOConfig:
 
     Attributes:
       steps: GRPO steps (each: sample, score, `mu` passes over `minibatches`).
-      prompts_per_step / group_size: the batch is prompts_per_step * group_size
-        sequences; group_size >= 2 (a group of 1 has no advantage signal).
+      prompts_per_step: prompts sampled per step; the batch is prompts_per_step * group_size.
+      group_size: completions per prompt, >= 2 (a group of 1 has no advantage signal).
       max_new_tokens: completion budget; 0 means the task's answer length + EOS.
-      lr, mu, minibatches, micro_batches: optimizer and batch structure.
+      lr: Adam learning rate (gradients clipped to global norm 1).
+      mu: passes over each step's batch.
+      minibatches: optimizer updates per pass (the batch is split into this many).
+      micro_batches: gradient-accumulation slices per minibatch (same result, less memory).
       advantage: `grpo`, `drgrpo` or `rloo`.
       logprobs: learner log-probs, `dense` or `hybrid`.
-      learner_policy / sampler_policy: precision policies (matched when equal).
-      exit_rule / compute_mode: the looped sampler's schedule.
+      learner_policy: the learner's precision policy, e.g. `fp32`, `bf16`, `p=f32,c=bf16`.
+      sampler_policy: the sampler's precision policy (matched when equal to the learner's).
+      exit_rule: the looped sampler's exit rule: `model` (the model's own default:
+        `model.exit_rule`, or an Ouro checkpoint's early-exit keys), `full`, `fixed:K`
+        or `threshold:T[:MIN_LOOPS]`.
+      compute_mode: `dense` (every loop step runs) or `deferred` (a token stops at its exit).
       temperature: sampling temperature.
       dynamic_sampling: drop zero-variance groups from the loss.
       max_nonfinite_in_row: stop the run after this many skipped steps in a row.
@@ -80,35 +132,60 @@ class GRPOConfig:
     logprobs: Literal["dense", "hybrid"] = "hybrid"
     learner_policy: str = "fp32"
     sampler_policy: str = "fp32"
-    exit_rule: str = "full"
+    exit_rule: str = "model"
     compute_mode: Literal["dense", "deferred"] = "dense"
     temperature: float = 1.0
     dynamic_sampling: bool = False
     max_nonfinite_in_row: int = 5
 
     def __post_init__(self):
-        if self.group_size < 2:
-            raise ValueError(
-                f"grpo.group_size must be >= 2 (got {self.group_size}): GRPO advantages compare "
-                "samples within a group, and a group of 1 has no signal")
-        if self.logprobs not in ("dense", "hybrid"):
-            raise ValueError(f"grpo.logprobs must be 'dense' or 'hybrid'; got {self.logprobs!r}")
-        if self.compute_mode not in ("dense", "deferred"):
-            raise ValueError(f"grpo.compute_mode must be 'dense' or 'deferred'; got "
-                             f"{self.compute_mode!r}")
+        check_int("grpo.steps", self.steps, minimum=0)
+        check_int("grpo.group_size", self.group_size, minimum=2,
+                  why=": GRPO advantages compare samples within a group, and a group of 1 has "
+                      "no signal")
+        for f in ("prompts_per_step", "mu", "minibatches", "micro_batches", "max_nonfinite_in_row"):
+            check_int(f"grpo.{f}", getattr(self, f), minimum=1)
+        check_int("grpo.max_new_tokens", self.max_new_tokens, minimum=0,
+                  why=" (0: the task's answer length)")
+        check_number("grpo.lr", self.lr, gt=0)
+        check_number("grpo.temperature", self.temperature, gt=0,
+                     why=" (it divides the logits; the sampler records log-probs at it)")
+        check_choice("grpo.advantage", self.advantage, ("grpo", "drgrpo", "rloo"))
+        check_choice("grpo.logprobs", self.logprobs, ("dense", "hybrid"))
+        check_choice("grpo.compute_mode", self.compute_mode, ("dense", "deferred"))
+        check_bool("grpo.dynamic_sampling", self.dynamic_sampling)
+        from jaxrl_lp.models.loop import LoopSpec
+        from jaxrl_lp.numerics.policy import Policy
+
+        for key, parse, value in (
+                ("grpo.learner_policy", Policy.parse, self.learner_policy),
+                ("grpo.sampler_policy", Policy.parse, self.sampler_policy),
+                ("grpo.exit_rule", lambda v: LoopSpec(v, self.compute_mode), self.exit_rule)):
+            try:
+                parse(value)
+            except (ValueError, TypeError) as e:
+                raise ValueError(f"{key}={value!r}: {e}") from None
         n = self.prompts_per_step * self.group_size
         if n % self.minibatches or (n // self.minibatches) % self.micro_batches:
             raise ValueError(
-                f"grpo batch of {n} sequences must split into minibatches={self.minibatches} "
-                f"of micro_batches={self.micro_batches} equal slices")
-        for f in ("steps", "prompts_per_step", "mu", "minibatches", "micro_batches"):
-            if getattr(self, f) < (0 if f == "steps" else 1):
-                raise ValueError(f"grpo.{f} must be positive; got {getattr(self, f)}")
+                f"grpo.minibatches={self.minibatches} / grpo.micro_batches={self.micro_batches}: "
+                f"the batch of {n} sequences (prompts_per_step x group_size) must split into "
+                "minibatches of micro_batches equal slices")
 
 
 @dataclasses.dataclass(frozen=True)
 class RunConfig:
-    """Where and how the run is recorded."""
+    """Where and how the run is recorded.
+
+    Attributes:
+      out_dir: the run directory (created; an existing run there is resumed).
+      seed: initial weights, data order and sampling keys.
+      eval_every: greedy held-out evaluation every this many GRPO steps.
+      eval_size: held-out problems per evaluation.
+      checkpoint_every: save a checkpoint every this many steps (and at the end).
+      keep_checkpoints: how many of the newest checkpoints to keep.
+      progress: show progress bars (warm-start and GRPO).
+    """
 
     out_dir: str = "runs/default"
     seed: int = 0
@@ -118,10 +195,28 @@ class RunConfig:
     keep_checkpoints: int = 2
     progress: bool = True
 
+    def __post_init__(self):
+        check_str("run.out_dir", self.out_dir, nonempty=True, what="a directory path")
+        check_int("run.seed", self.seed, minimum=0)
+        for f in ("eval_every", "eval_size", "checkpoint_every", "keep_checkpoints"):
+            check_int(f"run.{f}", getattr(self, f), minimum=1)
+        check_bool("run.progress", self.progress)
+
 
 @dataclasses.dataclass(frozen=True)
 class TrainConfig:
-    """Everything a `jaxrl-lp train` run needs. `init_from`: an HF checkpoint dir, else random."""
+    """Everything a `jaxrl-lp train` run needs.
+
+    Attributes:
+      model: the model (ignored when init_from is set: the checkpoint's config is used).
+      task: the task and its data.
+      sft: the supervised warm-start.
+      grpo: the RL phase.
+      loss: the policy loss.
+      sync: the served copy the sampler runs on.
+      run: where and how the run is recorded.
+      init_from: a Hugging Face checkpoint directory to start from ('': random weights).
+    """
 
     model: ModelConfig = ModelConfig()
     task: TaskConfig = TaskConfig()
@@ -131,6 +226,9 @@ class TrainConfig:
     sync: SyncConfig = SyncConfig()
     run: RunConfig = RunConfig()
     init_from: str = ""
+
+    def __post_init__(self):
+        check_str("init_from", self.init_from, what="a checkpoint directory or ''")
 
 
 def _convert(value: str, current: Any, hint: Any, key: str) -> Any:
@@ -153,7 +251,11 @@ def _convert(value: str, current: Any, hint: Any, key: str) -> Any:
                 raise ValueError("expected true or false")
             return value.lower() in ("true", "1")
         if kind in (int, float, str):
-            return kind(value)
+            try:
+                return kind(value)
+            except ValueError:
+                raise ValueError("expected an integer" if kind is int else "expected a number") \
+                    from None
     except ValueError as e:
         raise ValueError(f"--set {key}={value}: {e}") from None
     raise ValueError(f"--set {key}: cannot override a field of type {kind}")
@@ -181,7 +283,7 @@ def apply_overrides(cfg: Any, overrides: list[str]) -> Any:
     return _apply(cfg, tree)
 
 
-def _apply(obj: Any, tree: dict) -> Any:
+def _apply(obj: Any, tree: dict, prefix: str = "") -> Any:
     fields = {f.name: f for f in dataclasses.fields(obj)}
     hints = typing.get_type_hints(type(obj))
     changes = {}
@@ -194,17 +296,53 @@ def _apply(obj: Any, tree: dict) -> Any:
         if isinstance(sub, dict):
             if not dataclasses.is_dataclass(current):
                 raise ValueError(f"unknown config key: {name!r} is not a section")
-            changes[name] = _apply(current, sub)
+            changes[name] = _apply(current, sub, f"{prefix}{name}.")
         else:
             key, value = sub
             if dataclasses.is_dataclass(current):
                 raise ValueError(f"config key {key!r} is a section; set one of its fields")
             changes[name] = _convert(value, current, hints[name], key)
-    return dataclasses.replace(obj, **changes)
+    return _build(dataclasses.replace, obj, prefix, **changes)
+
+
+def _build(make, what: Any, prefix: str, **kwargs) -> Any:
+    """`make(what, **kwargs)`, with a library config's `ClassName.field` errors named `prefix.field`."""
+    try:
+        return make(what, **kwargs)
+    except ValueError as e:
+        cls = what if isinstance(what, type) else type(what)
+        raise ValueError(user_key(str(e), cls.__name__, prefix.rstrip("."))) from None
+
+
+def config_from_dict(data: dict, cls: type = None, where: str = "") -> Any:
+    """Rebuilds a config dataclass (default `TrainConfig`) from `dataclasses.asdict` output.
+
+    This reads the `config.json` a run directory records. Keys the dataclass
+    does not have are errors (a config written by another version); missing
+    keys take their defaults.
+    """
+    cls = cls or TrainConfig
+    if not isinstance(data, dict):
+        raise ValueError(f"config {where or '<root>'}: expected an object, got {type(data).__name__}")
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    hints = typing.get_type_hints(cls)
+    unknown = sorted(set(data) - set(fields))
+    if unknown:
+        raise ValueError(f"config {where or '<root>'}: unknown keys {unknown}; "
+                         f"{cls.__name__} has {sorted(fields)}")
+    kwargs = {}
+    for name, value in data.items():
+        hint = hints[name]
+        if dataclasses.is_dataclass(hint):
+            kwargs[name] = config_from_dict(value, hint, f"{where}{name}.")
+        else:
+            kwargs[name] = value
+    return _build(lambda c, **kw: c(**kw), cls, where, **kwargs)
 
 
 def load_config(path: str | None) -> TrainConfig:
-    """Loads `CONFIG` from a Python config file (see `configs/`), or the default config."""
+    """Loads a config: a Python file defining `CONFIG` (see `configs/`), a run's
+    `config.json`, or (no path) the embedded default."""
     if not path:
         from jaxrl_lp.train.defaults import default_config
 
@@ -212,9 +350,26 @@ def load_config(path: str | None) -> TrainConfig:
     p = Path(path)
     if not p.is_file():
         raise FileNotFoundError(f"config file {path!r} does not exist")
+    if p.suffix == ".json":
+        import json
+
+        try:
+            data = json.loads(p.read_text())
+        except json.JSONDecodeError as e:
+            raise ValueError(f"config file {path!r} is not valid JSON ({e})") from None
+        return config_from_dict(data)
     spec = importlib.util.spec_from_file_location(f"jaxrl_lp_config_{p.stem}", p)
     module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    try:
+        spec.loader.exec_module(module)
+    except SyntaxError as e:
+        raise ValueError(f"config file {path!r} line {e.lineno}: syntax error: {e.msg}") from None
+    except Exception as e:  # noqa: BLE001 - whatever the user's file raises is reported in one line
+        frames = [f for f in traceback.extract_tb(e.__traceback__)
+                  if Path(f.filename).resolve() == p.resolve()]
+        where = f" line {frames[-1].lineno}" if frames else ""
+        text = " ".join(str(e).split())
+        raise ValueError(f"config file {path!r}{where}: {type(e).__name__}: {text}") from None
     cfg = getattr(module, "CONFIG", None)
     if not isinstance(cfg, TrainConfig):
         raise ValueError(f"config file {path!r} must define CONFIG = TrainConfig(...)")

@@ -4,21 +4,57 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 
-__all__ = ["MetricsLogger", "plot_metrics"]
+__all__ = ["PANELS", "MetricsLogger", "PlotSpec", "plot_metrics", "plot_specs"]
 
 
 class MetricsLogger:
-    """Appends one JSON object per record to `metrics.jsonl` and mirrors scalars to TensorBoard."""
+    """Appends one JSON object per record to `metrics.jsonl` and mirrors scalars to TensorBoard.
 
-    def __init__(self, run_dir: str | Path):
-        from tensorboardX import SummaryWriter
+    `metrics.jsonl` is the run's record; `tb/` mirrors it. A resumed run
+    passes `keep_records`, the number of records that were written when its
+    checkpoint was saved (`lines`): the records after it (written by the
+    interrupted run past its last checkpoint, and about to be written again)
+    are dropped, and the TensorBoard events are rewritten from what is kept,
+    so both hold one record per step and phase across any number of resumes.
 
+    Args:
+      run_dir: the run directory.
+      keep_records: None for a new run; on resume, the records to keep.
+    """
+
+    def __init__(self, run_dir: str | Path, keep_records: int | None = None):
         self.run_dir = Path(run_dir)
         self.path = self.run_dir / "metrics.jsonl"
-        self.tb = SummaryWriter(str(self.run_dir / "tb"))
+        kept = self.records()
+        if keep_records is not None and keep_records < len(kept):
+            kept = kept[:keep_records]
+            tmp = self.path.with_suffix(".jsonl.tmp")
+            tmp.write_text("".join(json.dumps(r) + "\n" for r in kept))
+            tmp.replace(self.path)  # atomic: a kill leaves the old file or the new one
+        self.lines = len(kept)
+        tb_dir = self.run_dir / "tb"
+        if keep_records is not None and tb_dir.is_dir():
+            for old in tb_dir.glob("events.out.tfevents.*"):
+                old.unlink()
+        self.tb = self._writer()
+        if keep_records is not None:
+            for r in kept:
+                self._mirror(r["step"], r["phase"], r)
+
+    def _writer(self):
+        from tensorboardX import SummaryWriter
+
+        return SummaryWriter(str(self.run_dir / "tb"))
+
+    def _mirror(self, step: int, phase: str, metrics: dict) -> None:
+        for k, v in metrics.items():
+            if k in ("step", "phase") or v is None or not np.isfinite(float(v)):
+                continue
+            self.tb.add_scalar(f"{phase}/{k}", float(v), int(step))
 
     def log(self, step: int, phase: str, metrics: dict) -> None:
         rec = {"step": int(step), "phase": phase}
@@ -26,49 +62,88 @@ class MetricsLogger:
         rec.update({k: (float(v) if np.isfinite(float(v)) else None) for k, v in metrics.items()})
         with self.path.open("a") as f:
             f.write(json.dumps(rec) + "\n")
-        for k, v in metrics.items():
-            if not np.isfinite(float(v)):
-                continue
-            self.tb.add_scalar(f"{phase}/{k}", float(v), int(step))
+        self.lines += 1
+        self._mirror(step, phase, metrics)
 
     def records(self) -> list[dict]:
+        """Every record of `metrics.jsonl`, in order (a torn last line is skipped)."""
         if not self.path.exists():
             return []
-        return [json.loads(line) for line in self.path.read_text().splitlines() if line]
+        out = []
+        for line in self.path.read_text().splitlines():
+            try:
+                out.append(json.loads(line))
+            except json.JSONDecodeError:  # the tail of a write a kill cut short
+                break
+        return out
 
     def close(self) -> None:
         self.tb.close()
 
 
+class PlotSpec(NamedTuple):
+    """One PNG of the run directory: what `plot_metrics` draws, testable without drawing."""
+
+    name: str                                          # file name, e.g. "reward.png"
+    title: str
+    ylabel: str
+    yscale: str                                        # "linear" or "symlog"
+    series: dict[str, tuple[list[int], list[float]]]   # label -> (steps, values)
+
+
+# name, record phase, metric keys, title, y label, y scale
+PANELS = (
+    ("sft_loss.png", "sft", ["loss"], "warm-start (supervised) loss",
+     "cross-entropy (nats / answer token)", "linear"),
+    ("reward.png", "grpo", ["reward_mean"], "GRPO reward (train batch)", "mean reward", "linear"),
+    ("accuracy.png", "eval", ["accuracy"], "held-out accuracy (greedy)",
+     "accuracy (fraction correct)", "linear"),
+    # symlog: linear around 0, so steps where the two agree bit for bit sit exactly on 0.
+    ("mismatch.png", "grpo", ["mismatch_k3", "mismatch_max_abs_dlogp"],
+     "sampler vs learner log-probs (0 = exact agreement)",
+     "mismatch (0 = exact agreement)", "symlog"),
+)
+
+
+def plot_specs(records: list[dict]) -> list[PlotSpec]:
+    """The plots of a run's metric records (one `PlotSpec` per PNG, empty series included)."""
+    specs = []
+    for name, phase, keys, title, ylabel, yscale in PANELS:
+        series = {}
+        for k in keys:
+            pts = [(r["step"], r[k]) for r in records
+                   if r["phase"] == phase and r.get(k) is not None]
+            if pts:
+                steps, values = zip(*pts, strict=True)
+                series[k] = (list(steps), list(values))
+        specs.append(PlotSpec(name, title, ylabel, yscale, series))
+    return specs
+
+
 def plot_metrics(records: list[dict], out_dir: str | Path) -> list[Path]:
-    """Writes reward.png, accuracy.png and mismatch.png; returns their paths."""
+    """Writes sft_loss.png, reward.png, accuracy.png and mismatch.png; returns their paths."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     out_dir = Path(out_dir)
-    panels = {
-        "reward.png": ("grpo", ["reward_mean"], "reward (train batch)"),
-        "accuracy.png": ("eval", ["accuracy"], "held-out accuracy (greedy)"),
-        "mismatch.png": ("grpo", ["mismatch_k3", "mismatch_max_abs_dlogp"],
-                         "sampler vs learner log-probs"),
-    }
     written = []
-    for name, (phase, keys, title) in panels.items():
+    for spec in plot_specs(records):
         fig, ax = plt.subplots(figsize=(6, 3.5))
-        for k in keys:
-            pts = [(r["step"], r[k]) for r in records
-                   if r["phase"] == phase and r.get(k) is not None]
-            if pts:
-                ax.plot(*zip(*pts, strict=True), marker="." if len(pts) < 30 else None, label=k)
-        ax.set_title(title)
+        for label, (steps, values) in spec.series.items():
+            ax.plot(steps, values, marker="." if len(steps) < 30 else None, label=label)
+        if spec.yscale == "symlog":  # the mismatch measures are >= 0
+            ax.set_yscale("symlog", linthresh=1e-6)
+            ax.set_ylim(bottom=0)
+        ax.set_title(spec.title)
         ax.set_xlabel("step")
+        ax.set_ylabel(spec.ylabel)
         ax.grid(alpha=0.3)
         if ax.get_legend_handles_labels()[0]:
             ax.legend()
         fig.tight_layout()
-        fig.savefig(out_dir / name, dpi=100)
+        fig.savefig(out_dir / spec.name, dpi=100)
         plt.close(fig)
-        written.append(out_dir / name)
+        written.append(out_dir / spec.name)
     return written

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import sys
 import time
 from pathlib import Path
 
@@ -19,50 +20,51 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from jaxrl_lp.data import ArithmeticTask, GSM8KTask, load_gsm8k, prompt_loader, sft_loader
+from jaxrl_lp.data import prompt_loader, sft_loader
 from jaxrl_lp.models.model import init_params
 from jaxrl_lp.numerics.policy import Policy
-from jaxrl_lp.rl.advantages import group_advantages, zero_variance_groups
 from jaxrl_lp.rl.logprobs import learner_logprobs
-from jaxrl_lp.rl.train_step import make_grpo_step, make_sft_step, take_rows
-from jaxrl_lp.rollout.generate import generate, pad_prompts
+from jaxrl_lp.rl.train_step import make_grpo_step, make_sft_step
+from jaxrl_lp.rollout.generate import generate
 from jaxrl_lp.rollout.sampling import SamplingConfig
 from jaxrl_lp.rollout.step import LoopSpec
 from jaxrl_lp.train.checkpoint import Checkpointer
 from jaxrl_lp.train.config import TrainConfig
+from jaxrl_lp.train.grpo_iteration import grpo_iteration
 from jaxrl_lp.train.logger import MetricsLogger, plot_metrics
-from jaxrl_lp.train.sync_hooks import SyncConfig, SyncHooks
+from jaxrl_lp.train.progress import PhaseProgress
+from jaxrl_lp.train.resume import restore_newest_intact
+from jaxrl_lp.train.run_lock import RunLock
+from jaxrl_lp.train.sync_hooks import SyncHooks
+from jaxrl_lp.train.validate import RunPlan, build_task, model_config, validate
 
-__all__ = ["NonFiniteError", "evaluate", "evaluate_run", "run_train"]
+__all__ = ["NonFiniteError", "evaluate", "evaluate_run", "initial_state", "run_train"]
 
 
 class NonFiniteError(RuntimeError):
     """Too many consecutive steps had a non-finite loss or gradient."""
 
 
-def _task_and_model(cfg: TrainConfig):
-    if cfg.task.kind == "arithmetic":
-        task = ArithmeticTask(ops=cfg.task.ops, max_digits=cfg.task.max_digits, seed=cfg.task.seed,
-                              reverse_answer=cfg.task.reverse_answer,
-                              pad_operands=cfg.task.pad_operands)
-    else:
-        from jaxrl_lp.models.tokenizer import HFTokenizer
+def initial_state(cfg: TrainConfig, plan: RunPlan | None = None) -> tuple[RunPlan, dict, SyncHooks]:
+    """The state a run of `cfg` starts from, and what it is built from.
 
-        if not cfg.init_from:
-            raise ValueError("task.kind='gsm8k' needs init_from=<HF checkpoint dir with "
-                             "tokenizer.json>")
-        task = GSM8KTask(load_gsm8k(cfg.task.path), HFTokenizer.from_file(cfg.init_from))
-    tok = task.tokenizer
+    Returns:
+      `(plan, state, hooks)`: the validated `RunPlan`, the state dict a run
+      checkpoints (`params` from `init_from` or a seeded random init,
+      `opt_sft`, `opt_grpo`, `sync`) and the `SyncHooks` of `cfg.sync`.
+    """
+    plan = plan or validate(cfg)
     if cfg.init_from:
-        from jaxrl_lp.models.hf_io import load_hf_params, read_hf_config
+        from jaxrl_lp.models.hf_io import load_hf_params
 
-        mcfg = read_hf_config(cfg.init_from)
-        params = load_hf_params(cfg.init_from, mcfg)
+        params = load_hf_params(cfg.init_from, plan.model)
     else:
-        mcfg = cfg.model.replace(vocab_size=tok.vocab_size, bos_token_id=tok.bos_id,
-                                 eos_token_id=tok.eos_id, pad_token_id=tok.pad_id)
-        params = init_params(mcfg, jax.random.PRNGKey(cfg.run.seed))
-    return task, mcfg, params
+        params = init_params(plan.model, jax.random.PRNGKey(cfg.run.seed))
+    sft_opt, grpo_opt = plan.optimizers
+    hooks = SyncHooks(cfg.sync, plan.model, plan.learner_policy, plan.sampler_policy)
+    state = {"params": params, "opt_sft": sft_opt.init(params), "opt_grpo": grpo_opt.init(params),
+             "sync": hooks.init_state(params)}
+    return plan, state, hooks
 
 
 def evaluate(params, mcfg, task, policy, loop, size: int, max_new: int) -> float:
@@ -85,104 +87,149 @@ def _optimizers(cfg: TrainConfig):
     return sft, grpo
 
 
-def evaluate_run(cfg: TrainConfig, size: int | None = None) -> dict:
-    """Greedy held-out accuracy of the latest checkpoint in `cfg.run.out_dir`."""
-    task, mcfg, params = _task_and_model(cfg)
-    ckpt = Checkpointer(cfg.run.out_dir)
-    step = ckpt.latest_step()
-    if step is None:
-        raise FileNotFoundError(f"no checkpoint in {cfg.run.out_dir}/checkpoints; train first "
-                                "or point run.out_dir at a run directory")
-    sft_opt, grpo_opt = _optimizers(cfg)
-    like = {"params": params, "opt_sft": sft_opt.init(params), "opt_grpo": grpo_opt.init(params)}
-    state, _ = ckpt.restore(like, mcfg)
-    ckpt.close()
-    g = cfg.grpo
-    acc = evaluate(state["params"], mcfg, task, Policy.parse(g.sampler_policy),
-                   LoopSpec(g.exit_rule, g.compute_mode), size or cfg.run.eval_size,
-                   g.max_new_tokens or task.max_completion_tokens)
-    return {"step": step, "accuracy": acc}
+def evaluate_run(cfg: TrainConfig, size: int | None = None, *, step: int | None = None,
+                 served: bool = False, exporter: str | None = None) -> dict:
+    """Greedy held-out accuracy of a checkpoint of the run in `cfg.run.out_dir`.
 
+    Only the params are restored (and, with `served`, the exporter state), so a
+    run evaluates whatever its sync settings and phase: with or without a
+    `sync.exporter`, a warm-start or a finished run.
 
-def _resume(ckpt, state, cfg, mcfg, hooks, lpol, spol):
-    """The latest checkpoint, when it was written with other sync settings too.
+    Args:
+      cfg: the run's config (`run.out_dir` names the run; the model must match
+        the checkpoint's).
+      size: held-out problems scored (default `run.eval_size`).
+      step: the checkpoint step (default: the latest).
+      served: also score the served copy: the run's exporter applied to the
+        params with the exporter state saved in the checkpoint, exactly what
+        `run_train` reports as `final_accuracy_served`.
+      exporter: score the copy this `sync.exporter` spec serves instead (from
+        its initial state unless it is the run's own); implies `served`.
 
-    Before GRPO has started the exporter's state is still its initial state, so
-    a warm-start can be resumed with another `sync.exporter` (its state is made
-    afresh); once GRPO steps have used the saved exporter, resuming with another
-    would not continue that run, and is refused.
+    Returns:
+      `{"step", "accuracy"}`, plus `"accuracy_served"` and `"exporter"` with `served`.
     """
-    saved = ckpt.latest_meta().get("sync")
-    if saved is None or saved.get("exporter") == cfg.sync.exporter:
-        return ckpt.restore(state, mcfg)
-    saved_hooks = SyncHooks(SyncConfig(**saved), mcfg, lpol, spol)
-    restored, meta = ckpt.restore({**state, "sync": saved_hooks.init_state(state["params"])},
-                                  mcfg)
-    if meta["initial_accuracy"] is not None:
-        raise ValueError(
-            f"the run in {cfg.run.out_dir} has done GRPO steps with "
-            f"sync.exporter={saved['exporter']}; resuming it with "
-            f"sync.exporter={cfg.sync.exporter} would not continue that run. Resume with "
-            f"--set sync.exporter={saved['exporter']}, or start the new exporter from a "
-            "warm-start checkpoint (jaxrl-lp sft) in another run.out_dir")
-    restored["sync"] = hooks.init_state(restored["params"])
-    return restored, meta
+    from jaxrl_lp.sync.export import served_params_for_forward
+    from jaxrl_lp.train.run_io import served_export
+
+    ckpt = Checkpointer(cfg.run.out_dir, create=False)
+    try:
+        step = ckpt.resolve_step(step)
+        task = build_task(cfg)
+        mcfg = model_config(cfg, task)
+        params, meta = ckpt.restore_params(step, mcfg)
+        served = served or exporter is not None
+        export = served_export(ckpt, params, meta, step, exporter) if served else None
+    finally:
+        ckpt.close()
+    g = cfg.grpo
+    loop = LoopSpec(g.exit_rule, g.compute_mode).resolve(mcfg)
+
+    def score(p):
+        return evaluate(p, mcfg, task, Policy.parse(g.sampler_policy), loop,
+                        size or cfg.run.eval_size, g.max_new_tokens or task.max_completion_tokens)
+
+    out = {"step": step, "accuracy": score(params)}
+    if export is not None:
+        out["accuracy_served"] = score(served_params_for_forward(export[0]))
+        out["exporter"] = export[1]["exporter"]
+    return out
 
 
-def run_train(cfg: TrainConfig, *, stop_after: int | None = None) -> dict:
+def _complete(run_dir: Path, ckpt: Checkpointer, total: int) -> dict | None:
+    """The saved summary of a run that has done all `total` steps, else None."""
+    steps = ckpt.steps()
+    if steps and steps[-1] > total:
+        raise ValueError(f"the run in {run_dir} has done {steps[-1]} steps, more than this "
+                         f"config's sft.steps + grpo.steps = {total}; raise them, or train "
+                         "into another run.out_dir")
+    summary = run_dir / "summary.json"
+    if not steps or steps[-1] != total or not summary.is_file():
+        return None
+    return json.loads(summary.read_text())
+
+
+def run_train(cfg: TrainConfig, *, stop_after: int | None = None, refresh: bool = False) -> dict:
     """Runs (or resumes) a training run; returns the summary dict (also in summary.json).
+
+    Everything is validated before the run directory is touched (`validate`).
+    The run directory is then locked for the whole run (`RunLock`: a second
+    process on it fails at once, and changes nothing). A run resumes from its
+    newest intact checkpoint, setting damaged ones aside (`restore_newest_intact`),
+    and `metrics.jsonl` keeps the records written up to that checkpoint. A run
+    that is already complete is left as it is and its summary returned (with
+    `"complete": true`), unless `refresh` asks for the final evaluation,
+    summary and plots again.
 
     Args:
       cfg: the configuration.
       stop_after: stop once this global step is reached (tests use it to
         interrupt a run); the run can be resumed later.
+      refresh: recompute a complete run's final evaluation, summary and plots.
     """
     t_start = time.time()
-    task, mcfg, params = _task_and_model(cfg)  # bad task/data/model input fails before any write
+    plan = validate(cfg)  # every setting, before anything is built or written
     run_dir = Path(cfg.run.out_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
+    with RunLock(run_dir):
+        return _run_locked(cfg, plan, run_dir, t_start, stop_after, refresh)
+
+
+def _run_locked(cfg: TrainConfig, plan: RunPlan, run_dir: Path, t_start: float,
+                stop_after: int | None, refresh: bool) -> dict:
+    g = cfg.grpo
+    total = cfg.sft.steps + g.steps
+    ckpt = Checkpointer(run_dir, keep=cfg.run.keep_checkpoints)
+    try:
+        done = None if refresh else _complete(run_dir, ckpt, total)
+        if done is not None:
+            print(f"jaxrl-lp train: the run in {run_dir} is complete ({total} of {total} steps); "
+                  "nothing was changed (--refresh redoes its final evaluation, summary and "
+                  "plots)", file=sys.stderr)
+            return {**done, "complete": True}
+        return _train(cfg, plan, run_dir, ckpt, t_start, stop_after)
+    finally:
+        ckpt.close()
+
+
+def _train(cfg: TrainConfig, plan: RunPlan, run_dir: Path, ckpt: Checkpointer, t_start: float,
+           stop_after: int | None) -> dict:
+    task, mcfg, loop = plan.task, plan.model, plan.loop
+    lpol, spol, max_new = plan.learner_policy, plan.sampler_policy, plan.max_new_tokens
+    sft_opt, grpo_opt = plan.optimizers
     tok = task.tokenizer
     g = cfg.grpo
-    max_new = g.max_new_tokens or task.max_completion_tokens
-    lpol, spol = Policy.parse(g.learner_policy), Policy.parse(g.sampler_policy)
-    loop = LoopSpec(g.exit_rule, g.compute_mode)
-
-    sft_opt, grpo_opt = _optimizers(cfg)
-    hooks = SyncHooks(cfg.sync, mcfg, lpol, spol)
-    state = {"params": params, "opt_sft": sft_opt.init(params), "opt_grpo": grpo_opt.init(params),
-             "sync": hooks.init_state(params)}
+    _, state, hooks = initial_state(cfg, plan)
     sft_it = iter(sft_loader(task.train, task.sft_example, cfg.sft.batch_size, cfg.run.seed,
-                             tok.pad_id, seq_len=task.max_sequence_length))
+                             tok.pad_id, seq_len=plan.seq_len))
     prompt_it = iter(prompt_loader(task.train, g.prompts_per_step, cfg.run.seed + 1))
-    meta = {"step": 0, "initial_accuracy": None, "nonfinite_in_row": 0, "skipped_total": 0}
-
-    ckpt = Checkpointer(run_dir, keep=cfg.run.keep_checkpoints)
-    if ckpt.latest_step() is not None:
-        state, meta = _resume(ckpt, state, cfg, mcfg, hooks, lpol, spol)
+    meta = {"step": 0, "initial_accuracy": None, "nonfinite_in_row": 0, "skipped_total": 0,
+            "metrics_records": 0}
+    resumed = restore_newest_intact(ckpt, state, cfg, mcfg, hooks, lpol, spol)
+    if resumed is not None:
+        state, meta = resumed
         sft_it.set_state(meta["sft_data"])
         prompt_it.set_state(meta["prompt_data"])
     else:
         (run_dir / "config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=2))
-    logger = MetricsLogger(run_dir)
+    # Records past the checkpoint are redone by this run: keep one record per step.
+    logger = MetricsLogger(run_dir, keep_records=meta.get("metrics_records", 0))
 
     sft_step = make_sft_step(mcfg, lpol, sft_opt)
-    grpo_step = make_grpo_step(mcfg, lpol, loop, cfg.loss, grpo_opt, method=g.logprobs,
-                               micro_batches=g.micro_batches)
-    old_logp_fn = jax.jit(lambda p, ro: learner_logprobs(p, mcfg, lpol, loop, ro, g.logprobs)[0])
+    grpo_step = make_grpo_step(mcfg, lpol, cfg.loss, grpo_opt, loop=loop, sampler_policy=spol,
+                               method=g.logprobs, micro_batches=g.micro_batches)
+    old_logp_fn = jax.jit(lambda p, ro: learner_logprobs(p, mcfg, lpol, ro, g.logprobs,
+                                                         loop=loop)[0])
     total = cfg.sft.steps + g.steps
     evaluate_now = lambda p: evaluate(p, mcfg, task, spol, loop, cfg.run.eval_size, max_new)
 
     def save(step):
         meta.update(step=step, sft_data=sft_it.get_state(), prompt_data=prompt_it.get_state(),
                     model=json.loads(json.dumps(dataclasses.asdict(mcfg))),
-                    sync=dataclasses.asdict(cfg.sync))
+                    sync=dataclasses.asdict(cfg.sync), metrics_records=logger.lines)
         ckpt.save(step, state, meta)
-
-    bar = None
-    if cfg.run.progress:
-        from tqdm import tqdm
-
-        bar = tqdm(total=total, initial=meta["step"], desc="train", unit="step")
+    bar = PhaseProgress([("warm-start", cfg.sft.steps), ("grpo", g.steps)], meta["step"],
+                        enabled=cfg.run.progress)
     step = meta["step"]
     while step < total and (stop_after is None or step < stop_after):
         if step < cfg.sft.steps:
@@ -196,33 +243,31 @@ def run_train(cfg: TrainConfig, *, stop_after: int | None = None) -> dict:
                 state["sync"], state["params"] = hooks.start(state["sync"], state["params"])
                 meta["initial_accuracy"] = evaluate_now(state["params"])
                 logger.log(step, "eval", {"accuracy": meta["initial_accuracy"]})
-            m = _grpo_iteration(state, step, cfg, task, mcfg, spol, loop, max_new, grpo_step,
-                                old_logp_fn, prompt_it, hooks)
+            m = grpo_iteration(state, step, cfg, task, mcfg, spol, loop, max_new, grpo_step,
+                               old_logp_fn, prompt_it, hooks)
             phase = "grpo"
         m = {k: float(v) for k, v in m.items()}
         meta["nonfinite_in_row"] = meta["nonfinite_in_row"] + 1 if m["skipped"] else 0
         meta["skipped_total"] += int(m["skipped"] > 0)
         step += 1
         logger.log(step, phase, m)
-        if bar is not None:
-            bar.update(1)
-            bar.set_postfix({k: f"{m[k]:.3f}" for k in ("loss", "reward_mean") if k in m})
+        bar.update(step, {k: m[k] for k in ("loss", "reward_mean") if k in m})
         if meta["nonfinite_in_row"] >= g.max_nonfinite_in_row:
             save(step)
+            bar.close()
             raise NonFiniteError(
                 f"{meta['nonfinite_in_row']} steps in a row had a non-finite loss or gradient "
                 f"(last at step {step}); they were skipped and nothing non-finite was saved. "
                 "Lower the learning rate or check the data; grpo.max_nonfinite_in_row sets the limit")
-        if step > cfg.sft.steps and (step - cfg.sft.steps) % cfg.run.eval_every == 0:
+        # Periodic evaluation; the last step's is the final evaluation below.
+        if cfg.sft.steps < step < total and (step - cfg.sft.steps) % cfg.run.eval_every == 0:
             logger.log(step, "eval", {"accuracy": evaluate_now(state["params"])})
         if step % cfg.run.checkpoint_every == 0 or step == total:
             save(step)
-    if bar is not None:
-        bar.close()
+    bar.close()
     if step < total:  # interrupted on purpose (stop_after)
         save(step)
         logger.close()
-        ckpt.close()
         return {"steps": step, "interrupted": True}
     if meta["initial_accuracy"] is None:
         meta["initial_accuracy"] = evaluate_now(state["params"])
@@ -249,70 +294,4 @@ def run_train(cfg: TrainConfig, *, stop_after: int | None = None) -> dict:
     }
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     logger.close()
-    ckpt.close()
     return summary
-
-
-def _grpo_iteration(state, step, cfg, task, mcfg, spol, loop, max_new, grpo_step, old_logp_fn,
-                    prompt_it, hooks: SyncHooks) -> dict:
-    """One GRPO step: export, sample groups, score, advantages, `mu` passes of updates."""
-    g = cfg.grpo
-    tok = task.tokenizer
-    key = jax.random.fold_in(jax.random.PRNGKey(cfg.run.seed), step)
-    problems = next(prompt_it)
-    master = state["params"]
-    served, sampler_params, state["sync"] = hooks.export(state["sync"], master)
-    t0 = time.time()
-    ro = generate(sampler_params, mcfg, [task.prompt_ids(p) for p in problems], policy=spol,
-                  sampling=SamplingConfig(temperature=g.temperature), max_new_tokens=max_new,
-                  num_samples=g.group_size, eos_id=tok.eos_id, pad_id=tok.pad_id, loop=loop,
-                  key=key, weights_version=step)
-    ro = jax.block_until_ready(ro)
-    t_sample = time.time() - t0
-    rewards = task.rewards(np.asarray(ro.completion_tokens),
-                           [p for p in problems for _ in range(g.group_size)])
-    adv = np.asarray(group_advantages(jnp.asarray(rewards), g.group_size, kind=g.advantage))
-    n_zero_var = 0
-    if g.dynamic_sampling:
-        dead = np.repeat(np.asarray(zero_variance_groups(jnp.asarray(rewards), g.group_size)),
-                         g.group_size)
-        n_zero_var = int(dead.sum() // g.group_size)
-        ro = dataclasses.replace(ro, completion_mask=ro.completion_mask * (1.0 - dead[:, None]))
-    on_served = hooks.active and cfg.sync.loss_on_served
-    # The behaviour log-probs as the learner computes them (on the copy the loss uses).
-    old_logp = old_logp_fn(sampler_params if on_served else master, ro)
-    sync_metrics = {}
-    if hooks.active:
-        master_logp = old_logp if not on_served else old_logp_fn(master, ro)
-        state["sync"], sync_metrics = hooks.diagnostics(state["sync"], master, served, ro,
-                                                        master_logp)
-        k = cfg.sync.check_every
-        if k and (step - cfg.sft.steps) % k == 0:
-            probe = pad_prompts([task.prompt_ids(task.heldout[i]) for i in range(4)],
-                                tok.pad_id, bucket=False)[0]
-            sync_metrics.update(hooks.check(step, master, served, jnp.asarray(probe)))
-    n = rewards.shape[0]
-    size = n // g.minibatches
-    sums: dict[str, float] = {}
-    for _ in range(g.mu):
-        for i in range(g.minibatches):
-            idx = np.arange(i * size, (i + 1) * size)
-            state["params"], state["opt_grpo"], m = grpo_step(
-                state["params"], state["opt_grpo"], take_rows(ro, idx), jnp.asarray(adv[idx]),
-                old_logp[idx], None, sampler_params if on_served else None)
-            for k, v in m.items():
-                sums[k] = sums.get(k, 0.0) + float(v)
-    updates = g.mu * g.minibatches
-    metrics = {k: v / updates for k, v in sums.items()}
-    metrics["skipped"] = float(sums.get("skipped", 0.0) > 0)
-    metrics.update({k: float(v) for k, v in sync_metrics.items()})
-    lengths = np.asarray(ro.completion_mask).sum(1)
-    metrics.update(
-        reward_mean=float(rewards.mean()), reward_std=float(rewards.std()),
-        accuracy=float((rewards >= 1.0).mean()), response_length=float(lengths.mean()),
-        tokens_per_s=float(lengths.sum() / max(t_sample, 1e-9)), learning_rate=g.lr,
-        zero_variance_groups=float(n_zero_var), mean_exit_step=float(
-            (np.asarray(ro.exit_steps) * np.asarray(ro.completion_mask)).sum()
-            / max(lengths.sum(), 1)),
-    )
-    return metrics

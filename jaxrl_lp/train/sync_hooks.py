@@ -30,6 +30,7 @@ from jaxrl_lp.sync import (
     ulp_distance,
 )
 from jaxrl_lp.sync.ternary import ternary
+from jaxrl_lp.train.fields import check_bool, check_int, check_str
 
 __all__ = ["SyncCheckError", "SyncConfig", "SyncHooks", "make_exporter"]
 
@@ -62,7 +63,17 @@ class SyncConfig:
     seed: int = 0
 
     def __post_init__(self):
+        check_str("sync.exporter", self.exporter, nonempty=True, what="an exporter spec")
+        for f in ("loss_on_served", "bf16_start"):
+            check_bool(f"sync.{f}", getattr(self, f))
+        check_int("sync.check_every", self.check_every, minimum=0, why=" (0: never)")
+        check_int("sync.seed", self.seed, minimum=0)
         make_exporter(self.exporter, self.seed)  # validates the spec
+        # Settings that only act on a served copy would be silently ignored without one.
+        for f, on in (("loss_on_served", self.loss_on_served), ("check_every", self.check_every)):
+            if on and self.exporter == "none":
+                raise ValueError(f"sync.{f}={str(getattr(self, f)).lower()} needs a served copy; set "
+                                 "sync.exporter (e.g. bf16:stochastic) or leave it off")
 
 
 def make_exporter(spec: str, seed: int = 0):

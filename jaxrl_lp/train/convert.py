@@ -1,0 +1,136 @@
+"""Conversions between run checkpoints, Hugging Face directories and served copies.
+
+- `run_to_hf`: a run's params (latest or a given step) as a Hugging Face
+  directory (`config.json`, `model.safetensors`, the tokenizer): dense models
+  load in `transformers.AutoModelForCausalLM`, looped ones with the Ouro code.
+- `hf_to_run`: a run directory whose step-0 checkpoint holds a Hugging Face
+  checkpoint's weights, written by the training program itself, so
+  `jaxrl-lp train/eval/sample` continue from it.
+- `run_to_served`: the served copy of a run's params under an exporter, in
+  the served layout (`jaxrl_lp.sync.served_io`, docs/served_layout.md).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from pathlib import Path
+
+from jaxrl_lp.models.hf_config import config_to_hf, read_hf_config
+from jaxrl_lp.models.hf_io import SINGLE_FILE, save_hf_checkpoint
+from jaxrl_lp.train.checkpoint import Checkpointer
+from jaxrl_lp.train.config import TrainConfig
+from jaxrl_lp.train.run_io import model_config_of, run_config, save_tokenizer, served_export
+from jaxrl_lp.train.sync_hooks import make_exporter
+
+__all__ = ["hf_to_run", "run_to_hf", "run_to_served"]
+
+
+def _restore(run_dir, step):
+    ckpt = Checkpointer(run_dir, create=False)
+    try:
+        step = ckpt.resolve_step(step)
+        params, meta = ckpt.restore_params(step)
+    finally:
+        ckpt.close()
+    return step, params, meta
+
+
+def run_to_hf(run_dir: str | os.PathLike, out: str | os.PathLike, *, step: int | None = None,
+              dtype: str = "f32") -> dict:
+    """Writes a run's params as a Hugging Face checkpoint directory.
+
+    Args:
+      run_dir: the run directory.
+      out: the output directory (created; earlier weight files are replaced).
+      step: the checkpoint step (default: the latest).
+      dtype: dtype of the saved weights, `f32` (exact), `bf16` or `f16` (round to nearest even).
+
+    Returns:
+      A summary: run, step, out, model_type, dtype, files.
+
+    Example:
+      >>> run_to_hf("runs/default", "out/default-hf")
+      >>> from_pretrained("out/default-hf")  # or OuroForCausalLM.from_pretrained(...)
+    """
+    cfg = run_config(run_dir)  # the tokenizer depends on the run's task
+    step, params, meta = _restore(run_dir, step)
+    mcfg = model_config_of(meta)
+    config_to_hf(mcfg, "4", dtype)  # refuses a bad dtype or model before anything is written
+    save_hf_checkpoint(out, mcfg, params, dtype=dtype)
+    files = ["config.json", SINGLE_FILE, *save_tokenizer(cfg, out)]
+    return {"run": str(run_dir), "step": step, "out": str(out),
+            "model_type": config_to_hf(mcfg)["model_type"], "dtype": dtype, "files": files}
+
+
+def hf_to_run(hf_dir: str | os.PathLike, out_dir: str | os.PathLike, cfg: TrainConfig) -> dict:
+    """Makes a run directory whose step-0 checkpoint holds a Hugging Face checkpoint.
+
+    The run is what `jaxrl-lp train --set init_from=HF_DIR --set run.out_dir=OUT_DIR`
+    starts from, written by that program (`run_train(..., stop_after=0)`):
+    `config.json`, and a checkpoint with the f32 params (`load_hf_params`, exact
+    for f32/bf16/f16 weights), fresh optimizer and exporter states and the
+    data iterators at their start. `init_from` is recorded as an absolute path;
+    a GSM8K run reads its tokenizer from there.
+
+    Args:
+      hf_dir: the Hugging Face checkpoint directory.
+      out_dir: the run directory to make; it must not hold checkpoints yet.
+      cfg: the run's config (task, optimizers, sync...); its `init_from` and
+        `run.out_dir` are replaced.
+
+    Returns:
+      A summary: run, step (0), init_from, model_type.
+    """
+    from jaxrl_lp.train.program import run_train
+
+    hf_dir = Path(hf_dir).absolute()
+    mcfg = read_hf_config(hf_dir)  # a missing or unsupported checkpoint fails before any write
+    ckpts = Path(out_dir) / "checkpoints"
+    if ckpts.is_dir() and any(p.name.isdigit() for p in ckpts.iterdir()):
+        raise ValueError(f"{str(out_dir)!r} already holds a run (checkpoints in {ckpts}); "
+                         "convert into a new directory")
+    cfg = dataclasses.replace(cfg, init_from=str(hf_dir),
+                              run=dataclasses.replace(cfg.run, out_dir=str(out_dir)))
+    run_train(cfg, stop_after=0)
+    step, _, _ = _restore(out_dir, 0)
+    return {"run": str(out_dir), "step": step, "init_from": str(hf_dir),
+            "model_type": config_to_hf(mcfg)["model_type"]}
+
+
+def run_to_served(run_dir: str | os.PathLike, out: str | os.PathLike, *,
+                  exporter: str | None = None, step: int | None = None) -> dict:
+    """Writes the served copy of a run's params under an exporter (docs/served_layout.md).
+
+    Args:
+      run_dir: the run directory.
+      out: the output directory (`config.json`, `model.safetensors`, tokenizer files).
+      exporter: a `sync.exporter` spec (`bf16:stochastic`, `fmt:nvfp4`,
+        `ternary:direct_codes`...); None for the run's own, whose state is read
+        from the checkpoint so the export continues the run.
+      step: the checkpoint step (default: the latest).
+
+    Returns:
+      A summary: run, step, out, exporter, exporter_state, files.
+
+    Example:
+      >>> run_to_served("runs/fair", "out/served-mxfp8", exporter="fmt:mxfp8")
+      >>> served = read_served("out/served-mxfp8")
+    """
+    from jaxrl_lp.sync.served_io import write_served
+
+    if exporter is not None:
+        make_exporter(exporter)  # an unknown spec fails before anything is read or written
+    cfg = run_config(run_dir)
+    ckpt = Checkpointer(run_dir, create=False)
+    try:
+        step = ckpt.resolve_step(step)
+        params, meta = ckpt.restore_params(step)
+        served, info = served_export(ckpt, params, meta, step, exporter)
+    finally:
+        ckpt.close()
+    facts = {"run": str(Path(run_dir).absolute()), "step": step,
+             "exporter_state": info["exporter_state"]}
+    files = write_served(out, served, model_config_of(meta), exporter=info["exporter"], info=facts)
+    files += save_tokenizer(cfg, out)
+    return {"run": str(run_dir), "step": step, "out": str(out), **info, "files": files}

@@ -1,0 +1,152 @@
+"""Checks a whole training config before a run writes anything: `validate(cfg)`.
+
+Each config section checks its own fields when it is made (`__post_init__`).
+What needs several sections, the file system or the data is checked here, by
+building every object a run builds from its config: the task (reading its
+data), the model config (from `init_from`'s `config.json` or the `model`
+section), the precision policies, the resolved loop spec, the sampler
+settings, the exporter and the optimizers. Nothing is compiled and nothing is
+written, so a bad value costs the user a fraction of a second and one line:
+
+    >>> validate(apply_overrides(default_config(), ["run.out_dir=/etc/passwd"]))
+    Traceback (most recent call last):
+    ValueError: run.out_dir='/etc/passwd' is a file, not a directory; choose another run.out_dir
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, NamedTuple
+
+from jaxrl_lp.models.config import ModelConfig
+from jaxrl_lp.models.loop import LoopSpec
+from jaxrl_lp.numerics.policy import Policy
+from jaxrl_lp.rollout.sampling import SamplingConfig
+from jaxrl_lp.train.config import TrainConfig
+from jaxrl_lp.train.fields import user_key
+from jaxrl_lp.train.sync_hooks import make_exporter
+
+__all__ = ["RunPlan", "build_task", "check_out_dir", "model_config", "validate"]
+
+
+class RunPlan(NamedTuple):
+    """The objects a run builds from its config (what `validate` checked)."""
+
+    task: Any                        # ArithmeticTask or GSM8KTask
+    model: ModelConfig               # the model trained (tokenizer ids filled in)
+    max_new_tokens: int              # the GRPO completion budget
+    seq_len: int                     # warm-start sequence length (prompt + answer)
+    learner_policy: Policy
+    sampler_policy: Policy
+    loop: LoopSpec                   # resolved against `model`
+    sampling: SamplingConfig         # the GRPO sampler's settings
+    exporter: Any                    # the sync exporter, or None
+    optimizers: tuple                # (warm-start, GRPO) optax transforms
+
+
+def _named(key: str, fn, *args, **kwargs):
+    """`fn(*args, **kwargs)`, with any error it raises on bad input named by `key`."""
+    try:
+        return fn(*args, **kwargs)
+    except (ValueError, OSError, TypeError) as e:
+        text = " ".join(str(e).split())
+        raise ValueError(text if text.startswith(key) else f"{key}: {text}") from None
+
+
+def check_out_dir(path: str) -> None:
+    """Raises unless `path` is a directory, or can be created as one, that we may write into."""
+    p = Path(path)
+    if p.exists() and not p.is_dir():
+        raise ValueError(f"run.out_dir={path!r} is a file, not a directory; choose another "
+                         "run.out_dir")
+    parent = p
+    while not parent.exists():  # terminates: `.` and `/` exist
+        parent = parent.parent
+    if not parent.is_dir():
+        raise ValueError(f"run.out_dir={path!r} cannot be created: {str(parent)!r} is a file")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise ValueError(f"run.out_dir={path!r}: no permission to write in {str(parent)!r}")
+
+
+def build_task(cfg: TrainConfig):
+    """The task of `cfg.task` (a GSM8K task reads its file and `init_from`'s tokenizer)."""
+    from jaxrl_lp.data import ArithmeticTask, GSM8KTask, load_gsm8k
+
+    t = cfg.task
+    if cfg.init_from and not os.path.isdir(cfg.init_from):
+        raise ValueError(f"init_from={cfg.init_from!r} is not a directory; pass a Hugging Face "
+                         "checkpoint directory (config.json + model.safetensors) or ''")
+    if t.kind == "arithmetic":
+        return _named("task", ArithmeticTask, ops=t.ops, max_digits=t.max_digits, seed=t.seed,
+                      reverse_answer=t.reverse_answer, pad_operands=t.pad_operands)
+    if not cfg.init_from:
+        raise ValueError("task.kind='gsm8k' needs init_from=<HF checkpoint dir with "
+                         "tokenizer.json>")
+    from jaxrl_lp.models.tokenizer import HFTokenizer
+
+    records = _named("task.path", load_gsm8k, t.path)
+    try:
+        tok = HFTokenizer.from_file(cfg.init_from)
+    except Exception as e:  # noqa: BLE001 - the tokenizers library raises plain Exception
+        raise ValueError(f"init_from: cannot read its tokenizer ({' '.join(str(e).split())})") \
+            from None
+    return _named("task", GSM8KTask, records, tok)
+
+
+def model_config(cfg: TrainConfig, task) -> ModelConfig:
+    """The model a run trains: `init_from`'s config, else `cfg.model` with the tokenizer's ids."""
+    tok = task.tokenizer
+    if cfg.init_from:
+        from jaxrl_lp.models.hf_io import read_hf_config
+
+        mcfg = _named("init_from", read_hf_config, cfg.init_from)
+        if tok.vocab_size > mcfg.vocab_size:
+            raise ValueError(f"init_from: the checkpoint's vocabulary ({mcfg.vocab_size} ids) is "
+                             f"smaller than the task's tokenizer ({tok.vocab_size} ids)")
+        return mcfg
+    try:
+        return cfg.model.replace(vocab_size=tok.vocab_size, bos_token_id=tok.bos_id,
+                                 eos_token_id=tok.eos_id, pad_token_id=tok.pad_id)
+    except ValueError as e:
+        raise ValueError(user_key(str(e), "ModelConfig", "model")) from None
+
+
+def validate(cfg: TrainConfig) -> RunPlan:
+    """Builds every object a run of `cfg` needs, without compiling or writing anything.
+
+    Raises ValueError with one line naming the key (`run.out_dir`,
+    `grpo.exit_rule`, ...) and what it allows. `run_train` calls it first.
+
+    Returns:
+      The `RunPlan` of what was built.
+    """
+    from jaxrl_lp.train.program import _optimizers
+
+    check_out_dir(cfg.run.out_dir)
+    task = build_task(cfg)
+    mcfg = model_config(cfg, task)
+    g = cfg.grpo
+    lpol, spol = Policy.parse(g.learner_policy), Policy.parse(g.sampler_policy)
+    try:
+        loop = LoopSpec(g.exit_rule, g.compute_mode).resolve(mcfg)
+    except ValueError as e:
+        raise ValueError(f"grpo.exit_rule={g.exit_rule!r}, grpo.compute_mode={g.compute_mode!r}: "
+                         f"{e} (model: {mcfg.family}, loop_steps={mcfg.loop_steps})") from None
+    sampling = _named("grpo.temperature", SamplingConfig, temperature=g.temperature)
+    exporter = _named("sync.exporter", make_exporter, cfg.sync.exporter, cfg.sync.seed)
+
+    seq_len, answer = task.max_sequence_length, task.max_completion_tokens
+    max_new = g.max_new_tokens or answer
+    prompt = seq_len - answer
+    ctx = mcfg.max_position_embeddings
+    if max(seq_len, prompt + max_new) > ctx:
+        where = "the init_from checkpoint's context" if cfg.init_from else \
+            "model.max_position_embeddings"
+        raise ValueError(
+            f"{where}={ctx} cannot hold the task's longest prompt ({prompt} tokens) plus "
+            f"{max(max_new, answer)} completion tokens; raise model.max_position_embeddings to at "
+            f"least {prompt + max(max_new, answer)} or lower grpo.max_new_tokens")
+    return RunPlan(task=task, model=mcfg, max_new_tokens=max_new, seq_len=seq_len,
+                   learner_policy=lpol, sampler_policy=spol, loop=loop, sampling=sampling,
+                   exporter=exporter, optimizers=_optimizers(cfg))

@@ -1,0 +1,20 @@
+"""Shared settings of the tests' short training runs (imported by the test modules)."""
+
+# A model small enough to compile and train in seconds on 2 cores.
+TINY_MODEL = [
+    "model.hidden_size=32", "model.num_layers=1", "model.num_heads=2", "model.num_kv_heads=1",
+    "model.head_dim=16", "model.intermediate_size=64", "model.loop_steps=2",
+]
+
+
+def short_run(sft_steps: int = 6, grpo_steps: int = 6, checkpoint_every: int = 2) -> list[str]:
+    """`--set` values of a short run: the tiny model, small batches, frequent checkpoints."""
+    return [*TINY_MODEL, f"sft.steps={sft_steps}", "sft.batch_size=16",
+            f"grpo.steps={grpo_steps}", "grpo.prompts_per_step=4", "grpo.group_size=2",
+            "run.eval_every=3", "run.eval_size=8", f"run.checkpoint_every={checkpoint_every}",
+            "run.progress=false"]
+
+
+def sets(*overrides: str) -> list[str]:
+    """Command-line `--set` arguments for `overrides`."""
+    return [a for o in overrides for a in ("--set", o)]

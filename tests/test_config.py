@@ -1,0 +1,224 @@
+"""Config validation and what a user sees: every key refused fast, in one line, before any write.
+
+The walk over every field is derived from `dataclasses.fields(TrainConfig)`:
+a new field without a bad value in `BAD` fails `test_every_field_has_a_bad_value`.
+"""
+
+import dataclasses
+import json
+import time
+import typing
+
+import pytest
+
+import jaxrl_lp.train.program  # noqa: F401 - imported once here, so the timings measure validation
+from jaxrl_lp.cli.help import config_keys, field_docs
+from jaxrl_lp.cli.main import main
+from jaxrl_lp.train import TrainConfig, apply_overrides, default_config, load_config
+
+FILE = "<a file>"  # replaced by the path of an existing regular file
+
+# key -> bad values; a value may be (value, [other overrides it needs]).
+BAD = {
+    "model.family": ["abc"],
+    "model.vocab_size": ["0", "abc"],
+    "model.hidden_size": ["0", "abc"],
+    "model.num_layers": ["0"],
+    "model.num_heads": ["0"],
+    "model.num_kv_heads": ["0"],
+    "model.head_dim": ["0", "15"],
+    "model.intermediate_size": ["-3"],
+    "model.rope_theta": ["0", "nan", "abc"],
+    "model.rms_eps": ["-1e-6"],
+    "model.tie_embeddings": ["abc"],
+    "model.qk_norm": ["maybe"],
+    "model.attention_bias": ["2"],
+    "model.max_position_embeddings": ["0", "8"],  # 8: the task's prompt + answer do not fit
+    "model.loop_steps": ["0"],
+    "model.bos_token_id": ["abc"],  # any integer: the task's tokenizer sets them
+    "model.eos_token_id": ["1.5"],
+    "model.pad_token_id": ["x"],
+    "model.init_std": ["0", "inf"],
+    "model.exit_rule": ["abc", "fixed:9"],
+    "task.kind": ["abc"],
+    "task.ops": ["/", "++", ""],
+    "task.max_digits": ["0", "10", "abc"],
+    "task.reverse_answer": ["abc"],
+    "task.pad_operands": ["yes"],
+    "task.path": ["data.jsonl", ("", ["task.kind=gsm8k"])],
+    "task.seed": ["-1", "abc"],
+    "sft.steps": ["-5", "abc"],
+    "sft.batch_size": ["0"],
+    "sft.lr": ["0", "-1e-3", "nan", "abc"],
+    "sft.warmup_steps": ["-1"],
+    "grpo.steps": ["-1"],
+    "grpo.prompts_per_step": ["0"],
+    "grpo.group_size": ["1"],
+    "grpo.max_new_tokens": ["-1", "100"],  # 100: beyond the model's context of 64
+    "grpo.lr": ["0", "nan"],
+    "grpo.mu": ["0"],
+    "grpo.minibatches": ["0", "3"],
+    "grpo.micro_batches": ["0", "3"],
+    "grpo.advantage": ["abc"],
+    "grpo.logprobs": ["abc"],
+    "grpo.learner_policy": ["abc"],
+    "grpo.sampler_policy": ["p=f99"],
+    "grpo.exit_rule": ["abc", "fixed:0", "fixed:3"],  # fixed:3: the model has 2 loop steps
+    "grpo.compute_mode": ["abc"],
+    "grpo.temperature": ["0", "-1", "nan"],
+    "grpo.dynamic_sampling": ["abc"],
+    "grpo.max_nonfinite_in_row": ["0"],
+    "loss.epsilon": ["0", "1", "abc"],
+    "loss.epsilon_high": ["0"],
+    "loss.dual_clip": ["1"],
+    "loss.aggregation": ["abc"],
+    "loss.ratio_level": ["abc"],
+    "loss.kl_beta": ["-1"],
+    "loss.kl_estimator": ["k4"],
+    "loss.correction": ["abc"],
+    "loss.correction_cap": ["1"],
+    "loss.ratio_anchor": ["abc"],
+    "sync.exporter": ["abc", "bf16:sideways"],
+    "sync.loss_on_served": ["abc", "true"],  # true: there is no served copy (exporter none)
+    "sync.check_every": ["-1", "5"],
+    "sync.bf16_start": ["abc"],
+    "sync.seed": ["-1"],
+    "run.out_dir": ["", FILE, f"{FILE}/run"],
+    "run.seed": ["-1", "abc"],
+    "run.eval_every": ["0"],
+    "run.eval_size": ["0"],
+    "run.checkpoint_every": ["0"],
+    "run.keep_checkpoints": ["0"],
+    "run.progress": ["abc"],
+    "init_from": ["/nonexistent/checkpoint", FILE],
+}
+
+
+def _keys(cls: type, prefix: str = "") -> list[str]:
+    hints = typing.get_type_hints(cls)
+    out = []
+    for f in dataclasses.fields(cls):
+        if dataclasses.is_dataclass(hints[f.name]):
+            out += _keys(hints[f.name], f"{prefix}{f.name}.")
+        else:
+            out.append(f"{prefix}{f.name}")
+    return out
+
+
+def test_every_field_has_a_bad_value():
+    assert sorted(_keys(TrainConfig)) == sorted(BAD)
+
+
+CASES = [(key, bad) for key, values in BAD.items() for bad in values]
+
+
+@pytest.mark.parametrize("key, bad", CASES, ids=[f"{k}={v}" for k, v in CASES])
+def test_bad_value_is_one_line_naming_the_key_and_nothing_is_written(tmp_path, capsys, key, bad):
+    afile = tmp_path / "afile"
+    afile.write_text("not a directory")
+    value, extra = bad if isinstance(bad, tuple) else (bad, [])
+    value = value.replace(FILE, str(afile))
+    args = ["train", "--set", f"run.out_dir={tmp_path / 'run'}"]
+    for o in [*extra, f"{key}={value}"]:
+        args += ["--set", o]
+    t0 = time.perf_counter()
+    assert main(args) == 2
+    elapsed = time.perf_counter() - t0
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("jaxrl-lp train: error:") and "\n" not in err, err
+    assert key in err, err
+    assert elapsed < 5.0, f"{elapsed:.1f}s"  # validation compiles and loads nothing heavy
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["afile"]  # nothing written
+    assert afile.read_text() == "not a directory"
+
+
+def test_the_default_config_and_the_test_configs_are_valid(tmp_path):
+    from jaxrl_lp.train.validate import validate
+
+    plan = validate(apply_overrides(default_config(), [f"run.out_dir={tmp_path / 'run'}"]))
+    assert plan.max_new_tokens == plan.task.max_completion_tokens
+    assert str(plan.loop) == "full/dense"  # `model`: the model's own default exit rule
+    assert not (tmp_path / "run").exists()
+
+
+def test_config_file_with_a_syntax_error_names_the_file_and_line(tmp_path, capsys):
+    bad = tmp_path / "bad.py"
+    bad.write_text("from jaxrl_lp.train import default_config\n\nCONFIG = default_config(\n")
+    assert main(["train", "--config", str(bad), "--set", f"run.out_dir={tmp_path / 'r'}"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("jaxrl-lp train: error: config file") and "\n" not in err
+    assert "bad.py" in err and "line 3" in err and "syntax error" in err
+
+
+def test_config_file_that_raises_names_the_file_line_and_key(tmp_path, capsys):
+    bad = tmp_path / "raises.py"
+    bad.write_text("import dataclasses\nfrom jaxrl_lp.train import SFTConfig, default_config\n\n"
+                   "CONFIG = dataclasses.replace(default_config(), sft=SFTConfig(steps=-5))\n")
+    assert main(["train", "--config", str(bad)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "raises.py" in err and "line 4" in err and "sft.steps" in err and "\n" not in err
+
+
+def test_config_command_prints_the_resolved_config_which_loads_back(tmp_path, capsys):
+    assert main(["config", "--set", "grpo.lr=0.5", "--set", "model.loop_steps=3"]) == 0
+    printed = json.loads(capsys.readouterr().out)
+    assert printed["grpo"]["lr"] == 0.5 and printed["model"]["loop_steps"] == 3
+    path = tmp_path / "resolved.json"
+    path.write_text(json.dumps(printed))
+    want = apply_overrides(default_config(), ["grpo.lr=0.5", "model.loop_steps=3"])
+    assert load_config(str(path)) == want
+    assert main(["config", "--set", "run.checkpoint_every=0"]) == 2
+    assert "run.checkpoint_every" in capsys.readouterr().err
+
+
+def test_plain_jaxrl_lp_prints_help_instead_of_running(capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert main([]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("usage: jaxrl-lp") and "train" in out and "config" in out
+    assert list(tmp_path.iterdir()) == []  # no run started
+
+
+def _show(value):
+    """A default as the help writes it (as `--set` takes it)."""
+    if isinstance(value, bool):
+        return str(value).lower()
+    if value is None:
+        return "none"
+    return str(value) if value != "" else "''"
+
+
+@pytest.mark.parametrize("command", ["train", "sft", "config", "eval"])
+def test_help_lists_every_config_key_with_its_default(command, capsys):
+    with pytest.raises(SystemExit) as e:
+        main([command, "--help"])
+    assert e.value.code == 0
+    out = capsys.readouterr().out
+    for section in ("model", "task", "sft", "grpo", "loss", "sync", "run"):
+        assert f"\n  {section}: " in out
+    for key, value, doc in config_keys(default_config()):
+        assert f"    {key} = {_show(value)} " in out or f"    {key} = {_show(value)}\n" in out, key
+        assert doc, f"{key} has no description"
+
+
+def test_every_config_field_is_documented():
+    from jaxrl_lp.models.config import ModelConfig
+    from jaxrl_lp.rl.loss import LossConfig
+    from jaxrl_lp.train.config import GRPOConfig, RunConfig, SFTConfig, TaskConfig
+    from jaxrl_lp.train.sync_hooks import SyncConfig
+
+    for cls in (TrainConfig, ModelConfig, TaskConfig, SFTConfig, GRPOConfig, LossConfig,
+                SyncConfig, RunConfig):
+        docs = field_docs(cls)
+        missing = [f.name for f in dataclasses.fields(cls) if not docs.get(f.name)]
+        assert not missing, f"{cls.__name__}: no Attributes entry for {missing}"
+
+
+@pytest.mark.parametrize("command", [["sample"], ["bench", "sampler"], ["study"]])
+def test_program_flags_show_their_defaults(command, capsys):
+    with pytest.raises(SystemExit):
+        main([*command, "--help"])
+    out = capsys.readouterr().out
+    assert "(default: " in out
+    if command == ["sample"]:
+        assert "completion budget per sample (default: 32)" in " ".join(out.split())
