@@ -1,4 +1,8 @@
-"""Test-session setup: CPU only, and a persistent XLA compilation cache.
+"""Test-session setup: 8 simulated CPU devices, and a persistent XLA compilation cache.
+
+The scale-out tests lay meshes over 8 CPU devices
+(`--xla_force_host_platform_device_count=8`, set before jax is imported); every
+other test runs on the first device, as a single-device program.
 
 Many tests compile the same programs (the training tests run the same short
 run three times: uninterrupted, killed, resumed); a compilation cache shared
@@ -8,7 +12,12 @@ by the session and its subprocesses turns the repeats into cache hits.
 import os
 import tempfile
 
-import jax
+if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
+                               + " --xla_force_host_platform_device_count=8").strip()
+
+import jax  # noqa: E402 - after XLA_FLAGS
+import pytest  # noqa: E402
 
 _CACHE = os.environ.setdefault(
     "JAX_COMPILATION_CACHE_DIR", os.path.join(tempfile.gettempdir(), "jaxrl_lp_test_xla_cache"))
@@ -17,3 +26,22 @@ os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 jax.config.update("jax_compilation_cache_dir", _CACHE)
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
 jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+
+
+@pytest.fixture(scope="session")
+def finished_runs(tmp_path_factory):
+    """Two finished short runs that the tests reading runs share (read them, or copy them).
+
+    `plain`: no exporter; `fair`: Fair Cast (`helpers.FAIR_CAST`). Each is a
+    `(run_dir, summary)` pair of `helpers.FINISHED` (8 steps).
+    """
+    from helpers import FAIR_CAST, FINISHED
+
+    from jaxrl_lp.train import apply_overrides, default_config, run_train
+
+    root = tmp_path_factory.mktemp("finished_runs")
+    runs = {}
+    for name, extra in (("plain", []), ("fair", FAIR_CAST)):
+        cfg = apply_overrides(default_config(), [*FINISHED, f"run.out_dir={root / name}", *extra])
+        runs[name] = (root / name, run_train(cfg))
+    return runs

@@ -18,3 +18,14 @@ def short_run(sft_steps: int = 6, grpo_steps: int = 6, checkpoint_every: int = 2
 def sets(*overrides: str) -> list[str]:
     """Command-line `--set` arguments for `overrides`."""
     return [a for o in overrides for a in ("--set", o)]
+
+
+# The finished runs the session shares (`finished_runs` in conftest.py): 2 warm-start and
+# 6 GRPO steps, a checkpoint every 2 steps (the last two, 6 and 8, kept).
+FINISHED = short_run(sft_steps=2, grpo_steps=6)
+FINISHED_STEPS = 8
+# Fair Cast: bf16 error-feedback export (its residual, non-zero from the first export of an
+# f32 master, is checkpointed), the loss on the served copy, the seven sync checks every 2
+# GRPO steps.
+FAIR_CAST = ["sync.exporter=bf16:error_feedback", "sync.loss_on_served=true",
+             "sync.check_every=2"]

@@ -1,13 +1,13 @@
 """`jaxrl-lp eval` on finished runs with and without an exporter, on warm-starts, and bad input.
 
-The runs are the short run of tests/test_train.py with 2 warm-start and 2 GRPO
-steps (the same programs, so the session's compilation cache is shared).
+The finished runs are the session's shared ones (`finished_runs`, conftest.py):
+8 steps, checkpoints 6 and 8 kept, `fair` with a bf16 error-feedback exporter.
 """
 
 import json
 
 import pytest
-from helpers import sets, short_run
+from helpers import FINISHED, FINISHED_STEPS, sets, short_run
 
 from jaxrl_lp.cli.main import main as cli_main
 from jaxrl_lp.train import apply_overrides, default_config, run_train
@@ -15,15 +15,9 @@ from jaxrl_lp.train import apply_overrides, default_config, run_train
 SHORT = short_run(sft_steps=2, grpo_steps=2)
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    """Two finished runs: `plain` (no exporter) and `fair` (bf16 stochastic exporter)."""
-    root = tmp_path_factory.mktemp("eval_runs")
-    out = {}
-    for name, extra in (("plain", []), ("fair", ["sync.exporter=bf16:stochastic"])):
-        assert cli_main(["train", *sets(*SHORT, f"run.out_dir={root / name}", *extra)]) == 0
-        out[name] = (root / name, json.loads((root / name / "summary.json").read_text()))
-    return out
+@pytest.fixture
+def runs(finished_runs):
+    return finished_runs
 
 
 def _eval(capsys, *args):
@@ -36,8 +30,8 @@ def test_finished_run_without_exporter(runs, capsys):
     run, summary = runs["plain"]
     # The run's own config.json, or the config on the command line, as `train` took it.
     out = _eval(capsys, "--run", run)
-    assert out == {"step": 4, "accuracy": summary["final_accuracy"]}
-    assert _eval(capsys, *sets(*SHORT, f"run.out_dir={run}")) == out
+    assert out == {"step": FINISHED_STEPS, "accuracy": summary["final_accuracy"]}
+    assert _eval(capsys, *sets(*FINISHED, f"run.out_dir={run}")) == out
 
 
 def test_finished_run_with_exporter_and_its_served_copy(runs, capsys):
@@ -45,15 +39,15 @@ def test_finished_run_with_exporter_and_its_served_copy(runs, capsys):
     out = _eval(capsys, "--run", run, "--served")
     # The served copy is exported with the exporter state of the checkpoint, as the
     # training program scored it at the end of the run.
-    assert out == {"step": 4, "accuracy": summary["final_accuracy"],
+    assert out == {"step": FINISHED_STEPS, "accuracy": summary["final_accuracy"],
                    "accuracy_served": summary["final_accuracy_served"],
-                   "exporter": "bf16:stochastic"}
+                   "exporter": "bf16:error_feedback"}
 
 
 def test_earlier_step_size_and_another_exporter(runs, capsys):
     run, _ = runs["fair"]
-    out = _eval(capsys, "--run", run, "--step", 2, "--size", 4, "--served")
-    assert out["step"] == 2 and 0.0 <= out["accuracy"] <= 1.0
+    out = _eval(capsys, "--run", run, "--step", 6, "--size", 4, "--served")
+    assert out["step"] == 6 and 0.0 <= out["accuracy"] <= 1.0
     assert 0.0 <= out["accuracy_served"] <= 1.0
     out = _eval(capsys, "--run", runs["plain"][0], "--exporter", "fmt:nvfp4")
     assert out["exporter"] == "fmt:nvfp4" and 0.0 <= out["accuracy_served"] <= 1.0
@@ -87,7 +81,7 @@ def test_bad_input_is_one_line_and_exit_2(runs, tmp_path, capsys):
     _fails(capsys, ["--run", empty], "no config.json")
     _fails(capsys, sets(*SHORT, f"run.out_dir={empty}"), "has no checkpoints")
     assert list(empty.iterdir()) == []
-    _fails(capsys, ["--run", run, "--step", 3], "no checkpoint at step 3", "[2, 4]")
+    _fails(capsys, ["--run", run, "--step", 3], "no checkpoint at step 3", "[6, 8]")
     _fails(capsys, ["--run", run, "--served"], "no exporter", "--exporter")
     _fails(capsys, ["--run", run, "--exporter", "fmt:nope"], "nope")
     _fails(capsys, ["--run", run, "--set", "model.hidden_size=64"], "different model")

@@ -58,13 +58,11 @@ def _header(file):
     return json.loads(raw[8:8 + struct.unpack("<Q", raw[:8])[0]])
 
 
-@pytest.fixture(scope="module")
-def looped_run(tmp_path_factory):
-    """A finished looped run with a bf16 error-feedback exporter (its residual is checkpointed)."""
-    run = tmp_path_factory.mktemp("convert") / "looped"
-    assert cli_main(["train", *sets(*SHORT, f"run.out_dir={run}",
-                                    "sync.exporter=bf16:error_feedback")]) == 0
-    return run
+@pytest.fixture
+def looped_run(finished_runs):
+    """The session's finished looped Fair Cast run: a bf16 error-feedback exporter (its
+    residual is checkpointed), 8 steps, checkpoints 6 and 8."""
+    return finished_runs["fair"][0]
 
 
 @pytest.fixture(scope="module")
@@ -159,12 +157,12 @@ def test_dense_hf_to_run_to_hf_f32_identical(tmp_path, capsys):
 def test_served_default_exporter_continues_the_run(looped_run, tmp_path, capsys):
     out = _convert(capsys, "served", "--run", looped_run, "--out", tmp_path)
     assert (out["exporter"], out["exporter_state"], out["step"]) == ("bf16:error_feedback",
-                                                                     "checkpoint", 4)
+                                                                     "checkpoint", 8)
     ckpt = Checkpointer(looped_run, create=False)
     try:
-        state = ckpt.manager.restore(4)["state"]  # the whole saved state
-        params, meta = ckpt.restore_params(4)
-        mine, _ = served_export(ckpt, params, meta, 4)
+        state = ckpt.manager.restore(8)["state"]  # the whole saved state
+        params, meta = ckpt.restore_params(8)
+        mine, _ = served_export(ckpt, params, meta, 8)
     finally:
         ckpt.close()
     ex = make_exporter("bf16:error_feedback")
@@ -248,7 +246,7 @@ def test_bad_input_is_one_line_and_exit_2(looped_run, tmp_path, capsys):
     _fails(capsys, ["served", "--run", looped_run, "--out", out, "--exporter", "bf16:up"],
            "not one of")
     _fails(capsys, ["served", "--run", looped_run, "--out", out, "--step", 3],
-           "no checkpoint at step 3", "[2, 4]")
+           "no checkpoint at step 3", "[6, 8]")
     _fails(capsys, ["run-to-hf", "--run", looped_run, "--out", out, "--step", 1], "step 1")
     _fails(capsys, ["hf-to-run", "--hf", tmp_path / "nohf", "--out", out], "does not exist")
     _fails(capsys, ["hf-to-run", "--hf", FIXTURES / "mha_r4_default", "--out", looped_run],

@@ -3,19 +3,20 @@ a complete run left alone."""
 
 import json
 import os
+import shutil
 from pathlib import Path
 
 import jax
 import numpy as np
 import pytest
-from helpers import sets, short_run
+from helpers import FINISHED, sets
 
 from jaxrl_lp.cli.main import main as cli_main
 from jaxrl_lp.train import apply_overrides, default_config, run_train
 from jaxrl_lp.train.checkpoint import Checkpointer
 from jaxrl_lp.train.run_lock import RunLock
 
-SHORT = short_run(sft_steps=4, grpo_steps=6)  # 10 steps, a checkpoint every 2
+SHORT = FINISHED  # 8 steps, a checkpoint every 2: the session's shared `plain` run
 
 
 def _cfg(run_dir, *extra):
@@ -46,17 +47,17 @@ def _params(run_dir: Path):
         ckpt.close()
 
 
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory):
+@pytest.fixture
+def reference(finished_runs):
     """An uninterrupted run of SHORT."""
-    run = tmp_path_factory.mktemp("reference")
-    run_train(_cfg(run))
-    return run
+    return finished_runs["plain"][0]
 
 
-def test_a_second_train_on_a_locked_run_exits_at_once_and_touches_nothing(tmp_path, capsys):
-    run_train(_cfg(tmp_path), stop_after=4)
-    with RunLock(tmp_path):  # the first run, still going
+def test_a_second_train_on_a_locked_run_exits_at_once_and_touches_nothing(tmp_path, capsys,
+                                                                          reference):
+    shutil.copytree(reference, tmp_path, dirs_exist_ok=True)
+    (tmp_path / "summary.json").unlink()  # a run still going
+    with RunLock(tmp_path):  # ...held by its process
         before = _snapshot(tmp_path)
         code = cli_main(["train", *sets(*SHORT, f"run.out_dir={tmp_path}")])
     err = capsys.readouterr().err.strip().splitlines()
@@ -64,28 +65,26 @@ def test_a_second_train_on_a_locked_run_exits_at_once_and_touches_nothing(tmp_pa
     assert len(err) == 1 and "in use by another jaxrl-lp process" in err[0] \
         and f"pid {os.getpid()}" in err[0], err
     assert _snapshot(tmp_path) == before
-    # Once the lock is released the run continues.
-    assert run_train(_cfg(tmp_path))["steps"] == 10
 
 
 def test_damaged_checkpoints_are_named_set_aside_and_the_run_continues(tmp_path, capsys,
                                                                        reference):
-    run_train(_cfg(tmp_path, "run.keep_checkpoints=3"), stop_after=8)  # checkpoints 4, 6, 8
+    run_train(_cfg(tmp_path, "run.keep_checkpoints=3"), stop_after=6)  # checkpoints 2, 4, 6
     ckpts = tmp_path / "checkpoints"
-    assert sorted(int(p.name) for p in ckpts.iterdir() if p.name.isdigit()) == [4, 6, 8]
-    # Step 8: a truncated array file; step 6: its metadata file is gone.
-    biggest = max((p for p in (ckpts / "8" / "state").rglob("*") if p.is_file()),
+    assert sorted(int(p.name) for p in ckpts.iterdir() if p.name.isdigit()) == [2, 4, 6]
+    # Step 6: a truncated array file; step 4: its metadata file is gone.
+    biggest = max((p for p in (ckpts / "6" / "state").rglob("*") if p.is_file()),
                   key=lambda p: p.stat().st_size)
     with biggest.open("r+b") as f:
         f.truncate(biggest.stat().st_size // 2)
-    (ckpts / "6" / "meta" / "metadata").unlink()
+    (ckpts / "4" / "meta" / "metadata").unlink()
     capsys.readouterr()
     summary = run_train(_cfg(tmp_path, "run.keep_checkpoints=3"))
     err = capsys.readouterr().err
-    assert "checkpoint step 8" in err and "checkpoint step 6" in err and "damaged" in err, err
-    assert (ckpts / "8.damaged").is_dir() and (ckpts / "6.damaged").is_dir()
-    assert summary["steps"] == 10
-    # It continued from step 4 exactly as the uninterrupted run did...
+    assert "checkpoint step 6" in err and "checkpoint step 4" in err and "damaged" in err, err
+    assert (ckpts / "6.damaged").is_dir() and (ckpts / "4.damaged").is_dir()
+    assert summary["steps"] == 8
+    # It continued from step 2 exactly as the uninterrupted run did...
     jax.tree.map(np.testing.assert_array_equal, _params(reference), _params(tmp_path))
     # ...and the records the lost steps had written were dropped and written again.
     recs = _records(tmp_path)
@@ -95,8 +94,6 @@ def test_damaged_checkpoints_are_named_set_aside_and_the_run_continues(tmp_path,
 
 
 def test_a_complete_run_is_left_unchanged_unless_refreshed(tmp_path, capsys, reference):
-    import shutil
-
     shutil.copytree(reference, tmp_path, dirs_exist_ok=True)
     before = _snapshot(tmp_path, lock=False)
     capsys.readouterr()
@@ -110,5 +107,5 @@ def test_a_complete_run_is_left_unchanged_unless_refreshed(tmp_path, capsys, ref
     assert _snapshot(tmp_path)["summary.json"] != before["summary.json"]
     assert _records(tmp_path) == _records(reference)  # the final record redone, not doubled
     # Asking for fewer steps than a run has done is refused, naming both counts.
-    with pytest.raises(ValueError, match="has done 10 steps, more than .* = 8"):
+    with pytest.raises(ValueError, match="has done 8 steps, more than .* = 6"):
         run_train(_cfg(tmp_path, "grpo.steps=4"))

@@ -10,7 +10,7 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
-from helpers import short_run
+from helpers import FAIR_CAST, FINISHED, FINISHED_STEPS, sets, short_run
 
 from jaxrl_lp.cli.main import main as cli_main
 from jaxrl_lp.train import NonFiniteError, apply_overrides, default_config, run_train
@@ -38,24 +38,19 @@ def _final_params(run_dir):
     return step, restored["state"]["params"]
 
 
-# Fair Cast with error feedback: the exporter's residual must survive the kill too.
-SYNC = ["sync.exporter=bf16:error_feedback", "sync.loss_on_served=true", "sync.check_every=2",
-        "sync.bf16_start=true"]
-
-
-def test_sigkill_and_resume_is_bit_identical(tmp_path):
-    ref_dir, cut_dir = tmp_path / "ref", tmp_path / "cut"
-    summary = run_train(_cfg(ref_dir, *SYNC))
-    assert summary["steps"] == 12
+def test_sigkill_and_resume_is_bit_identical(tmp_path, finished_runs):
+    """A Fair Cast run (the exporter's error-feedback residual must survive the kill too)."""
+    ref_dir, summary = finished_runs["fair"]
+    cut_dir = tmp_path / "cut"
+    assert summary["steps"] == FINISHED_STEPS
     # The same run in a subprocess, killed with SIGKILL once a mid-run checkpoint exists.
-    args = [sys.executable, "-m", "jaxrl_lp.cli.main", "train"]
-    for o in SHORT + SYNC + [f"run.out_dir={cut_dir}"]:
-        args += ["--set", o]
+    args = [sys.executable, "-m", "jaxrl_lp.cli.main", "train",
+            *sets(*FINISHED, *FAIR_CAST, f"run.out_dir={cut_dir}")]
     proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.time() + 300
+    deadline = time.time() + 600
     ckpts = cut_dir / "checkpoints"
     rs = np.random.RandomState(0)
-    target = int(rs.choice([4, 6, 8]))  # a random point: after the 2nd, 3rd or 4th checkpoint
+    target = int(rs.choice([2, 4, 6]))  # a random point: after the 1st, 2nd or 3rd checkpoint
     while time.time() < deadline and proc.poll() is None:
         done = [p for p in ckpts.glob("*") if p.name.isdigit()] if ckpts.exists() else []
         if any(int(p.name) >= target for p in done):
@@ -64,9 +59,10 @@ def test_sigkill_and_resume_is_bit_identical(tmp_path):
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     step_killed = Checkpointer(cut_dir).latest_step()
-    assert step_killed is not None and step_killed < 12, "the kill should land mid-run"
-    resumed = run_train(_cfg(cut_dir, *SYNC))
-    assert resumed["steps"] == 12
+    assert step_killed is not None and step_killed < FINISHED_STEPS, "the kill should land mid-run"
+    resumed = run_train(apply_overrides(default_config(),
+                                        [*FINISHED, *FAIR_CAST, f"run.out_dir={cut_dir}"]))
+    assert resumed["steps"] == FINISHED_STEPS
     _, p_ref = _final_params(ref_dir)
     _, p_cut = _final_params(cut_dir)
     jax.tree.map(np.testing.assert_array_equal, p_ref, p_cut)
@@ -74,7 +70,8 @@ def test_sigkill_and_resume_is_bit_identical(tmp_path):
     # One record per step and phase across the kill: the records the killed run wrote past
     # its last checkpoint were dropped and redone, so the log equals the uninterrupted one's.
     assert _records(cut_dir) == _records(ref_dir)
-    for name in ("metrics.jsonl", "summary.json", "reward.png", "accuracy.png", "mismatch.png"):
+    for name in ("metrics.jsonl", "summary.json", "sft_loss.png", "reward.png", "accuracy.png",
+                 "mismatch.png"):
         assert (ref_dir / name).exists(), name
     assert list((ref_dir / "tb").glob("events.*"))
     s = json.loads((ref_dir / "summary.json").read_text())
@@ -82,8 +79,7 @@ def test_sigkill_and_resume_is_bit_identical(tmp_path):
     assert 0.0 <= s["final_accuracy_served"] <= 1.0  # the bf16 served copy, scored apart
     # Matched policies, loss on the served copy: after every sync the learner's
     # (hybrid = replay) log-probs equal the sampler's exactly, and the checks pass.
-    grpo = [json.loads(line) for line in (ref_dir / "metrics.jsonl").read_text().splitlines()]
-    grpo = [r for r in grpo if r["phase"] == "grpo"]
+    grpo = [r for r in _records(ref_dir) if r["phase"] == "grpo"]
     assert len(grpo) == 6
     assert all(r["mismatch_max_abs_dlogp"] == 0.0 for r in grpo)
     checked = [r for r in grpo if "sync/probe_logprobs" in r]
@@ -168,3 +164,34 @@ def test_config_file_and_unknown_file(tmp_path, capsys):
     from jaxrl_lp.train import load_config
 
     assert load_config(str(root / "configs" / "default.py")) == default_config()
+
+
+def test_gsm8k_run_from_a_hugging_face_checkpoint(tmp_path):
+    """task.kind=gsm8k trains end to end from an init_from directory with its tokenizer."""
+    from jaxrl_lp.models import get_preset, init_params
+    from jaxrl_lp.models.hf_io import save_hf_checkpoint
+    from jaxrl_lp.models.tokenizer import CharTokenizer
+
+    tok = CharTokenizer()
+    ckpt = tmp_path / "hf"
+    mcfg = get_preset("tiny-qwen3").replace(vocab_size=tok.vocab_size, bos_token_id=tok.bos_id,
+                                            eos_token_id=tok.eos_id, pad_token_id=tok.pad_id)
+    save_hf_checkpoint(ckpt, mcfg, init_params(mcfg, jax.random.PRNGKey(0)))
+    tok.save(ckpt)
+    rs = np.random.RandomState(0)
+    data = tmp_path / "gsm8k.jsonl"
+    with data.open("w") as f:
+        for a, b in rs.randint(0, 50, (40, 2)):
+            f.write(json.dumps({"question": f"What is {a} plus {b}?",
+                                "answer": f"{a}+{b}={a + b}\n#### {a + b}"}) + "\n")
+    cfg = apply_overrides(default_config(), [
+        "task.kind=gsm8k", f"task.path={data}", f"init_from={ckpt}", "sft.steps=1",
+        "sft.batch_size=4", "grpo.steps=2", "grpo.prompts_per_step=2", "grpo.group_size=2",
+        "grpo.max_new_tokens=6", "run.eval_size=2", "run.progress=false",
+        f"run.out_dir={tmp_path / 'run'}"])
+    summary = run_train(cfg)
+    assert summary["steps"] == 3 and 0.0 <= summary["final_accuracy"] <= 1.0
+    grpo = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    grpo = [r for r in grpo if r["phase"] == "grpo"]
+    assert len(grpo) == 2 and all(0.0 <= r["reward_mean"] <= 1.0 for r in grpo)
+    assert all(r["mismatch_max_abs_dlogp"] == 0.0 for r in grpo)  # matched, hybrid

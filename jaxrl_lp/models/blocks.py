@@ -11,6 +11,11 @@ import jax.numpy as jnp
 from jaxrl_lp.models.config import ModelConfig
 from jaxrl_lp.models.layers import attention, dot, rms_norm, rope, swiglu
 from jaxrl_lp.numerics.policy import Policy
+from jaxrl_lp.parallel.context import constrain
+
+# Logical axes of the activations (`parallel.rules`): the residual stream is
+# batch-sharded and whole; heads and MLP columns follow the tensor axis.
+RESIDUAL = ("batch", "sequence", "hidden")
 
 __all__ = [
     "attend", "embed", "kv_heads_first", "lm_logits", "mlp", "over_layers", "project_qkv",
@@ -55,8 +60,11 @@ def over_layers(layer_fn, carry, layers, xs=()):
 
 def embed(params: dict, tokens_BxT: jax.Array, policy: Policy) -> jax.Array:
     """Embedding lookup, rounded to compute precision (f32 when the residual is f32)."""
-    x = policy.round_params(jnp.take(params["embed"], tokens_BxT, axis=0))
-    return x.astype(jnp.float32) if policy.has("residual") else x
+    # The table is gathered along its FSDP axis for the lookup (as every FSDP weight is
+    # before use); its vocabulary stays split over `tensor`.
+    table = constrain(params["embed"], ("vocab", "hidden"))
+    x = policy.round_params(jnp.take(table, tokens_BxT, axis=0))
+    return constrain(x.astype(jnp.float32) if policy.has("residual") else x, RESIDUAL)
 
 
 def residual_add(h: jax.Array, delta: jax.Array, policy: Policy) -> jax.Array:
@@ -89,7 +97,9 @@ def project_qkv(lp: dict, x_BxTxD: jax.Array, positions_BxT: jax.Array,
         k = rms_norm(k, lp["k_norm"], cfg.rms_eps, policy)
     q = rope(q, positions_BxT, cfg.rope_theta, policy)
     k = rope(k, positions_BxT, cfg.rope_theta, policy)
-    return q, k, v
+    return (constrain(q, ("batch", "sequence", "heads", "head_dim")),
+            constrain(k, ("batch", "sequence", "kv_heads", "head_dim")),
+            constrain(v, ("batch", "sequence", "kv_heads", "head_dim")))
 
 
 def attend(lp: dict, q, k, v, positions_BxT, policy: Policy, cache_kv=None, layer=0, lead=(),
@@ -111,7 +121,7 @@ def attend(lp: dict, q, k, v, positions_BxT, policy: Policy, cache_kv=None, laye
     k_heads, v_heads = kv_heads_first(k), kv_heads_first(v)
     if cache_kv is None:
         o = attention(q, k_heads, v_heads, positions_BxT, positions_BxT, policy)
-        return policy.round(dot(o, lp["o_proj"], policy)), None
+        return constrain(policy.round(dot(o, lp["o_proj"], policy)), RESIDUAL), None
     ck, cv = cache_kv
     per_layer = isinstance(ck, tuple)
     at = lead if per_layer else (*lead, layer)
@@ -122,7 +132,7 @@ def attend(lp: dict, q, k, v, positions_BxT, policy: Policy, cache_kv=None, laye
     if per_layer:
         buf_k = (*ck[:layer], buf_k, *ck[layer + 1:])
         buf_v = (*cv[:layer], buf_v, *cv[layer + 1:])
-    return policy.round(dot(o, lp["o_proj"], policy)), (buf_k, buf_v)
+    return constrain(policy.round(dot(o, lp["o_proj"], policy)), RESIDUAL), (buf_k, buf_v)
 
 
 def _write(buf, chunk_BxKxTxDh, at, cache_index):
@@ -154,10 +164,12 @@ def mlp(lp: dict, x_BxTxD: jax.Array, policy: Policy) -> jax.Array:
     """SwiGLU MLP: down(silu(gate(x)) * up(x)), output in compute precision."""
     hidden = swiglu(dot(x_BxTxD, lp["gate_proj"], policy), dot(x_BxTxD, lp["up_proj"], policy),
                     policy)
-    return policy.round(dot(hidden, lp["down_proj"], policy))
+    hidden = constrain(hidden, ("batch", "sequence", "mlp"))
+    return constrain(policy.round(dot(hidden, lp["down_proj"], policy)), RESIDUAL)
 
 
 def lm_logits(params: dict, h_xD: jax.Array, cfg: ModelConfig, policy: Policy) -> jax.Array:
     """Output logits from the final normed hidden state, f32 (rounded to `logits_dtype`)."""
     w = params["embed"].T if cfg.tie_embeddings else params["lm_head"]
-    return policy.round_logits(dot(h_xD, w, policy))
+    logits = policy.round_logits(dot(h_xD, w, policy))
+    return constrain(logits, ("batch", "sequence", "vocab")[3 - logits.ndim:])

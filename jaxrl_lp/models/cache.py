@@ -23,6 +23,7 @@ import jax.numpy as jnp
 
 from jaxrl_lp.models.config import ModelConfig
 from jaxrl_lp.numerics.policy import Policy
+from jaxrl_lp.parallel.context import constrain
 
 __all__ = ["init_cache", "unstack_cache", "write_positions"]
 
@@ -37,10 +38,11 @@ def init_cache(cfg: ModelConfig, policy: Policy, batch: int, max_len: int) -> di
         )
     lead = (cfg.loop_steps, cfg.num_layers) if cfg.is_looped else (cfg.num_layers,)
     shape = (*lead, batch, cfg.num_kv_heads, max_len, cfg.head_dim)
+    kv = ("batch", "kv_heads", "cache_slots", "head_dim")  # leading layer/step axes whole
     return {
-        "k": jnp.zeros(shape, policy.carrier_dtype),
-        "v": jnp.zeros(shape, policy.carrier_dtype),
-        "pos": jnp.full((batch, max_len), -1, jnp.int32),
+        "k": constrain(jnp.zeros(shape, policy.carrier_dtype), kv),
+        "v": constrain(jnp.zeros(shape, policy.carrier_dtype), kv),
+        "pos": constrain(jnp.full((batch, max_len), -1, jnp.int32), ("batch", "cache_slots")),
     }
 
 

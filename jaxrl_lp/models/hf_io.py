@@ -25,6 +25,7 @@ import os
 import warnings
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
@@ -75,9 +76,16 @@ def _set(tree: dict, path: tuple[str, ...], value: Any) -> None:
 
 
 def load_hf_params(
-    path: str | os.PathLike, config: ModelConfig, *, strict: bool = True
+    path: str | os.PathLike, config: ModelConfig, *, strict: bool = True,
+    shardings: Any = None,
 ) -> dict[str, Any]:
     """Reads a Hugging Face safetensors checkpoint into our params pytree, in f32.
+
+    With `shardings` (a tree of `jax.sharding.Sharding`s shaped like the params,
+    e.g. `parallel.param_shardings`) every array is built shard by shard: each
+    device's block is read from the file as a slice (`safe_open(...).get_slice`),
+    so no process ever holds a whole tensor it does not own, and in a
+    multi-process run each process reads only its devices' blocks.
 
     Args:
       path: checkpoint directory with `model.safetensors`, or with
@@ -85,6 +93,7 @@ def load_hf_params(
       config: the architecture (usually `read_hf_config(path)`); every tensor's
         shape is checked against it.
       strict: unexpected tensors raise (True) or warn (False).
+      shardings: the params' shardings, or None for single-device arrays.
 
     Returns:
       A nested dict of f32 `jax.Array`s in the layout of docs/design.md: linear
@@ -104,7 +113,9 @@ def load_hf_params(
     files = _tensor_files(path)
     handles: dict[str, Any] = {}
 
-    def read(name: str, hf_shape: tuple[int, ...], what: str) -> np.ndarray:
+    def read(name: str, hf_shape: tuple[int, ...], what: str, transpose: bool = False,
+             index: tuple[slice, ...] | None = None) -> np.ndarray:
+        """The tensor (or its block `index`, in our orientation) as f32, in our orientation."""
         if name not in files:
             raise ValueError(
                 f"tensor {name!r} ({what}, shape {hf_shape}) is missing from the checkpoint in "
@@ -114,7 +125,8 @@ def load_hf_params(
         if file not in handles:
             handles[file] = safe_open(file, framework="np")
         try:
-            shape = tuple(handles[file].get_slice(name).get_shape())
+            sl = handles[file].get_slice(name)
+            shape = tuple(sl.get_shape())
         except SafetensorError as e:
             raise ValueError(f"tensor {name!r} is listed for {file!r} but not in it") from e
         if shape != hf_shape:
@@ -122,32 +134,46 @@ def load_hf_params(
                 f"tensor {name!r} in {file!r} has shape {shape}, expected {hf_shape} ({what}); "
                 "does config.json describe these weights?"
             )
+        if index is None:
+            x = handles[file].get_tensor(name)
+        else:  # the file holds the transpose of a linear weight: slice it reversed
+            x = sl[tuple(reversed(index)) if transpose else tuple(index)]
         # bf16/f16 -> f32 is exact: the learner's master weights.
-        return handles[file].get_tensor(name).astype(np.float32)
+        x = np.asarray(x).astype(np.float32)
+        return x.T if transpose else x
+
+    def block(e, index: tuple[slice, ...]) -> np.ndarray:
+        """Entry `e`'s block `index` (of our stacked shape)."""
+        what = f"{'/'.join(e.path)} {e.shape}"
+        if not e.per_layer:
+            return read(e.hf_name, e.hf_shape, what, e.transpose, index)
+        layers = range(config.num_layers)[index[0]]
+        return np.stack([read(e.hf_name.format(i=i), e.hf_shape, f"{what}[{i}]", e.transpose,
+                              index[1:]) for i in layers])
 
     params: dict[str, Any] = {}
     used: set[str] = set()
     for e in hf_tensor_map(config):
-        what = f"{'/'.join(e.path)} {e.shape}"
-        if e.per_layer:
-            stacked = np.empty((config.num_layers, *e.shape), np.float32)
-            for i in range(config.num_layers):
-                name = e.hf_name.format(i=i)
-                x = read(name, e.hf_shape, f"{what}[{i}]")
-                stacked[i] = x.T if e.transpose else x
-                used.add(name)
-            value = stacked
+        shape = (config.num_layers, *e.shape) if e.per_layer else e.shape
+        full = tuple(slice(0, n) for n in shape)
+        if shardings is None:
+            value = jnp.asarray(block(e, full))
         else:
-            x = read(e.hf_name, e.hf_shape, what)
-            value = x.T if e.transpose else x
+            value = jax.make_array_from_callback(
+                shape, _get(shardings, e.path),
+                lambda idx, e=e, shape=shape: block(e, _bounds(idx, shape)))
+        if e.per_layer:
+            used.update(e.hf_name.format(i=i) for i in range(config.num_layers))
+        else:
             used.add(e.hf_name)
-        _set(params, e.path, jnp.asarray(value))
+        _set(params, e.path, value)
 
     extra = sorted(n for n in set(files) - used if not n.endswith("rotary_emb.inv_freq"))
     if config.tie_embeddings and "lm_head.weight" in extra:
         # Some tied checkpoints store the head anyway; it must be the embedding.
         head = read("lm_head.weight", (config.vocab_size, config.hidden_size), "tied lm_head")
-        if not np.array_equal(head, np.asarray(params["embed"])):
+        embed = read("model.embed_tokens.weight", (config.vocab_size, config.hidden_size), "embed")
+        if not np.array_equal(head, embed):
             raise ValueError(
                 f"config.json says tie_word_embeddings=true but lm_head.weight in "
                 f"{files['lm_head.weight']!r} differs from model.embed_tokens.weight; set "
@@ -163,6 +189,11 @@ def load_hf_params(
             raise ValueError(msg + " (pass strict=False to ignore them)")
         warnings.warn(msg + "; ignoring them", stacklevel=2)
     return params
+
+
+def _bounds(index: tuple, shape: tuple[int, ...]) -> tuple[slice, ...]:
+    """A shard's index with every slice made explicit (`slice(None)` -> `slice(0, n)`)."""
+    return tuple(slice(*s.indices(n)[:2]) for s, n in zip(index, shape, strict=True))
 
 
 def _get(tree: dict, path: tuple[str, ...]) -> Any:

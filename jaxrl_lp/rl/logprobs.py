@@ -27,6 +27,7 @@ from typing import Literal
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import Mesh
 
 from jaxrl_lp.models.blocks import unstack_layers
 from jaxrl_lp.models.cache import init_cache, unstack_cache
@@ -34,12 +35,14 @@ from jaxrl_lp.models.config import ModelConfig
 from jaxrl_lp.models.loop import MODEL_DEFAULT, ExitSchedule
 from jaxrl_lp.models.model import forward
 from jaxrl_lp.numerics.policy import Policy
+from jaxrl_lp.parallel.context import use_mesh
+from jaxrl_lp.parallel.rules import DEFAULT_RULES, ShardingRules
 from jaxrl_lp.rollout.generate import Rollout
 from jaxrl_lp.rollout.sampling import token_logprobs
 from jaxrl_lp.rollout.step import LoopSpec, decode_step, prefill
 
-__all__ = ["LogprobMethod", "dense_logprobs", "learner_logprobs", "prompt_positions",
-           "replay_logprobs", "rollout_loop"]
+__all__ = ["LogprobMethod", "dense_logprobs", "jit_learner_logprobs", "learner_logprobs",
+           "prompt_positions", "replay_logprobs", "rollout_loop"]
 
 LogprobMethod = Literal["dense", "replay", "hybrid"]
 
@@ -170,3 +173,23 @@ def learner_logprobs(params: dict, cfg: ModelConfig, policy: Policy, ro: Rollout
     # stop_gradient on the *input*: a JVP-traced replay compiles differently (1 ulp off the sampler).
     replay = jax.lax.stop_gradient(replay_logprobs(jax.lax.stop_gradient(params), cfg, policy, ro))
     return replay + (dense - jax.lax.stop_gradient(dense)), entropy
+
+
+def jit_learner_logprobs(cfg: ModelConfig, policy: Policy, method: LogprobMethod = "hybrid", *,
+                         loop: LoopSpec | None = None, mesh: Mesh | None = None,
+                         rules: ShardingRules = DEFAULT_RULES):
+    """`fn(params, rollout) -> log-probs [B, N]`, jitted (no gradient; the learner's values).
+
+    The rollout's static fields (loop spec, policy, temperature) are static for
+    the jit. With `mesh` the function is traced under `use_mesh`: the
+    replay then runs the sampler's program with the sampler's shardings, which
+    keeps it bit-equal to a sampler on the same mesh (the collectives sum in
+    the same order). Nothing is donated. Called by the training program for
+    the behaviour log-probs, and by the tests.
+    """
+
+    def fn(params, ro):
+        with use_mesh(mesh, rules):
+            return learner_logprobs(params, cfg, policy, ro, method, loop=loop)[0]
+
+    return jax.jit(fn)

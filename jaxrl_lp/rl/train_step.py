@@ -12,10 +12,14 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 import optax
+from jax.sharding import Mesh
 
 from jaxrl_lp.models.config import ModelConfig
 from jaxrl_lp.models.model import forward
 from jaxrl_lp.numerics.policy import Policy
+from jaxrl_lp.parallel.context import constrain_params, use_mesh
+from jaxrl_lp.parallel.rules import DEFAULT_RULES, ShardingRules, param_shardings
+from jaxrl_lp.parallel.shard import batch_shardings, replicated, state_shardings
 from jaxrl_lp.rl.corrections import correction_weights
 from jaxrl_lp.rl.logprobs import learner_logprobs, rollout_loop
 from jaxrl_lp.rl.loss import LossConfig, loss_denominator, policy_loss, select_anchor
@@ -23,7 +27,7 @@ from jaxrl_lp.rollout.generate import Rollout
 from jaxrl_lp.rollout.step import LoopSpec
 from jaxrl_lp.sync.export import straight_through_served
 
-__all__ = ["make_grpo_step", "make_sft_step", "split_rows", "take_rows"]
+__all__ = ["MeshStep", "make_grpo_step", "make_sft_step", "split_rows", "take_rows"]
 
 _ROW_FIELDS = ("prompt_tokens", "prompt_lengths", "completion_tokens", "completion_mask",
                "logprobs", "exit_steps")
@@ -56,7 +60,8 @@ def _apply_if_finite(optimizer, grads, opt_state, params, loss):
 def make_grpo_step(cfg: ModelConfig, policy: Policy, loss_cfg: LossConfig,
                    optimizer: optax.GradientTransformation, *, loop: LoopSpec | None = None,
                    sampler_policy: Policy | str | None = None, method: str = "hybrid",
-                   micro_batches: int = 1, remat: bool = False):
+                   micro_batches: int = 1, remat: bool = False, mesh: Mesh | None = None,
+                   rules: ShardingRules = DEFAULT_RULES):
     """Builds `step(params, opt_state, rollout, advantages_B, old_logp_BxN, ref_logp_BxN, served)`.
 
     The returned function is jitted; `params` and `opt_state` are donated. The
@@ -82,6 +87,8 @@ def make_grpo_step(cfg: ModelConfig, policy: Policy, loss_cfg: LossConfig,
         gradient in deferred mode).
       micro_batches: gradient-accumulation slices.
       remat: recompute layer activations in the backward pass.
+      mesh, rules: run sharded (`MeshStep`): params and optimizer state by the
+        rules, rollout rows over the data shards, activations constrained.
 
     With `served` (the f32 values the sampler ran on) the loss is computed on
     the served copy with a straight-through gradient to the master (Fair Cast):
@@ -128,19 +135,29 @@ def make_grpo_step(cfg: ModelConfig, policy: Policy, loss_cfg: LossConfig,
         (loss0, m0), g0 = jax.eval_shape(grad_fn, params, *jax.tree.map(lambda a: a[0], xs),
                                          num_tokens, served)
         zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), (loss0, m0, g0))
+        # On a mesh the accumulated gradient is sharded like the parameters.
+        zeros = (*zeros[:2], constrain_params(zeros[2]))
         (loss, metrics, grads), _ = jax.lax.scan(accumulate, zeros, xs)
+        grads = constrain_params(grads)
         grad_norm = optax.tree.norm(grads)
         params, opt_state, ok = _apply_if_finite(optimizer, grads, opt_state, params, loss)
         metrics = dict(metrics, **cmetrics, loss=loss, grad_norm=grad_norm,
                        skipped=1.0 - ok.astype(jnp.float32))
         return params, opt_state, metrics
 
-    return jax.jit(step, donate_argnums=(0, 1))
+    if mesh is None:
+        return jax.jit(step, donate_argnums=(0, 1))
+    return MeshStep(step, cfg, mesh, rules, ("params", "state", "batch", "batch", "batch", "batch",
+                                             "params"))
 
 
 def make_sft_step(cfg: ModelConfig, policy: Policy, optimizer: optax.GradientTransformation,
-                  *, remat: bool = False):
+                  *, remat: bool = False, mesh: Mesh | None = None,
+                  rules: ShardingRules = DEFAULT_RULES):
     """Builds the jitted supervised step `step(params, opt_state, tokens_BxL, mask_BxL)`.
+
+    `params` and `opt_state` are donated; with `mesh` it runs sharded like the
+    GRPO step (`MeshStep`).
 
     Loss: mean over masked targets of -log p(token_{t+1} | tokens_<=t); looped
     models use the expected (exit-weighted) read-out, their training objective.
@@ -156,14 +173,65 @@ def make_sft_step(cfg: ModelConfig, policy: Policy, optimizer: optax.GradientTra
 
     def step(params, opt_state, tokens, mask):
         loss, grads = jax.value_and_grad(loss_fn)(params, tokens, mask)
+        grads = constrain_params(grads)
         grad_norm = optax.tree.norm(grads)
         params, opt_state, ok = _apply_if_finite(optimizer, grads, opt_state, params, loss)
         return params, opt_state, {"loss": loss, "grad_norm": grad_norm,
                                    "skipped": 1.0 - ok.astype(jnp.float32)}
 
-    return jax.jit(step, donate_argnums=(0, 1))
+    if mesh is None:
+        return jax.jit(step, donate_argnums=(0, 1))
+    return MeshStep(step, cfg, mesh, rules, ("params", "state", "batch", "batch"))
 
 
 def take_rows(ro: Rollout, idx) -> Rollout:
     """The rollout restricted to rows `idx` (a minibatch)."""
     return dataclasses.replace(ro, **{f: getattr(ro, f)[idx] for f in _ROW_FIELDS})
+
+
+class MeshStep:
+    """A train step jitted on a mesh with explicit shardings, built at its first call.
+
+    Each positional argument has a kind: `params` (the rules' parameter
+    shardings), `state` (leaves that mirror a parameter take its sharding,
+    others are replicated: optimizer moments, `parallel.state_shardings`) or
+    `batch` (rows over the data shards). The step returns `(params, opt_state,
+    metrics)` with the same parameter and state shardings and replicated
+    metrics; `params` and `opt_state` are donated. The step is traced under
+    `use_mesh`, so activations follow the rules too. A second call with
+    arguments of the same shapes reuses the compiled program.
+    """
+
+    def __init__(self, step, cfg: ModelConfig, mesh: Mesh, rules: ShardingRules,
+                 kinds: tuple[str, ...]):
+        self.step, self.cfg, self.mesh, self.rules, self.kinds = step, cfg, mesh, rules, kinds
+        self._jit = None
+
+    def shardings(self, *args):
+        """The in-shardings of `args` (by kind) and the out-shardings of the step."""
+        params = args[0]
+        param_sh = param_shardings(params, self.cfg, self.mesh, self.rules)
+        by_kind = {
+            "params": lambda x: param_sh if x is not None else None,
+            "state": lambda x: state_shardings(x, params, param_sh, self.mesh),
+            "batch": lambda x: None if x is None else batch_shardings(x, self.mesh, self.rules),
+        }
+        ins = tuple(by_kind[k](a) for k, a in zip(self.kinds, args, strict=False))
+        return ins, (ins[0], ins[1], replicated(self.mesh))
+
+    def __call__(self, *args):
+        if self._jit is None:
+            ins, outs = self.shardings(*args)
+
+            def traced(*a):
+                with use_mesh(self.mesh, self.rules):
+                    return self.step(*a)
+
+            self._ins = ins
+            self._jit = jax.jit(traced, in_shardings=ins, out_shardings=outs,
+                                donate_argnums=(0, 1))
+        # Inputs placed as the program expects (a no-op for those already there; rows
+        # sliced out of a sharded rollout, host arrays).
+        args = tuple(a if sh is None else jax.device_put(a, sh)
+                     for a, sh in zip(args, self._ins, strict=False))
+        return self._jit(*args)

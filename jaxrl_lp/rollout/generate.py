@@ -17,11 +17,15 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import Mesh
 
 from jaxrl_lp.models.blocks import unstack_layers
 from jaxrl_lp.models.cache import init_cache, unstack_cache
 from jaxrl_lp.models.config import ModelConfig
 from jaxrl_lp.numerics.policy import Policy
+from jaxrl_lp.parallel.context import use_mesh
+from jaxrl_lp.parallel.rules import DEFAULT_RULES, ShardingRules
+from jaxrl_lp.parallel.shard import batch_shardings, put_tree, replicated
 from jaxrl_lp.rollout.sampling import SamplingConfig, sample_tokens
 from jaxrl_lp.rollout.step import LoopSpec, decode_step, prefill
 
@@ -110,12 +114,24 @@ class _DecodeState(NamedTuple):
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "policy", "loop", "sampling",
-                                             "max_new_tokens", "eos_id", "pad_id"))
+                                             "max_new_tokens", "eos_id", "pad_id", "mesh",
+                                             "rules"))
 def _generate(params, prompt_BxP, positions_BxP, lengths_B, key, version, *, cfg, policy, loop,
-              sampling, max_new_tokens, eos_id, pad_id):
+              sampling, max_new_tokens, eos_id, pad_id, mesh=None, rules=DEFAULT_RULES):
     """The jitted sampler. Static (a new value compiles anew): `cfg`, `policy`, `loop`,
-    `sampling`, `max_new_tokens`, `eos_id`, `pad_id`, and the shapes of the prompt
-    arrays (bucketed by `pad_prompts`). Nothing is donated. Traced by `generate` only."""
+    `sampling`, `max_new_tokens`, `eos_id`, `pad_id`, `mesh`, `rules`, and the shapes
+    of the prompt arrays (bucketed by `pad_prompts`). Nothing is donated; inputs
+    keep the shardings they come with (params by the rules, rows over the data
+    shards), and activations and the KV cache are constrained to the rules under
+    `mesh`. Traced by `generate` only."""
+    with use_mesh(mesh, rules):
+        return _sample(params, prompt_BxP, positions_BxP, lengths_B, key, version, cfg=cfg,
+                       policy=policy, loop=loop, sampling=sampling,
+                       max_new_tokens=max_new_tokens, eos_id=eos_id, pad_id=pad_id)
+
+
+def _sample(params, prompt_BxP, positions_BxP, lengths_B, key, version, *, cfg, policy, loop,
+            sampling, max_new_tokens, eos_id, pad_id):
     b, p = prompt_BxP.shape
     n = max_new_tokens
     # Sliced once, here: inside the loop a scan over stacked weights copies them every step.
@@ -174,6 +190,8 @@ def generate(
     loop: LoopSpec = LoopSpec(),
     key: jax.Array | None = None,
     weights_version: int = 0,
+    mesh: Mesh | None = None,
+    rules: ShardingRules = DEFAULT_RULES,
 ) -> Rollout:
     """Samples `num_samples` completions for each prompt (G samples per prompt, grouped).
 
@@ -200,6 +218,12 @@ def generate(
         records it resolved.
       key: PRNG key for sampling (required unless greedy).
       weights_version: recorded in the rollout.
+      mesh: sample on this device mesh: rows are split over its data shards
+        (`data` x `fsdp`; a prompt's G samples stay on one shard when the
+        number of prompts divides by the shards), params keep their shardings
+        (`parallel.param_shardings`). Rows that do not fill the shards are
+        padded with the last prompt and dropped from the rollout.
+      rules: the logical-axis sharding rules (with `mesh`).
 
     Returns:
       A `Rollout`.
@@ -233,6 +257,19 @@ def generate(
         if not sampling.greedy:
             raise ValueError("sampling needs a PRNG key (key=jax.random.key(seed))")
         key = jax.random.PRNGKey(0)
-    return _generate(params, jnp.asarray(toks), jnp.asarray(pos), jnp.asarray(lengths), key,
-                     weights_version, cfg=cfg, policy=policy, loop=loop, sampling=sampling,
-                     max_new_tokens=max_new_tokens, eos_id=eos_id, pad_id=pad_id)
+    rows = toks.shape[0]
+    host = (toks, pos, lengths)
+    if mesh is None:
+        arrays = tuple(jnp.asarray(a) for a in host)
+    else:
+        shards = mesh.shape["data"] * mesh.shape["fsdp"]
+        fill = -rows % shards
+        host = tuple(np.concatenate([a, np.repeat(a[-1:], fill, axis=0)]) for a in host)
+        arrays = put_tree(host, batch_shardings(host, mesh, rules))
+        key = put_tree(key, replicated(mesh))
+    ro = _generate(params, *arrays, key, weights_version, cfg=cfg, policy=policy, loop=loop,
+                   sampling=sampling, max_new_tokens=max_new_tokens, eos_id=eos_id,
+                   pad_id=pad_id, mesh=mesh, rules=rules)
+    if ro.prompt_tokens.shape[0] != rows:  # the padding rows
+        ro = jax.tree.map(lambda x: x[:rows] if np.ndim(x) else x, ro)
+    return ro

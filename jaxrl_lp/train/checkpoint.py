@@ -20,7 +20,10 @@ is set aside for that.
 from __future__ import annotations
 
 import dataclasses
+import gc
 import json
+import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -42,8 +45,40 @@ class DamagedCheckpointError(ValueError):
 
 
 def _first_line(e: BaseException) -> str:
+    """What went wrong, in one line: the innermost cause's first line (orbax wraps the
+    file-level error of tensorstore in an exception whose own text is a repr)."""
+    while e.__cause__ is not None or (e.__context__ is not None and not e.__suppress_context__):
+        e = e.__cause__ or e.__context__
     text = str(e).strip().splitlines()
-    return f"{type(e).__name__}: {text[0][:200] if text else ''}"
+    return f"{type(e).__name__}: {text[0][:240] if text else ''}"
+
+
+def _attempt(fn: Callable[[], Any]) -> tuple[Any, str | None]:
+    """`(fn(), None)`, or `(None, why it failed)` for any exception `fn` raises.
+
+    The failure is collected outside the exception handler, so that the reads a
+    failed orbax restore leaves behind are dropped quietly.
+    """
+    try:
+        return fn(), None
+    except Exception as e:  # noqa: BLE001 - orbax/tensorstore raise plain Exception
+        reason = _first_line(e)
+    _drop_orphaned_reads()
+    return None, reason
+
+
+def _drop_orphaned_reads() -> None:
+    """Collects the reads a failed orbax restore leaves behind, quietly.
+
+    They are coroutines whose event loop is gone; collected later they would
+    print an 'Exception ignored' traceback for the damage already reported.
+    """
+    hook = sys.unraisablehook
+    sys.unraisablehook = lambda unraisable: None
+    try:
+        gc.collect()
+    finally:
+        sys.unraisablehook = hook
 
 
 class Checkpointer:
@@ -96,28 +131,26 @@ class Checkpointer:
         meta = self.meta(step)
         check_model(meta, model_config, self.dir)
         abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, state_like)
-        try:
-            restored = self.manager.restore(step, args=ocp.args.Composite(
-                state=ocp.args.StandardRestore(abstract)))
-        except Exception as e:  # noqa: BLE001 - orbax/tensorstore raise plain Exception
-            if self._readable(step):
-                raise ValueError(
-                    f"checkpoint {self.dir / str(step)} does not hold the state this run "
-                    f"expects ({_first_line(e)}); it was written by another configuration or "
-                    "version: use another run.out_dir") from None
-            raise DamagedCheckpointError(step, self.dir / str(step), _first_line(e)) from None
-        return restored["state"], meta
+        restored, why = _attempt(lambda: self.manager.restore(step, args=ocp.args.Composite(
+            state=ocp.args.StandardRestore(abstract))))
+        if why is None:
+            return restored["state"], meta
+        if self._readable(step):
+            raise ValueError(
+                f"checkpoint {self.dir / str(step)} does not hold the state this run expects "
+                f"({why}); it was written by another configuration or version: use another "
+                "run.out_dir")
+        raise DamagedCheckpointError(step, self.dir / str(step), why)
 
     def _readable(self, step: int) -> bool:
         """Whether every array of `step`'s state reads back in its own recorded structure."""
-        try:
+        def read():
             tree = self._read_manager().item_metadata(step)["state"]
             tree = getattr(tree, "tree", tree)
-            like = jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype), tree)
-            self.restore_part(like, step)
-            return True
-        except Exception:  # noqa: BLE001 - any failure to read is damage
-            return False
+            self.restore_part(jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype),
+                                           tree), step)
+
+        return _attempt(read)[1] is None
 
     def set_aside(self, step: int) -> Path:
         """Renames a damaged step's directory to `<step>.damaged` (kept for inspection)."""
@@ -160,17 +193,18 @@ class Checkpointer:
         Raises `DamagedCheckpointError` when it cannot be read.
         """
         step = self.resolve_step(step)
-        try:
-            return self.manager.restore(step, args=ocp.args.Composite(
-                meta=ocp.args.JsonRestore()))["meta"]
-        except Exception as e:  # noqa: BLE001 - a missing or torn metadata file
-            raise DamagedCheckpointError(step, self.dir / str(step), _first_line(e)) from None
+        restored, why = _attempt(lambda: self.manager.restore(step, args=ocp.args.Composite(
+            meta=ocp.args.JsonRestore())))
+        if why is not None:  # a missing or torn metadata file
+            raise DamagedCheckpointError(step, self.dir / str(step), why)
+        return restored["meta"]
 
     def _read_manager(self) -> ocp.CheckpointManager:
         """A manager whose `state` handler restores parts of trees (the saving one's cannot)."""
         if self._reader is None:
             registry = ocp.handlers.DefaultCheckpointHandlerRegistry()
             registry.add("state", ocp.args.PyTreeRestore, ocp.PyTreeCheckpointHandler)
+            registry.add("meta", ocp.args.JsonRestore, ocp.JsonCheckpointHandler)
             self._reader = ocp.CheckpointManager(
                 self.dir, options=ocp.CheckpointManagerOptions(create=False),
                 handler_registry=registry)
@@ -229,14 +263,17 @@ class Checkpointer:
         meta = self.meta(step)
         if model_config is not None:
             check_model(meta, model_config, self.dir)
-        try:
+        def read():
             tree = self._read_manager().item_metadata(step)["state"]
             tree = getattr(tree, "tree", tree)
             like = {"params": jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype),
                                            tree["params"])}
-            return self.restore_part(like, step)["params"], meta
-        except Exception as e:  # noqa: BLE001 - orbax/tensorstore raise plain Exception
-            raise DamagedCheckpointError(step, self.dir / str(step), _first_line(e)) from None
+            return self.restore_part(like, step)["params"]
+
+        params, why = _attempt(read)
+        if why is not None:
+            raise DamagedCheckpointError(step, self.dir / str(step), why)
+        return params, meta
 
     def close(self) -> None:
         self.manager.close()

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from jaxrl_lp.models.config import ModelConfig
+from jaxrl_lp.parallel.distributed import DistributedConfig
 from jaxrl_lp.rl.loss import LossConfig
 from jaxrl_lp.train.fields import (
     check_bool,
@@ -22,7 +23,8 @@ from jaxrl_lp.train.fields import (
 )
 from jaxrl_lp.train.sync_hooks import SyncConfig
 
-__all__ = ["GRPOConfig", "RunConfig", "SFTConfig", "SyncConfig", "TaskConfig", "TrainConfig",
+__all__ = ["DistributedConfig", "GRPOConfig", "RunConfig", "SFTConfig", "SyncConfig", "TaskConfig",
+           "TrainConfig",
            "apply_overrides", "config_from_dict", "load_config"]
 
 
@@ -185,6 +187,9 @@ class RunConfig:
       checkpoint_every: save a checkpoint every this many steps (and at the end).
       keep_checkpoints: how many of the newest checkpoints to keep.
       progress: show progress bars (warm-start and GRPO).
+      mesh: the device mesh, e.g. fsdp=8 or data=2,fsdp=2,tensor=2 (axes data,
+        fsdp, tensor; the product is the device count of all processes); '' runs
+        on one device.
     """
 
     out_dir: str = "runs/default"
@@ -194,6 +199,7 @@ class RunConfig:
     checkpoint_every: int = 20
     keep_checkpoints: int = 2
     progress: bool = True
+    mesh: str = ""
 
     def __post_init__(self):
         check_str("run.out_dir", self.out_dir, nonempty=True, what="a directory path")
@@ -201,6 +207,14 @@ class RunConfig:
         for f in ("eval_every", "eval_size", "checkpoint_every", "keep_checkpoints"):
             check_int(f"run.{f}", getattr(self, f), minimum=1)
         check_bool("run.progress", self.progress)
+        check_str("run.mesh", self.mesh, what="a mesh spec such as fsdp=8")
+        if self.mesh:
+            from jaxrl_lp.parallel.mesh import MeshSpec
+
+            try:
+                MeshSpec.parse(self.mesh)
+            except ValueError as e:
+                raise ValueError(f"run.mesh: {e}") from None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -215,6 +229,7 @@ class TrainConfig:
       loss: the policy loss.
       sync: the served copy the sampler runs on.
       run: where and how the run is recorded.
+      distributed: how the processes of a multi-process run join (jax.distributed).
       init_from: a Hugging Face checkpoint directory to start from ('': random weights).
     """
 
@@ -225,6 +240,7 @@ class TrainConfig:
     loss: LossConfig = LossConfig()
     sync: SyncConfig = SyncConfig()
     run: RunConfig = RunConfig()
+    distributed: DistributedConfig = DistributedConfig()
     init_from: str = ""
 
     def __post_init__(self):

@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxrl_lp.parallel.shard import to_host
 from jaxrl_lp.rl.advantages import group_advantages, zero_variance_groups
 from jaxrl_lp.rl.train_step import take_rows
 from jaxrl_lp.rollout.generate import generate, pad_prompts
@@ -25,8 +26,13 @@ __all__ = ["grpo_iteration"]
 
 
 def grpo_iteration(state, step, cfg, task, mcfg, spol, loop, max_new, grpo_step, old_logp_fn,
-                   prompt_it, hooks: SyncHooks) -> dict:
-    """One GRPO step: export, sample groups, score, advantages, `mu` passes of updates."""
+                   prompt_it, hooks: SyncHooks, mesh=None) -> dict:
+    """One GRPO step: export, sample groups, score, advantages, `mu` passes of updates.
+
+    With `mesh` the sampler and the learner run sharded; what is computed on
+    the host (rewards, advantages, metrics) is computed by every process on the
+    whole batch (`to_host`), so they agree without further communication.
+    """
     g = cfg.grpo
     tok = task.tokenizer
     key = jax.random.fold_in(jax.random.PRNGKey(cfg.run.seed), step)
@@ -37,10 +43,10 @@ def grpo_iteration(state, step, cfg, task, mcfg, spol, loop, max_new, grpo_step,
     ro = generate(sampler_params, mcfg, [task.prompt_ids(p) for p in problems], policy=spol,
                   sampling=SamplingConfig(temperature=g.temperature), max_new_tokens=max_new,
                   num_samples=g.group_size, eos_id=tok.eos_id, pad_id=tok.pad_id, loop=loop,
-                  key=key, weights_version=step)
+                  key=key, weights_version=step, mesh=mesh)
     ro = jax.block_until_ready(ro)
     t_sample = time.time() - t0
-    rewards = task.rewards(np.asarray(ro.completion_tokens),
+    rewards = task.rewards(to_host(ro.completion_tokens),
                            [p for p in problems for _ in range(g.group_size)])
     adv = np.asarray(group_advantages(jnp.asarray(rewards), g.group_size, kind=g.advantage))
     n_zero_var = 0
@@ -77,13 +83,14 @@ def grpo_iteration(state, step, cfg, task, mcfg, spol, loop, max_new, grpo_step,
     metrics = {k: v / updates for k, v in sums.items()}
     metrics["skipped"] = float(sums.get("skipped", 0.0) > 0)
     metrics.update({k: float(v) for k, v in sync_metrics.items()})
-    lengths = np.asarray(ro.completion_mask).sum(1)
+    mask = to_host(ro.completion_mask)
+    lengths = mask.sum(1)
     metrics.update(
         reward_mean=float(rewards.mean()), reward_std=float(rewards.std()),
         accuracy=float((rewards >= 1.0).mean()), response_length=float(lengths.mean()),
         tokens_per_s=float(lengths.sum() / max(t_sample, 1e-9)), learning_rate=g.lr,
         zero_variance_groups=float(n_zero_var), mean_exit_step=float(
-            (np.asarray(ro.exit_steps) * np.asarray(ro.completion_mask)).sum()
+            (to_host(ro.exit_steps) * mask).sum()
             / max(lengths.sum(), 1)),
     )
     return metrics

@@ -23,7 +23,10 @@ import optax
 from jaxrl_lp.data import prompt_loader, sft_loader
 from jaxrl_lp.models.model import init_params
 from jaxrl_lp.numerics.policy import Policy
-from jaxrl_lp.rl.logprobs import learner_logprobs
+from jaxrl_lp.parallel import param_shardings
+from jaxrl_lp.parallel.distributed import initialize
+from jaxrl_lp.parallel.shard import batch_shardings, put_tree, state_shardings, to_host
+from jaxrl_lp.rl.logprobs import jit_learner_logprobs
 from jaxrl_lp.rl.train_step import make_grpo_step, make_sft_step
 from jaxrl_lp.rollout.generate import generate
 from jaxrl_lp.rollout.sampling import SamplingConfig
@@ -54,27 +57,41 @@ def initial_state(cfg: TrainConfig, plan: RunPlan | None = None) -> tuple[RunPla
       `opt_sft`, `opt_grpo`, `sync`) and the `SyncHooks` of `cfg.sync`.
     """
     plan = plan or validate(cfg)
+    mcfg, mesh = plan.model, plan.mesh
+    param_sh = None
+    if mesh is not None:  # built sharded: no device ever holds a whole parameter
+        shapes = jax.eval_shape(lambda: init_params(mcfg, jax.random.PRNGKey(0)))
+        param_sh = param_shardings(shapes, mcfg, mesh)
     if cfg.init_from:
         from jaxrl_lp.models.hf_io import load_hf_params
 
-        params = load_hf_params(cfg.init_from, plan.model)
+        params = load_hf_params(cfg.init_from, mcfg, shardings=param_sh)
     else:
-        params = init_params(plan.model, jax.random.PRNGKey(cfg.run.seed))
+        # Threefry is partitionable: the sharded init draws the same values.
+        init = jax.jit(lambda k: init_params(mcfg, k), out_shardings=param_sh)
+        params = init(jax.random.PRNGKey(cfg.run.seed))
     sft_opt, grpo_opt = plan.optimizers
-    hooks = SyncHooks(cfg.sync, plan.model, plan.learner_policy, plan.sampler_policy)
+    hooks = SyncHooks(cfg.sync, mcfg, plan.learner_policy, plan.sampler_policy)
     state = {"params": params, "opt_sft": sft_opt.init(params), "opt_grpo": grpo_opt.init(params),
              "sync": hooks.init_state(params)}
+    if mesh is not None:
+        state = {k: v if k == "params" else put_tree(v, state_shardings(v, params, param_sh, mesh))
+                 for k, v in state.items()}
     return plan, state, hooks
 
 
-def evaluate(params, mcfg, task, policy, loop, size: int, max_new: int) -> float:
-    """Greedy held-out accuracy on the first `size` held-out problems (deterministic)."""
+def evaluate(params, mcfg, task, policy, loop, size: int, max_new: int, mesh=None) -> float:
+    """Greedy held-out accuracy on the first `size` held-out problems (deterministic).
+
+    With `mesh` the sampler runs sharded (`generate(mesh=...)`) and every
+    process scores the whole batch.
+    """
     problems = [task.heldout[i] for i in range(min(size, len(task.heldout)))]
     tok = task.tokenizer
     ro = generate(params, mcfg, [task.prompt_ids(p) for p in problems], policy=policy,
                   sampling=SamplingConfig(greedy=True), max_new_tokens=max_new,
-                  eos_id=tok.eos_id, pad_id=tok.pad_id, loop=loop)
-    return float(np.mean(task.rewards(np.asarray(ro.completion_tokens), problems)))
+                  eos_id=tok.eos_id, pad_id=tok.pad_id, loop=loop, mesh=mesh)
+    return float(np.mean(task.rewards(to_host(ro.completion_tokens), problems)))
 
 
 def _optimizers(cfg: TrainConfig):
@@ -168,6 +185,7 @@ def run_train(cfg: TrainConfig, *, stop_after: int | None = None, refresh: bool 
       refresh: recompute a complete run's final evaluation, summary and plots.
     """
     t_start = time.time()
+    initialize(cfg.distributed)  # the processes join before the mesh is laid over them
     plan = validate(cfg)  # every setting, before anything is built or written
     run_dir = Path(cfg.run.out_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -215,13 +233,14 @@ def _train(cfg: TrainConfig, plan: RunPlan, run_dir: Path, ckpt: Checkpointer, t
     # Records past the checkpoint are redone by this run: keep one record per step.
     logger = MetricsLogger(run_dir, keep_records=meta.get("metrics_records", 0))
 
-    sft_step = make_sft_step(mcfg, lpol, sft_opt)
+    mesh = plan.mesh
+    sft_step = make_sft_step(mcfg, lpol, sft_opt, mesh=mesh)
     grpo_step = make_grpo_step(mcfg, lpol, cfg.loss, grpo_opt, loop=loop, sampler_policy=spol,
-                               method=g.logprobs, micro_batches=g.micro_batches)
-    old_logp_fn = jax.jit(lambda p, ro: learner_logprobs(p, mcfg, lpol, ro, g.logprobs,
-                                                         loop=loop)[0])
+                               method=g.logprobs, micro_batches=g.micro_batches, mesh=mesh)
+    old_logp_fn = jit_learner_logprobs(mcfg, lpol, g.logprobs, loop=loop, mesh=mesh)
     total = cfg.sft.steps + g.steps
-    evaluate_now = lambda p: evaluate(p, mcfg, task, spol, loop, cfg.run.eval_size, max_new)
+    evaluate_now = lambda p: evaluate(p, mcfg, task, spol, loop, cfg.run.eval_size, max_new,
+                                      mesh)
 
     def save(step):
         meta.update(step=step, sft_data=sft_it.get_state(), prompt_data=prompt_it.get_state(),
@@ -234,9 +253,11 @@ def _train(cfg: TrainConfig, plan: RunPlan, run_dir: Path, ckpt: Checkpointer, t
     while step < total and (stop_after is None or step < stop_after):
         if step < cfg.sft.steps:
             batch = next(sft_it)
+            tokens, mask = batch.tokens_BxL, batch.loss_mask_BxL
+            if mesh is not None:  # rows over the data shards, from the host batch
+                tokens, mask = put_tree((tokens, mask), batch_shardings((tokens, mask), mesh))
             state["params"], state["opt_sft"], m = sft_step(
-                state["params"], state["opt_sft"], jnp.asarray(batch.tokens_BxL),
-                jnp.asarray(batch.loss_mask_BxL))
+                state["params"], state["opt_sft"], jnp.asarray(tokens), jnp.asarray(mask))
             phase = "sft"
         else:
             if meta["initial_accuracy"] is None:
@@ -244,7 +265,7 @@ def _train(cfg: TrainConfig, plan: RunPlan, run_dir: Path, ckpt: Checkpointer, t
                 meta["initial_accuracy"] = evaluate_now(state["params"])
                 logger.log(step, "eval", {"accuracy": meta["initial_accuracy"]})
             m = grpo_iteration(state, step, cfg, task, mcfg, spol, loop, max_new, grpo_step,
-                               old_logp_fn, prompt_it, hooks)
+                               old_logp_fn, prompt_it, hooks, mesh)
             phase = "grpo"
         m = {k: float(v) for k, v in m.items()}
         meta["nonfinite_in_row"] = meta["nonfinite_in_row"] + 1 if m["skipped"] else 0

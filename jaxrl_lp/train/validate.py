@@ -43,6 +43,7 @@ class RunPlan(NamedTuple):
     sampling: SamplingConfig         # the GRPO sampler's settings
     exporter: Any                    # the sync exporter, or None
     optimizers: tuple                # (warm-start, GRPO) optax transforms
+    mesh: Any = None                 # the device mesh (`run.mesh`), or None: one device
 
 
 def _named(key: str, fn, *args, **kwargs):
@@ -149,4 +150,37 @@ def validate(cfg: TrainConfig) -> RunPlan:
             f"least {prompt + max(max_new, answer)} or lower grpo.max_new_tokens")
     return RunPlan(task=task, model=mcfg, max_new_tokens=max_new, seq_len=seq_len,
                    learner_policy=lpol, sampler_policy=spol, loop=loop, sampling=sampling,
-                   exporter=exporter, optimizers=_optimizers(cfg))
+                   exporter=exporter, optimizers=_optimizers(cfg), mesh=_mesh(cfg, mcfg))
+
+
+def _mesh(cfg: TrainConfig, mcfg: ModelConfig):
+    """The run's mesh, checked against the devices, the model and the batch sizes.
+
+    The batch splits over the data shards (`data` x `fsdp`): a prompt's G
+    samples stay on one shard when the prompts divide by the shards, and every
+    micro-batch and warm-start batch must split evenly. Before the processes
+    of a multi-process run have joined, only the spec is checked (the devices
+    are not known yet).
+    """
+    if not cfg.run.mesh:
+        return None
+    import jax
+
+    from jaxrl_lp.parallel import MeshSpec, check_divisible, make_mesh
+
+    spec = MeshSpec.parse(cfg.run.mesh)
+    d, g = spec.data_shards, cfg.grpo
+    rows = g.prompts_per_step * g.group_size // (g.minibatches * g.micro_batches)
+    for key, n, what in (
+        ("grpo.prompts_per_step", g.prompts_per_step, "prompts per step"),
+        ("grpo.micro_batches", rows, "sequences per micro-batch"),
+        ("sft.batch_size", cfg.sft.batch_size, "warm-start sequences per step"),
+    ):
+        if n % d:
+            raise ValueError(f"{key}: {n} {what} do not split over run.mesh={spec}'s {d} data "
+                             f"shards (data x fsdp); make it a multiple of {d}")
+    if cfg.distributed.coordinator and not jax.distributed.is_initialized():
+        return None
+    mesh = _named("run.mesh", make_mesh, spec)
+    _named("run.mesh", check_divisible, mcfg, mesh)
+    return mesh

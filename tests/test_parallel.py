@@ -1,0 +1,186 @@
+"""Sharded sampler and learner on 8 simulated CPU devices (conftest.py sets the device count).
+
+Two mesh shapes, `fsdp=8` and `data=2,fsdp=2,tensor=2`: the sampler gives the
+tokens and log-probs of one device (1e-5), a GRPO step gives its parameters
+(f32, 1e-5 relative), the learner's replay on a mesh equals the sampler on the
+same mesh bit for bit, and no parameter or optimizer state of a sharded step
+is whole on one device.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from jaxrl_lp.bench.exactness import exactness_model, exactness_rollout
+from jaxrl_lp.models import get_preset, init_params
+from jaxrl_lp.numerics.policy import Policy
+from jaxrl_lp.parallel import MeshSpec, make_mesh, param_shardings
+from jaxrl_lp.parallel.shard import put_tree, state_shardings
+from jaxrl_lp.rl import LossConfig, make_grpo_step
+from jaxrl_lp.rl.logprobs import jit_learner_logprobs
+from jaxrl_lp.rollout import SamplingConfig, generate
+
+MESHES = ("fsdp=8", "data=2,fsdp=2,tensor=2")
+PROMPTS = ((1, 5, 7), (2, 9, 4, 11, 3, 8), (6,), (12, 13, 14, 15))  # 4 prompts x G=2 = 8 rows
+G = 2
+N = 8
+pytestmark = pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 (simulated) devices")
+
+
+@functools.cache
+def model(kind):
+    return exactness_model(kind)
+
+
+def shard_params(params, cfg, mesh):
+    return put_tree(params, param_shardings(params, cfg, mesh))
+
+
+def not_whole(x) -> bool:
+    """No device holds the whole array (arrays of one element cannot be split)."""
+    return x.size <= 1 or all(s.data.shape != x.shape for s in x.addressable_shards)
+
+
+@pytest.mark.parametrize("mesh_spec", MESHES)
+@pytest.mark.parametrize("kind", ["dense", "looped_deferred"])
+def test_sampler_on_a_mesh_equals_one_device_and_replay_is_exact(mesh_spec, kind):
+    cfg, params, loop = model(kind)
+    mesh = make_mesh(mesh_spec)
+    sharded = shard_params(params, cfg, mesh)
+    # Greedy: the same tokens as one device, log-probs within 1e-5.
+    greedy = dict(sampling=SamplingConfig(greedy=True), max_new_tokens=N, num_samples=G,
+                  eos_id=3, loop=loop)
+    one = generate(params, cfg, PROMPTS, **greedy)
+    many = generate(sharded, cfg, PROMPTS, mesh=mesh, **greedy)
+    np.testing.assert_array_equal(np.asarray(many.completion_tokens),
+                                  np.asarray(one.completion_tokens))
+    np.testing.assert_array_equal(np.asarray(many.exit_steps), np.asarray(one.exit_steps))
+    np.testing.assert_allclose(np.asarray(many.logprobs), np.asarray(one.logprobs), atol=1e-5)
+    assert many.completion_tokens.sharding.spec[0] is not None  # rows over the data shards
+    # Sampled at a temperature on the mesh, then replayed on the same mesh: bit for bit.
+    ro = generate(sharded, cfg, PROMPTS, sampling=SamplingConfig(temperature=0.8), eos_id=3,
+                  loop=loop, key=jax.random.PRNGKey(1), mesh=mesh, max_new_tokens=N,
+                  num_samples=G)
+    replay = jit_learner_logprobs(cfg, Policy.parse("fp32"), "replay", mesh=mesh)(sharded, ro)
+    mask = np.asarray(ro.completion_mask) > 0
+    assert np.array_equal(np.asarray(replay)[mask], np.asarray(ro.logprobs)[mask])
+
+
+def _grpo_inputs(cfg, params, loop):
+    ro = exactness_rollout(params, cfg, Policy.parse("fp32"), loop, prompts=PROMPTS,
+                           num_samples=G, max_new_tokens=N)
+    adv = jax.random.normal(jax.random.PRNGKey(5), ro.logprobs.shape[:1])
+    return ro, adv
+
+
+@pytest.mark.parametrize("mesh_spec", MESHES)
+def test_grpo_step_on_a_mesh_equals_one_device_and_nothing_is_whole(mesh_spec):
+    cfg, params, loop = model("looped_deferred")
+    # SGD with momentum: the update is proportional to the gradient, so the parameters
+    # compare the gradients (Adam divides near-zero gradients by their own size, which
+    # turns last-bit differences of a gradient of 1e-9 into differences of the update).
+    opt = optax.chain(optax.clip_by_global_norm(1.0), optax.sgd(0.5, momentum=0.9))
+    ro, adv = _grpo_inputs(cfg, params, loop)
+    loss = LossConfig()
+    copy = lambda t: jax.tree.map(jnp.copy, t)
+    one = make_grpo_step(cfg, Policy.parse("fp32"), loss, opt, loop=loop, micro_batches=2)
+    p1, o1, m1 = one(copy(params), opt.init(params), ro, adv, ro.logprobs)
+    mesh = make_mesh(mesh_spec)
+    step = make_grpo_step(cfg, Policy.parse("fp32"), loss, opt, loop=loop, micro_batches=2,
+                          mesh=mesh)
+    sharded = shard_params(copy(params), cfg, mesh)
+    state = put_tree(opt.init(params), state_shardings(opt.init(params), params,
+                                                       param_shardings(params, cfg, mesh), mesh))
+    p8, o8, m8 = step(sharded, state, ro, adv, ro.logprobs)
+    assert float(m8["grad_norm"]) > 0
+    np.testing.assert_allclose(float(m8["loss"]), float(m1["loss"]), rtol=1e-5, atol=1e-7)
+    np.testing.assert_allclose(float(m8["grad_norm"]), float(m1["grad_norm"]), rtol=1e-5)
+    moved = 0.0
+    for a, b, p in zip(jax.tree.leaves(p8), jax.tree.leaves(p1), jax.tree.leaves(params),
+                       strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-7)
+        moved = max(moved, float(np.abs(np.asarray(b) - np.asarray(p)).max()))
+    assert moved > 1e-4  # the step moved the parameters
+    # Sharded in, sharded out: no parameter or optimizer moment is whole on one device.
+    assert all(not_whole(x) for x in jax.tree.leaves(p8)), "a parameter is whole on a device"
+    moments = [x for x in jax.tree.leaves(o8) if x.ndim > 0]
+    assert moments and all(not_whole(x) for x in moments), "an optimizer moment is whole"
+    # A second call with the same shapes reuses the compiled program.
+    step(p8, o8, ro, adv, ro.logprobs)
+    assert step._jit._cache_size() == 1
+
+
+def test_mesh_specs_and_bad_input():
+    assert MeshSpec.parse("data=2,fsdp=2,tensor=2").size == 8
+    assert str(MeshSpec.parse("tensor=2, data=4")) == "data=4,tensor=2"
+    assert MeshSpec.parse("").size == 1
+    with pytest.raises(ValueError, match="has 4 devices but there are 8"):
+        make_mesh("fsdp=4")
+    with pytest.raises(ValueError, match="'batch=8' is not AXIS=SIZE"):
+        MeshSpec.parse("batch=8")
+    with pytest.raises(ValueError, match="given twice"):
+        MeshSpec.parse("fsdp=2,fsdp=4")
+    cfg = get_preset("tiny-qwen3")  # 4 heads, 2 KV heads
+    params = jax.eval_shape(lambda: init_params(cfg, jax.random.PRNGKey(0)))
+    with pytest.raises(ValueError, match=r"model.num_kv_heads=2 does not divide by the mesh's "
+                                         r"tensor=4"):
+        param_shardings(params, cfg, make_mesh("data=2,tensor=4"))
+
+
+@pytest.fixture(scope="module")
+def tiny_ouro_checkpoint(tmp_path_factory):
+    """A random tiny looped checkpoint whose sizes divide by every mesh axis (vocab 128)."""
+    from jaxrl_lp.models.hf_io import save_hf_checkpoint
+
+    cfg = get_preset("tiny-ouro").replace(loop_steps=2, max_position_embeddings=64)
+    path = tmp_path_factory.mktemp("tiny_ouro")
+    save_hf_checkpoint(path, cfg, init_params(cfg, jax.random.PRNGKey(3)))
+    return path
+
+
+def test_training_on_a_mesh_and_its_checkpoint_on_other_meshes(tmp_path, tiny_ouro_checkpoint):
+    """`jaxrl-lp train --set run.mesh=...`: the same run as on one device, exact replay on
+    the mesh, and its checkpoint restored on another mesh shape and on one device."""
+    from helpers import short_run
+
+    from jaxrl_lp.train import apply_overrides, default_config, run_train
+    from jaxrl_lp.train.checkpoint import Checkpointer
+    from jaxrl_lp.train.program import initial_state
+
+    base = [*short_run(sft_steps=2, grpo_steps=2), f"init_from={tiny_ouro_checkpoint}",
+            "grpo.prompts_per_step=4", "sft.batch_size=8"]
+    runs = {}
+    for name, mesh in (("one", ""), ("mesh", "data=2,fsdp=2,tensor=2")):
+        cfg = apply_overrides(default_config(), [*base, f"run.mesh={mesh}",
+                                                 f"run.out_dir={tmp_path / name}"])
+        runs[name] = (cfg, run_train(cfg))
+    records = {n: [json.loads(x) for x in
+                   (tmp_path / n / "metrics.jsonl").read_text().splitlines()] for n in runs}
+    for a, b in zip(records["one"], records["mesh"], strict=True):
+        assert (a["step"], a["phase"]) == (b["step"], b["phase"])
+        if a["phase"] == "sft":
+            np.testing.assert_allclose(b["loss"], a["loss"], rtol=1e-5)
+    grpo = [r for r in records["mesh"] if r["phase"] == "grpo"]
+    assert grpo and all(r["mismatch_max_abs_dlogp"] == 0.0 for r in grpo)  # exact on the mesh
+    # The mesh run's checkpoint, restored onto another mesh shape and onto one device.
+    cfg = runs["mesh"][0]
+    ckpt = Checkpointer(cfg.run.out_dir)
+    restored = []
+    for mesh in ("fsdp=4,tensor=2", ""):
+        other = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, mesh=mesh))
+        plan, like, _ = initial_state(other)
+        state, _ = ckpt.restore(like, plan.model)
+        if mesh:
+            assert all(not_whole(x) for x in jax.tree.leaves(state["params"]))
+        restored.append(state)
+    ckpt.close()
+    jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)),
+                 *restored)
