@@ -184,3 +184,45 @@ def test_training_on_a_mesh_and_its_checkpoint_on_other_meshes(tmp_path, tiny_ou
     ckpt.close()
     jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)),
                  *restored)
+
+
+def test_hf_checkpoint_loads_into_its_shards(tiny_ouro_checkpoint):
+    from jaxrl_lp.models.hf_config import read_hf_config
+    from jaxrl_lp.models.hf_io import load_hf_params
+
+    cfg = read_hf_config(tiny_ouro_checkpoint)
+    whole = load_hf_params(tiny_ouro_checkpoint, cfg)
+    mesh = make_mesh("data=2,fsdp=2,tensor=2")
+    sharded = load_hf_params(tiny_ouro_checkpoint, cfg,
+                             shardings=param_shardings(whole, cfg, mesh))
+    for a, b in zip(jax.tree.leaves(sharded), jax.tree.leaves(whole), strict=True):
+        assert a.sharding.mesh.shape == mesh.shape and not_whole(a)
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_sync_checks_and_hashes_on_a_sharded_export():
+    """The seven checks run on sharded trees (per-shard hashes); faults are still caught."""
+    from jaxrl_lp.sync import expected_layout, hash_served, quantize, run_sync_checks
+    from jaxrl_lp.sync.report import SamplerState
+
+    cfg, params, _ = model("looped_deferred")
+    mesh = make_mesh("fsdp=8")
+    sharded = shard_params(params, cfg, mesh)
+    exporter = quantize("mxfp8")
+    served, _ = jax.jit(exporter.apply)(sharded, exporter.init(sharded))
+    hashes = hash_served(served)
+    tokens = jnp.asarray([[1, 5, 7, 9]], jnp.int32)
+    kw = dict(cfg=cfg, probe_tokens=tokens, learner_policy="fp32", master=sharded)
+    ok = run_sync_checks(served, hashes, SamplerState(served, 3, 3, "fp32"),
+                         expected_layout(exporter, params), 3, **kw)
+    assert ok.passed, str(ok)
+    # The same export unsharded hashes otherwise (the digest covers the shard layout) but
+    # reads back the same bits; one flipped payload bit on one shard fails check 2.
+    emb = served["embed"]
+    flipped = jax.device_put(
+        np.asarray(emb).view(np.uint32).__xor__(np.uint32(1) << 3 * (np.arange(emb.size)
+                                                                     .reshape(emb.shape) == 0))
+        .view(np.float32), emb.sharding)
+    bad = run_sync_checks(served, hashes, SamplerState({**served, "embed": flipped}, 3, 3, "fp32"),
+                          expected_layout(exporter, params), 3, **kw)
+    assert not bad.passed and "hashes" in str(bad)

@@ -73,17 +73,24 @@ _SYNCHRONOUS = grain.ReadOptions(num_threads=0, prefetch_buffer_size=0)
 
 
 def _dataset(records: Sequence[Any], seed: int, shuffle: bool,
-             num_epochs: int | None) -> grain.MapDataset:
+             num_epochs: int | None, shard: tuple[int, int] = (0, 1)) -> grain.MapDataset:
     ds = grain.MapDataset.source(records)
     if shuffle:
         ds = ds.shuffle(seed=seed)
     # repeat() after shuffle reshuffles each epoch with a seed derived from `seed`.
-    return ds.repeat(num_epochs)
+    ds = ds.repeat(num_epochs)
+    index, count = shard
+    if not (isinstance(index, int) and isinstance(count, int) and 0 <= index < count):
+        raise ValueError(f"shard={shard!r} must be (index, count) with 0 <= index < count")
+    # Data shard `index` of `count` reads every count-th element of the shuffled stream,
+    # so the shards' batch k together hold exactly the records of the unsharded batch k.
+    return ds if count == 1 else ds[index::count]
 
 
 def prompt_loader(records: Sequence[Any], batch_size: int, seed: int, shuffle: bool = True,
                   num_epochs: int | None = None, *, drop_remainder: bool = False,
-                  read_options: grain.ReadOptions | None = None) -> grain.IterDataset:
+                  read_options: grain.ReadOptions | None = None,
+                  shard: tuple[int, int] = (0, 1)) -> grain.IterDataset:
     """Batches of problem records, shuffled per epoch, with a checkpointable iterator.
 
     Args:
@@ -95,6 +102,8 @@ def prompt_loader(records: Sequence[Any], batch_size: int, seed: int, shuffle: b
       num_epochs: passes over the records; None repeats forever.
       drop_remainder: drop a last batch smaller than `batch_size` (finite epochs only).
       read_options: grain prefetching; None reads synchronously in the caller's thread.
+      shard: `(index, count)`: read data shard `index` of `count` (every count-th
+        record of the shuffled stream; `batch_size` is then the shard's share).
 
     Returns:
       A `grain.IterDataset` whose elements are lists of `batch_size` records.
@@ -108,7 +117,7 @@ def prompt_loader(records: Sequence[Any], batch_size: int, seed: int, shuffle: b
       True
     """
     _check_loader_args("prompt_loader", records, batch_size, num_epochs)
-    ds = _dataset(records, seed, shuffle, num_epochs)
+    ds = _dataset(records, seed, shuffle, num_epochs, shard)
     ds = ds.batch(batch_size, drop_remainder=drop_remainder, batch_fn=list)
     return ds.to_iter_dataset(read_options or _SYNCHRONOUS)
 
@@ -182,7 +191,8 @@ def _batch_examples(examples: Sequence[tuple[Sequence[int], Sequence[int]]], pad
 def sft_loader(records: Sequence[Any], example_fn: Callable[[Any], tuple[list[int], list[int]]],
                batch_size: int, seed: int, pad_id: int, seq_len: int | None = None, *,
                shuffle: bool = True, num_epochs: int | None = None,
-               read_options: grain.ReadOptions | None = None) -> grain.IterDataset:
+               read_options: grain.ReadOptions | None = None,
+               shard: tuple[int, int] = (0, 1)) -> grain.IterDataset:
     """Shuffled `SFTBatch`es of `example_fn(record)`, with a checkpointable iterator.
 
     Args:
@@ -195,6 +205,7 @@ def sft_loader(records: Sequence[Any], example_fn: Callable[[Any], tuple[list[in
       seq_len: padded length (see `sft_batch`).
       shuffle: False keeps the records' order.
       num_epochs: passes over the records; None repeats forever.
+      shard: `(index, count)`: read data shard `index` of `count` (as `prompt_loader`).
       read_options: grain prefetching; None reads synchronously in the caller's thread.
 
     Returns:
@@ -208,7 +219,7 @@ def sft_loader(records: Sequence[Any], example_fn: Callable[[Any], tuple[list[in
       (32, 11)
     """
     _check_loader_args("sft_loader", records, batch_size, num_epochs)
-    ds = _dataset(records, seed, shuffle, num_epochs).map(example_fn)
+    ds = _dataset(records, seed, shuffle, num_epochs, shard).map(example_fn)
     ds = ds.batch(batch_size, drop_remainder=True,
                   batch_fn=functools.partial(_batch_examples, pad_id=pad_id, seq_len=seq_len))
     return ds.to_iter_dataset(read_options or _SYNCHRONOUS)

@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import socket
+import time
 
 import jax
 
@@ -87,11 +89,16 @@ def initialize(cfg: DistributedConfig) -> None:
     """
     if not cfg.coordinator or jax.distributed.is_initialized():
         return
+    if os.environ.get("JAX_PLATFORMS", "cpu").startswith("cpu"):
+        # Collectives between CPU processes (tests, CPU clusters) go through gloo.
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")
     try:
         if cfg.coordinator == "auto":
             jax.distributed.initialize(initialization_timeout=cfg.timeout_s)
             return
         n, i = cfg.resolved()
+        if i != 0:  # JAX aborts the process when it cannot reach the coordinator: look first
+            _wait_for(cfg.coordinator, cfg.timeout_s)
         jax.distributed.initialize(coordinator_address=cfg.coordinator, num_processes=n,
                                    process_id=i, initialization_timeout=cfg.timeout_s)
     except (RuntimeError, ValueError) as e:  # the runtime's own error is a long C++ status
@@ -99,3 +106,21 @@ def initialize(cfg: DistributedConfig) -> None:
         raise ValueError(f"distributed.coordinator={cfg.coordinator!r}: the processes could not "
                          f"join within {cfg.timeout_s} s ({first}); check the address, that "
                          "process 0 runs, and distributed.timeout_s") from None
+
+
+def _wait_for(address: str, timeout_s: int) -> None:
+    """Returns once something listens at `address` (HOST:PORT); ValueError after `timeout_s`."""
+    host, _, port = address.rpartition(":")
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            with socket.create_connection((host, int(port)), timeout=1.0):
+                return
+        except OSError as e:
+            if time.monotonic() >= deadline:
+                raise ValueError(
+                    f"distributed.coordinator={address!r}: the processes could not join within "
+                    f"{timeout_s} s (nothing accepts connections there: {e.strerror or e}); start "
+                    "process 0 (the coordinator) or check the address and "
+                    "distributed.timeout_s") from None
+            time.sleep(0.5)

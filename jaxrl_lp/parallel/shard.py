@@ -82,7 +82,7 @@ def put_tree(tree: Any, shardings: Any) -> Any:
     """`put_global` over a tree (leaves already on device are resharded with `device_put`)."""
 
     def put(x, sh):
-        if isinstance(x, jax.Array) and x.is_fully_addressable:
+        if isinstance(x, jax.Array):  # already on devices (global or local): reshard
             return jax.device_put(x, sh)
         return put_global(x, sh)
 

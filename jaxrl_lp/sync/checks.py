@@ -32,6 +32,7 @@ tokens.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import jax
@@ -96,21 +97,21 @@ def _scale_problems(path: str, q: Any, axis: int | None) -> list[str]:
         want = tuple(n if i in q.batch_axes else 1 for i, n in enumerate(shape))
     dtype = {"block_e8m0": "float8_e8m0fnu", "block_e4m3_tensor_f32": "float8_e4m3fn"}.get(
         spec.scale_kind, "float32")
-    s = np.asarray(q.scales)
+    s = q.scales
     if tuple(s.shape) != want:
         out.append(f"{path}: scales shape {tuple(s.shape)}, expected {want}")
-    if s.dtype.name != dtype:
-        out.append(f"{path}: scales dtype {s.dtype.name}, expected {dtype}")
-    v = s.astype(np.float32)
-    if not np.isfinite(v).all():
-        out.append(f"{path}: {int((~np.isfinite(v)).sum())} non-finite scale(s)")
-    floor_ok = v >= 0 if spec.scale_kind == "block_e4m3_tensor_f32" else v > 0
-    if not floor_ok[np.isfinite(v)].all():
-        out.append(f"{path}: {int((~floor_ok & np.isfinite(v)).sum())} scale(s) not positive")
-    if spec.scale_kind == "block_e8m0":
-        mant = np.frexp(v[np.isfinite(v) & (v > 0)])[0]
-        if (mant != 0.5).any():
-            out.append(f"{path}: {int((mant != 0.5).sum())} E8M0 scale(s) not a power of two")
+    if np.dtype(s.dtype).name != dtype:
+        out.append(f"{path}: scales dtype {np.dtype(s.dtype).name}, expected {dtype}")
+    # Counted where the scales live (sharded arrays are not gathered): scalars come back.
+    counts = _scale_counts(jnp.asarray(s).astype(jnp.float32),
+                           spec.scale_kind == "block_e4m3_tensor_f32")
+    non_finite, not_positive, not_pow2 = (int(c) for c in counts)
+    if non_finite:
+        out.append(f"{path}: {non_finite} non-finite scale(s)")
+    if not_positive:
+        out.append(f"{path}: {not_positive} scale(s) not positive")
+    if spec.scale_kind == "block_e8m0" and not_pow2:
+        out.append(f"{path}: {not_pow2} E8M0 scale(s) not a power of two")
     ts = q.tensor_scale
     if (spec.scale_kind == "block_e4m3_tensor_f32") != (ts is not None):
         out.append(f"{path}: tensor scale {'missing' if ts is None else 'unexpected'}")
@@ -121,6 +122,16 @@ def _scale_problems(path: str, q: Any, axis: int | None) -> list[str]:
             out.append(f"{path}: tensor scale of shape {t.shape} not finite and positive, "
                        f"expected shape {want_t}")
     return out
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def _scale_counts(v: jax.Array, zero_ok: bool) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """(non-finite, not positive, finite positive but not a power of two) scale counts."""
+    finite = jnp.isfinite(v)
+    positive = (v >= 0) if zero_ok else (v > 0)
+    mant = jnp.frexp(jnp.where(finite & (v > 0), v, 1.0))[0]
+    return (jnp.sum(~finite), jnp.sum(finite & ~positive),
+            jnp.sum(finite & (v > 0) & (mant != 0.5)))
 
 
 def check_scales(held: Any, expected: dict[str, TensorSpec] | None = None) -> CheckResult:
@@ -146,9 +157,21 @@ def check_version(learner_version: int, sampler: SamplerState) -> CheckResult:
     return result("version", problems, f"version {int(learner_version)}, caches current")
 
 
+def _bits(x: jax.Array) -> jax.Array:
+    """The bit pattern of every element, as unsigned integers of the same width."""
+    width = np.dtype(x.dtype).itemsize
+    if jnp.issubdtype(x.dtype, jnp.floating):
+        return jax.lax.bitcast_convert_type(x, {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32,
+                                                8: jnp.uint64}[width])
+    return x
+
+
 def _same_bits(a: Any, b: Any) -> bool:
-    a, b = np.asarray(a), np.asarray(b)
-    return a.dtype == b.dtype and a.shape == b.shape and a.tobytes() == b.tobytes()
+    """Same dtype, shape and bits, compared where the arrays live (no gather)."""
+    a, b = jnp.asarray(a), jnp.asarray(b)
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    return bool(jnp.all(_bits(a) == _bits(b)))
 
 
 def check_unquantized_exact(written: Any, held: Any, master: Any = None) -> CheckResult:
@@ -164,13 +187,13 @@ def check_unquantized_exact(written: Any, held: Any, master: Any = None) -> Chec
             problems.append(f"{path}: not held as an array")
         elif not _same_bits(x, h[path]):
             problems.append(f"{path}: held bits differ from the written ones")
-        if path in m and np.asarray(x).dtype == np.asarray(m[path]).dtype \
+        if path in m and jnp.asarray(x).dtype == jnp.asarray(m[path]).dtype \
                 and not _same_bits(x, m[path]):
-            problems.append(f"{path}: kept in {np.asarray(x).dtype} but differs from the master")
+            problems.append(f"{path}: kept in {jnp.asarray(x).dtype} but differs from the master")
     return result("unquantized_exact", problems, f"{n} unquantized tensors bit-exact")
 
 
-def _blocks(x: np.ndarray, axis: int, bs: int) -> np.ndarray:
+def _blocks(x: jax.Array, axis: int, bs: int) -> jax.Array:
     return x.reshape(x.shape[:axis] + (x.shape[axis] // bs, bs) + x.shape[axis + 1:])
 
 
@@ -184,17 +207,26 @@ def _requantize(qs: dict) -> dict:
 def _requantize_mismatch(q: Any, req: Any) -> tuple[int, int]:
     """(elements whose re-quantized code differs, elements), after the allowed MX renorm."""
     spec = FORMATS[q.format]
+    renorm = spec.scale_kind == "block_e8m0"
+    bad = _mismatch_count(q.codes, req.codes, q.scales, req.scales, q.axis,
+                          spec.block_size if renorm else 0, float(spec.max_value))
+    return int(bad), int(np.prod(q.codes.shape))
+
+
+@functools.partial(jax.jit, static_argnums=(4, 5, 6))
+def _mismatch_count(codes, req_codes, scales, req_scales, axis: int, block: int,
+                    max_value: float) -> jax.Array:
+    """Codes that change when re-quantized, counted where they live (MX: renorm allowed)."""
     # Upcast: every code is exact in f32.
-    c, rc = (np.asarray(a.astype(jnp.float32)) for a in (q.codes, req.codes))
+    c, rc = codes.astype(jnp.float32), req_codes.astype(jnp.float32)
     bad = ~(c == rc)  # NaN codes count as mismatches
-    if spec.scale_kind == "block_e8m0" and bad.any():
-        a, bs = q.axis, spec.block_size
-        cb, rcb, badb = (_blocks(x, a, bs) for x in (c, rc, bad))
-        s, rs = (np.asarray(x.astype(jnp.float32)) for x in (q.scales, req.scales))
-        renorm = ((np.max(np.abs(cb), axis=a + 1) == spec.max_value / 2) & (rs == s / 2)
-                  & np.all(rcb == 2 * cb, axis=a + 1))
-        bad = (badb & ~np.expand_dims(renorm, a + 1)).reshape(c.shape)
-    return int(bad.sum()), c.size
+    if block:
+        cb, rcb, badb = (_blocks(x, axis, block) for x in (c, rc, bad))
+        s, rs = scales.astype(jnp.float32), req_scales.astype(jnp.float32)
+        renorm = ((jnp.max(jnp.abs(cb), axis=axis + 1) == max_value / 2) & (rs == s / 2)
+                  & jnp.all(rcb == 2 * cb, axis=axis + 1))
+        bad = (badb & ~jnp.expand_dims(renorm, axis + 1)).reshape(c.shape)
+    return jnp.sum(bad)
 
 
 def check_requantize_fixed_point(held: Any) -> CheckResult:

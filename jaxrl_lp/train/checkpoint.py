@@ -152,6 +152,12 @@ class Checkpointer:
 
         return _attempt(read)[1] is None
 
+    def reload(self) -> None:
+        """Re-lists the steps on disk (after another process renamed one)."""
+        self.manager.reload()
+        if self._reader is not None:
+            self._reader.reload()
+
     def set_aside(self, step: int) -> Path:
         """Renames a damaged step's directory to `<step>.damaged` (kept for inspection)."""
         src = self.dir / str(step)
@@ -161,9 +167,7 @@ class Checkpointer:
             n += 1
             dst = self.dir / f"{step}.damaged-{n}"
         src.rename(dst)
-        self.manager.reload()
-        if self._reader is not None:
-            self._reader.reload()
+        self.reload()
         return dst
 
     def steps(self) -> list[int]:

@@ -36,7 +36,7 @@ def grpo_iteration(state, step, cfg, task, mcfg, spol, loop, max_new, grpo_step,
     g = cfg.grpo
     tok = task.tokenizer
     key = jax.random.fold_in(jax.random.PRNGKey(cfg.run.seed), step)
-    problems = next(prompt_it)
+    problems = [task.train[int(i)] for i in prompt_it.next_global()]
     master = state["params"]
     served, sampler_params, state["sync"] = hooks.export(state["sync"], master)
     t0 = time.time()

@@ -24,11 +24,17 @@ class MetricsLogger:
     Args:
       run_dir: the run directory.
       keep_records: None for a new run; on resume, the records to keep.
+      write: False for the processes of a multi-process run other than process
+        0: they count records (`lines`) but write nothing.
     """
 
-    def __init__(self, run_dir: str | Path, keep_records: int | None = None):
+    def __init__(self, run_dir: str | Path, keep_records: int | None = None, write: bool = True):
         self.run_dir = Path(run_dir)
         self.path = self.run_dir / "metrics.jsonl"
+        self.write = write
+        if not write:
+            self.lines, self.tb = keep_records or 0, None
+            return
         kept = self.records()
         if keep_records is not None and keep_records < len(kept):
             kept = kept[:keep_records]
@@ -57,6 +63,9 @@ class MetricsLogger:
             self.tb.add_scalar(f"{phase}/{k}", float(v), int(step))
 
     def log(self, step: int, phase: str, metrics: dict) -> None:
+        if not self.write:
+            self.lines += 1
+            return
         rec = {"step": int(step), "phase": phase}
         # Non-finite values are written as null: JSON has no NaN.
         rec.update({k: (float(v) if np.isfinite(float(v)) else None) for k, v in metrics.items()})
@@ -78,7 +87,8 @@ class MetricsLogger:
         return out
 
     def close(self) -> None:
-        self.tb.close()
+        if self.tb is not None:
+            self.tb.close()
 
 
 class PlotSpec(NamedTuple):

@@ -9,6 +9,7 @@ uninterrupted run would have taken.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import sys
@@ -24,6 +25,7 @@ from jaxrl_lp.data import prompt_loader, sft_loader
 from jaxrl_lp.models.model import init_params
 from jaxrl_lp.numerics.policy import Policy
 from jaxrl_lp.parallel import param_shardings
+from jaxrl_lp.parallel.data import ShardedLoader
 from jaxrl_lp.parallel.distributed import initialize
 from jaxrl_lp.parallel.shard import batch_shardings, put_tree, state_shardings, to_host
 from jaxrl_lp.rl.logprobs import jit_learner_logprobs
@@ -189,7 +191,8 @@ def run_train(cfg: TrainConfig, *, stop_after: int | None = None, refresh: bool 
     plan = validate(cfg)  # every setting, before anything is built or written
     run_dir = Path(cfg.run.out_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
-    with RunLock(run_dir):
+    # One lock per run: process 0 holds it for all the run's processes.
+    with RunLock(run_dir) if jax.process_index() == 0 else contextlib.nullcontext():
         return _run_locked(cfg, plan, run_dir, t_start, stop_after, refresh)
 
 
@@ -218,9 +221,16 @@ def _train(cfg: TrainConfig, plan: RunPlan, run_dir: Path, ckpt: Checkpointer, t
     tok = task.tokenizer
     g = cfg.grpo
     _, state, hooks = initial_state(cfg, plan)
-    sft_it = iter(sft_loader(task.train, task.sft_example, cfg.sft.batch_size, cfg.run.seed,
-                             tok.pad_id, seq_len=plan.seq_len))
-    prompt_it = iter(prompt_loader(task.train, g.prompts_per_step, cfg.run.seed + 1))
+    primary = jax.process_index() == 0  # writes the run's files; every process computes
+    mesh = plan.mesh
+    # Each process reads the data shards of its devices; every process gets the global batch.
+    sft_it = ShardedLoader(
+        lambda d, n: sft_loader(task.train, task.sft_example, cfg.sft.batch_size // n,
+                                cfg.run.seed, tok.pad_id, seq_len=plan.seq_len, shard=(d, n)),
+        mesh, to_array=lambda b: (b.tokens_BxL, b.loss_mask_BxL))
+    prompt_it = ShardedLoader(
+        lambda d, n: prompt_loader(range(len(task.train)), g.prompts_per_step // n,
+                                   cfg.run.seed + 1, shard=(d, n)), mesh)
     meta = {"step": 0, "initial_accuracy": None, "nonfinite_in_row": 0, "skipped_total": 0,
             "metrics_records": 0}
     resumed = restore_newest_intact(ckpt, state, cfg, mcfg, hooks, lpol, spol)
@@ -228,12 +238,11 @@ def _train(cfg: TrainConfig, plan: RunPlan, run_dir: Path, ckpt: Checkpointer, t
         state, meta = resumed
         sft_it.set_state(meta["sft_data"])
         prompt_it.set_state(meta["prompt_data"])
-    else:
+    elif primary:
         (run_dir / "config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=2))
     # Records past the checkpoint are redone by this run: keep one record per step.
-    logger = MetricsLogger(run_dir, keep_records=meta.get("metrics_records", 0))
+    logger = MetricsLogger(run_dir, keep_records=meta.get("metrics_records", 0), write=primary)
 
-    mesh = plan.mesh
     sft_step = make_sft_step(mcfg, lpol, sft_opt, mesh=mesh)
     grpo_step = make_grpo_step(mcfg, lpol, cfg.loss, grpo_opt, loop=loop, sampler_policy=spol,
                                method=g.logprobs, micro_batches=g.micro_batches, mesh=mesh)
@@ -248,12 +257,11 @@ def _train(cfg: TrainConfig, plan: RunPlan, run_dir: Path, ckpt: Checkpointer, t
                     sync=dataclasses.asdict(cfg.sync), metrics_records=logger.lines)
         ckpt.save(step, state, meta)
     bar = PhaseProgress([("warm-start", cfg.sft.steps), ("grpo", g.steps)], meta["step"],
-                        enabled=cfg.run.progress)
+                        enabled=cfg.run.progress and primary)
     step = meta["step"]
     while step < total and (stop_after is None or step < stop_after):
         if step < cfg.sft.steps:
-            batch = next(sft_it)
-            tokens, mask = batch.tokens_BxL, batch.loss_mask_BxL
+            tokens, mask = sft_it.next_global()
             if mesh is not None:  # rows over the data shards, from the host batch
                 tokens, mask = put_tree((tokens, mask), batch_shardings((tokens, mask), mesh))
             state["params"], state["opt_sft"], m = sft_step(
@@ -299,8 +307,8 @@ def _train(cfg: TrainConfig, plan: RunPlan, run_dir: Path, ckpt: Checkpointer, t
         final_served = evaluate_now(served_params)
     logger.log(step, "eval", {"accuracy": final} | (
         {} if final_served is None else {"accuracy_served": final_served}))
-    records = logger.records()
-    plot_metrics(records, run_dir)
+    if primary:
+        plot_metrics(logger.records(), run_dir)
     summary = {
         "initial_accuracy": meta["initial_accuracy"],
         "final_accuracy": final,
@@ -313,6 +321,7 @@ def _train(cfg: TrainConfig, plan: RunPlan, run_dir: Path, ckpt: Checkpointer, t
         "wall_seconds": time.time() - t_start,
         "run_dir": str(run_dir),
     }
-    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    if primary:
+        (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     logger.close()
     return summary

@@ -10,6 +10,8 @@ from __future__ import annotations
 import sys
 from collections.abc import Callable
 
+import jax
+
 from jaxrl_lp.train.checkpoint import Checkpointer, DamagedCheckpointError
 from jaxrl_lp.train.sync_hooks import SyncConfig, SyncHooks
 
@@ -36,8 +38,14 @@ def restore_newest_intact(ckpt: Checkpointer, state: dict, cfg, mcfg, hooks: Syn
             return restore_step(ckpt, step, state, cfg, mcfg, hooks, lpol, spol)
         except DamagedCheckpointError as e:
             damaged = True
-            where = ckpt.set_aside(step)
-            warn(f"{e}; set it aside as {where.name} and trying the checkpoint before it")
+            if jax.process_index() == 0:  # one process renames; the others wait and re-list
+                where = ckpt.set_aside(step)
+                warn(f"{e}; set it aside as {where.name} and trying the checkpoint before it")
+            if jax.process_count() > 1:
+                from jax.experimental import multihost_utils
+
+                multihost_utils.sync_global_devices(f"jaxrl_lp_set_aside_{step}")
+                ckpt.reload()
     if damaged:
         warn("no intact checkpoint is left: the run starts again from step 0")
     return None
