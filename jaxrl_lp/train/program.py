@@ -68,8 +68,11 @@ def initial_state(cfg: TrainConfig, plan: RunPlan | None = None) -> tuple[RunPla
         from jaxrl_lp.models.hf_io import load_hf_params
 
         params = load_hf_params(cfg.init_from, mcfg, shardings=param_sh)
+    elif mesh is None:  # op by op, as the recorded runs were made
+        params = init_params(mcfg, jax.random.PRNGKey(cfg.run.seed))
     else:
-        # Threefry is partitionable: the sharded init draws the same values.
+        # Jitted straight into the shards (threefry is partitionable: the draws do not
+        # depend on the sharding; fused, they differ from op-by-op ones in the last bit).
         init = jax.jit(lambda k: init_params(mcfg, k), out_shardings=param_sh)
         params = init(jax.random.PRNGKey(cfg.run.seed))
     sft_opt, grpo_opt = plan.optimizers
