@@ -90,6 +90,7 @@ BAD = {
     "run.checkpoint_every": ["0"],
     "run.keep_checkpoints": ["0"],
     "run.progress": ["abc"],
+    "grpo.remat": ["abc"],
     "run.mesh": ["batch=8", "fsdp=0", "fsdp=3"],  # unknown axis, size 0, 3 != 8 devices
     "distributed.coordinator": ["nohost", "host:port"],
     "distributed.num_processes": ["0", "abc"],

@@ -188,3 +188,13 @@ def test_hybrid_value_is_replay_and_gradient_is_dense_exactly(pol, kind):
     for a, b in zip(flat_h, flat_d, strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     assert max(float(jnp.abs(a).max()) for a in flat_h) > 0.0  # a real gradient
+
+
+def test_behaviour_logprobs_in_micro_batches_equal_one_pass():
+    """The training program takes the behaviour log-probs one micro-batch at a time."""
+    from jaxrl_lp.rl.logprobs import jit_learner_logprobs
+
+    cfg, params, policy, loop, ro, replay, _ = case("fp32", "looped_deferred")
+    split = jit_learner_logprobs(cfg, policy, "hybrid", loop=loop, micro_batches=3)(params, ro)
+    np.testing.assert_array_equal(np.asarray(split) * np.asarray(ro.completion_mask),
+                                  np.asarray(replay) * np.asarray(ro.completion_mask))

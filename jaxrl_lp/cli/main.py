@@ -12,7 +12,7 @@ import argparse
 import importlib
 import sys
 
-SUBCOMMANDS = ("train", "sft", "sample", "eval", "convert", "config", "bench", "study")
+SUBCOMMANDS = ("train", "sft", "sample", "eval", "convert", "config", "bench", "study", "plan")
 
 
 class UserError(Exception):

@@ -148,6 +148,13 @@ PRESETS: dict[str, ModelConfig] = {
         rms_eps=1e-6, tie_embeddings=True, qk_norm=True, max_position_embeddings=40960,
         bos_token_id=151643, eos_token_id=151645, pad_token_id=151643,
     ),
+    # Qwen/Qwen3-4B config.json.
+    "qwen3-4b": ModelConfig(
+        family="qwen3", vocab_size=151936, hidden_size=2560, num_layers=36, num_heads=32,
+        num_kv_heads=8, head_dim=128, intermediate_size=9728, rope_theta=1_000_000.0,
+        rms_eps=1e-6, tie_embeddings=True, qk_norm=True, max_position_embeddings=40960,
+        bos_token_id=151643, eos_token_id=151645, pad_token_id=151643,
+    ),
     # Tiny sizes for tests and the CPU default.
     "tiny-qwen3": ModelConfig(
         family="qwen3", vocab_size=128, hidden_size=64, num_layers=2, num_heads=4,

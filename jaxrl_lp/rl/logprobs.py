@@ -29,7 +29,8 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh
 
-from jaxrl_lp.models.blocks import unstack_layers
+from jaxrl_lp.kernels.logprob import fused_logprobs
+from jaxrl_lp.models.blocks import lm_head, unstack_layers
 from jaxrl_lp.models.cache import init_cache, unstack_cache
 from jaxrl_lp.models.config import ModelConfig
 from jaxrl_lp.models.loop import MODEL_DEFAULT, ExitSchedule
@@ -37,9 +38,9 @@ from jaxrl_lp.models.model import forward
 from jaxrl_lp.numerics.policy import Policy
 from jaxrl_lp.parallel.context import use_mesh
 from jaxrl_lp.parallel.rules import DEFAULT_RULES, ShardingRules
-from jaxrl_lp.rollout.generate import Rollout
+from jaxrl_lp.rollout.generate import Rollout, split_rows
 from jaxrl_lp.rollout.sampling import token_logprobs
-from jaxrl_lp.rollout.step import LoopSpec, decode_step, prefill
+from jaxrl_lp.rollout.step import LoopSpec, decode_step, fused_readout, prefill, step_logprobs
 
 __all__ = ["LogprobMethod", "dense_logprobs", "jit_learner_logprobs", "learner_logprobs",
            "prompt_positions", "replay_logprobs", "rollout_loop"]
@@ -92,7 +93,10 @@ def dense_logprobs(params: dict, cfg: ModelConfig, policy: Policy, ro: Rollout, 
     """Teacher-forced log-probs and entropies [B, N] from one parallel forward (differentiable).
 
     The forward applies the rollout's recorded schedule in its compute mode
-    (`rollout_loop`; `loop`, if given, must match it).
+    (`rollout_loop`; `loop`, if given, must match it). Where the policy selects
+    the fused kernel (`fused_readout`) the log-probs and entropies come from
+    the completion positions' hidden states by `kernels.fused_logprobs` (no
+    [B, T, V] logits; 0 off the completion mask); elsewhere from the logits.
     """
     loop = rollout_loop(ro, cfg, loop)
     b, p = ro.prompt_tokens.shape
@@ -110,10 +114,17 @@ def dense_logprobs(params: dict, cfg: ModelConfig, policy: Policy, ro: Rollout, 
         # (at position P+j-1) stopped where the step that produced token j did.
         depth = jax.lax.dynamic_update_slice(full, ro.exit_steps[:, 1:], (0, p))
         schedule = ExitSchedule(depth_BxT=depth, readout_BxT=readout)
-    logits, _, _ = forward(params, cfg, policy, tokens, positions,
-                           loop=loop if cfg.is_looped else None, schedule=schedule, remat=remat)
-    logits = logits[:, p - 1:p - 1 + n]
+    fused = fused_readout(policy)
+    out, _, _ = forward(params, cfg, policy, tokens, positions, loop=loop if cfg.is_looped else None,
+                        schedule=schedule, remat=remat, hidden=fused)
+    out = out[:, p - 1:p - 1 + n]
     t = ro.temperature
+    if fused:
+        lp, ent = fused_logprobs(out.reshape(b * n, -1), lm_head(params, cfg),
+                                 ro.completion_tokens.reshape(-1), t, policy,
+                                 mask_T=ro.completion_mask.reshape(-1))
+        return lp.reshape(b, n), ent.reshape(b, n)
+    logits = out
     return token_logprobs(logits, ro.completion_tokens, t), _entropy(logits, t)
 
 
@@ -133,17 +144,20 @@ def replay_logprobs(params: dict, cfg: ModelConfig, policy: Policy, ro: Rollout,
     params = unstack_layers(params)  # as the sampler (`generate`) decodes
     cache = unstack_cache(init_cache(cfg, policy, b, p + n), cfg)
     positions = prompt_positions(ro.prompt_tokens, ro.prompt_lengths)
-    logits, cache, _, _ = prefill(params, cfg, policy, loop, ro.prompt_tokens, positions, cache,
-                                  readout_steps_B=ro.exit_steps[:, 0] if cfg.is_looped else None)
-    lp0 = token_logprobs(logits, ro.completion_tokens[:, 0], ro.temperature)
+    fused = fused_readout(policy)  # the steps return what the sampler's did
+    out, cache, _, _ = prefill(params, cfg, policy, loop, ro.prompt_tokens, positions, cache,
+                               readout_steps_B=ro.exit_steps[:, 0] if cfg.is_looped else None,
+                               hidden=fused)
+    lp0 = step_logprobs(params, cfg, policy, out, ro.completion_tokens[:, 0], ro.temperature)
 
     def body(cache, j):
-        logits, cache, _, _ = decode_step(
+        out, cache, _, _ = decode_step(
             params, cfg, policy, loop, ro.completion_tokens[:, j - 1],
             ro.prompt_lengths + j - 1, cache, p + j - 1,
             exit_steps_B=ro.exit_steps[:, j] if cfg.is_looped else None,
-            active_B=ro.completion_mask[:, j] > 0)  # as the sampler ran it
-        return cache, token_logprobs(logits, ro.completion_tokens[:, j], ro.temperature)
+            active_B=ro.completion_mask[:, j] > 0, hidden=fused)  # as the sampler ran it
+        return cache, step_logprobs(params, cfg, policy, out, ro.completion_tokens[:, j],
+                                    ro.temperature)
 
     _, rest = jax.lax.scan(body, cache, jnp.arange(1, n, dtype=jnp.int32))
     return jnp.concatenate([lp0[:, None], rest.T], axis=1)
@@ -177,8 +191,12 @@ def learner_logprobs(params: dict, cfg: ModelConfig, policy: Policy, ro: Rollout
 
 def jit_learner_logprobs(cfg: ModelConfig, policy: Policy, method: LogprobMethod = "hybrid", *,
                          loop: LoopSpec | None = None, mesh: Mesh | None = None,
-                         rules: ShardingRules = DEFAULT_RULES):
+                         rules: ShardingRules = DEFAULT_RULES, micro_batches: int = 1):
     """`fn(params, rollout) -> log-probs [B, N]`, jitted (no gradient; the learner's values).
+
+    With `micro_batches` > 1 the rows are taken in that many slices one after
+    the other (`lax.map`), so the replay's KV cache and the logits exist for one
+    slice at a time; each row's values are the same as in one pass.
 
     The rollout's static fields (loop spec, policy, temperature) are static for
     the jit. With `mesh` the function is traced under `use_mesh`: the
@@ -188,8 +206,14 @@ def jit_learner_logprobs(cfg: ModelConfig, policy: Policy, method: LogprobMethod
     the behaviour log-probs, and by the tests.
     """
 
+    def one(params, ro):
+        return learner_logprobs(params, cfg, policy, ro, method, loop=loop)[0]
+
     def fn(params, ro):
         with use_mesh(mesh, rules):
-            return learner_logprobs(params, cfg, policy, ro, method, loop=loop)[0]
+            if micro_batches == 1:
+                return one(params, ro)
+            lp = jax.lax.map(lambda mb: one(params, mb), split_rows(ro, micro_batches))
+            return lp.reshape(ro.logprobs.shape)
 
     return jax.jit(fn)

@@ -7,13 +7,13 @@ metric `skipped` is 1, so a NaN never reaches a checkpoint.
 
 from __future__ import annotations
 
-import dataclasses
-
 import jax
 import jax.numpy as jnp
 import optax
 from jax.sharding import Mesh
 
+from jaxrl_lp.kernels.logprob import fused_logprobs, fused_readout
+from jaxrl_lp.models.blocks import lm_head
 from jaxrl_lp.models.config import ModelConfig
 from jaxrl_lp.models.model import forward
 from jaxrl_lp.numerics.policy import Policy
@@ -23,25 +23,11 @@ from jaxrl_lp.parallel.shard import batch_shardings, replicated, state_shardings
 from jaxrl_lp.rl.corrections import correction_weights
 from jaxrl_lp.rl.logprobs import learner_logprobs, rollout_loop
 from jaxrl_lp.rl.loss import LossConfig, loss_denominator, policy_loss, select_anchor
-from jaxrl_lp.rollout.generate import Rollout
+from jaxrl_lp.rollout.generate import Rollout, split_rows, take_rows
 from jaxrl_lp.rollout.step import LoopSpec
 from jaxrl_lp.sync.export import straight_through_served
 
 __all__ = ["MeshStep", "make_grpo_step", "make_sft_step", "split_rows", "take_rows"]
-
-_ROW_FIELDS = ("prompt_tokens", "prompt_lengths", "completion_tokens", "completion_mask",
-               "logprobs", "exit_steps")
-
-
-def split_rows(ro: Rollout, m: int) -> Rollout:
-    """A rollout with a leading micro-batch axis [M, B/M, ...] (scalars broadcast to [M])."""
-    b = ro.prompt_tokens.shape[0]
-    if b % m:
-        raise ValueError(f"batch of {b} sequences does not split into {m} micro-batches")
-    rows = {f: getattr(ro, f).reshape(m, b // m, *getattr(ro, f).shape[1:]) for f in _ROW_FIELDS}
-    return dataclasses.replace(ro, **rows, loop_evals=jnp.broadcast_to(ro.loop_evals, (m,)),
-                               weights_version=jnp.broadcast_to(ro.weights_version, (m,)))
-
 
 def _finite(tree) -> jax.Array:
     return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)]))
@@ -161,13 +147,29 @@ def make_sft_step(cfg: ModelConfig, policy: Policy, optimizer: optax.GradientTra
 
     Loss: mean over masked targets of -log p(token_{t+1} | tokens_<=t); looped
     models use the expected (exit-weighted) read-out, their training objective.
+    Where the policy selects the fused log-prob (`fused_readout`), a dense
+    model's loss reads the hidden states through `kernels.fused_logprobs` (no
+    [B, L, V] logits); the looped expected read-out, a mixture of every loop
+    step's logits, has no single hidden state and keeps the plain path.
     """
+    fused = fused_readout(policy) and not cfg.is_looped
+
+    def fused_nll(params, tokens, mask):
+        h, _, _ = forward(params, cfg, policy, tokens, remat=remat, hidden=True)
+        b, l = tokens.shape
+        lp, _ = fused_logprobs(h[:, :-1].reshape(b * (l - 1), -1), lm_head(params, cfg),
+                               tokens[:, 1:].reshape(-1), 1.0, policy,
+                               mask_T=mask[:, 1:].reshape(-1))
+        return -lp.reshape(b, l - 1)
 
     def loss_fn(params, tokens, mask):
-        kwargs = {"readout": "expected"} if cfg.is_looped else {}
-        logits, _, _ = forward(params, cfg, policy, tokens, remat=remat, **kwargs)
-        lp = jax.nn.log_softmax(logits[:, :-1].astype(jnp.float32), axis=-1)
-        nll = -jnp.take_along_axis(lp, tokens[:, 1:, None], axis=-1)[..., 0]
+        if fused:
+            nll = fused_nll(params, tokens, mask)
+        else:
+            kwargs = {"readout": "expected"} if cfg.is_looped else {}
+            logits, _, _ = forward(params, cfg, policy, tokens, remat=remat, **kwargs)
+            lp = jax.nn.log_softmax(logits[:, :-1].astype(jnp.float32), axis=-1)
+            nll = -jnp.take_along_axis(lp, tokens[:, 1:, None], axis=-1)[..., 0]
         w = mask[:, 1:].astype(jnp.float32)
         return jnp.sum(nll * w) / jnp.maximum(jnp.sum(w), 1.0)
 
@@ -182,11 +184,6 @@ def make_sft_step(cfg: ModelConfig, policy: Policy, optimizer: optax.GradientTra
     if mesh is None:
         return jax.jit(step, donate_argnums=(0, 1))
     return MeshStep(step, cfg, mesh, rules, ("params", "state", "batch", "batch"))
-
-
-def take_rows(ro: Rollout, idx) -> Rollout:
-    """The rollout restricted to rows `idx` (a minibatch)."""
-    return dataclasses.replace(ro, **{f: getattr(ro, f)[idx] for f in _ROW_FIELDS})
 
 
 class MeshStep:

@@ -27,9 +27,16 @@ from jaxrl_lp.parallel.context import use_mesh
 from jaxrl_lp.parallel.rules import DEFAULT_RULES, ShardingRules
 from jaxrl_lp.parallel.shard import batch_shardings, put_tree, replicated
 from jaxrl_lp.rollout.sampling import SamplingConfig, sample_tokens
-from jaxrl_lp.rollout.step import LoopSpec, decode_step, prefill
+from jaxrl_lp.rollout.step import (
+    LoopSpec,
+    decode_step,
+    fused_readout,
+    prefill,
+    step_logits,
+    step_logprobs,
+)
 
-__all__ = ["Rollout", "bucket_length", "generate", "pad_prompts"]
+__all__ = ["Rollout", "bucket_length", "generate", "pad_prompts", "split_rows", "take_rows"]
 
 
 @jax.tree_util.register_dataclass
@@ -66,6 +73,25 @@ class Rollout:
     loop: LoopSpec = dataclasses.field(default=LoopSpec("full", "dense"),
                                        metadata={"static": True})
     temperature: float = dataclasses.field(default=1.0, metadata={"static": True})
+
+
+_ROW_FIELDS = ("prompt_tokens", "prompt_lengths", "completion_tokens", "completion_mask",
+               "logprobs", "exit_steps")
+
+
+def split_rows(ro: Rollout, m: int) -> Rollout:
+    """A rollout with a leading micro-batch axis [M, B/M, ...] (scalars broadcast to [M])."""
+    b = ro.prompt_tokens.shape[0]
+    if b % m:
+        raise ValueError(f"batch of {b} sequences does not split into {m} micro-batches")
+    rows = {f: getattr(ro, f).reshape(m, b // m, *getattr(ro, f).shape[1:]) for f in _ROW_FIELDS}
+    return dataclasses.replace(ro, **rows, loop_evals=jnp.broadcast_to(ro.loop_evals, (m,)),
+                               weights_version=jnp.broadcast_to(ro.weights_version, (m,)))
+
+
+def take_rows(ro: Rollout, idx) -> Rollout:
+    """The rollout restricted to rows `idx` (a minibatch)."""
+    return dataclasses.replace(ro, **{f: getattr(ro, f)[idx] for f in _ROW_FIELDS})
 
 
 def bucket_length(n: int, minimum: int = 8) -> int:
@@ -137,19 +163,29 @@ def _sample(params, prompt_BxP, positions_BxP, lengths_B, key, version, *, cfg, 
     # Sliced once, here: inside the loop a scan over stacked weights copies them every step.
     params = unstack_layers(params)
     cache = unstack_cache(init_cache(cfg, policy, b, p + n), cfg)
-    logits, cache, exit0, _ = prefill(params, cfg, policy, loop, prompt_BxP, positions_BxP, cache)
+    # With the fused log-prob the steps return the hidden state: the token is sampled from
+    # its logits, its log-prob is `step_logprobs`' (the replay's computation).
+    fused = fused_readout(policy)
+
+    def pick(out, key):
+        tok, lp = sample_tokens(step_logits(params, cfg, policy, out), key, sampling)
+        return tok, step_logprobs(params, cfg, policy, out, tok, sampling.temperature) if fused \
+            else lp
+
+    out, cache, exit0, _ = prefill(params, cfg, policy, loop, prompt_BxP, positions_BxP, cache,
+                                   hidden=fused)
     key, sub = jax.random.split(key)
-    tok, lp = sample_tokens(logits, sub, sampling)
+    tok, lp = pick(out, sub)
 
     def cond(s: _DecodeState):
         return (s.i < n) & ~jnp.all(s.done)
 
     def body(s: _DecodeState):
         pos = lengths_B + s.i - 1
-        logits, cache, exits, ev = decode_step(params, cfg, policy, loop, s.token, pos, s.cache,
-                                               p + s.i - 1, active_B=~s.done)
+        out, cache, exits, ev = decode_step(params, cfg, policy, loop, s.token, pos, s.cache,
+                                            p + s.i - 1, active_B=~s.done, hidden=fused)
         key, sub = jax.random.split(s.key)
-        new, lp = sample_tokens(logits, sub, sampling)
+        new, lp = pick(out, sub)
         new = jnp.where(s.done, pad_id, new)
         live = (~s.done).astype(jnp.float32)
         done = s.done if eos_id is None else s.done | (new == eos_id)

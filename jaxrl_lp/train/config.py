@@ -119,6 +119,7 @@ class GRPOConfig:
       compute_mode: `dense` (every loop step runs) or `deferred` (a token stops at its exit).
       temperature: sampling temperature.
       dynamic_sampling: drop zero-variance groups from the loss.
+      remat: recompute layer activations in the backward pass (less memory, more time).
       max_nonfinite_in_row: stop the run after this many skipped steps in a row.
     """
 
@@ -139,6 +140,7 @@ class GRPOConfig:
     temperature: float = 1.0
     dynamic_sampling: bool = False
     max_nonfinite_in_row: int = 5
+    remat: bool = False
 
     def __post_init__(self):
         check_int("grpo.steps", self.steps, minimum=0)
@@ -156,6 +158,7 @@ class GRPOConfig:
         check_choice("grpo.logprobs", self.logprobs, ("dense", "hybrid"))
         check_choice("grpo.compute_mode", self.compute_mode, ("dense", "deferred"))
         check_bool("grpo.dynamic_sampling", self.dynamic_sampling)
+        check_bool("grpo.remat", self.remat)
         from jaxrl_lp.models.loop import LoopSpec
         from jaxrl_lp.numerics.policy import Policy
 

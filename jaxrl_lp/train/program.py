@@ -246,10 +246,13 @@ def _train(cfg: TrainConfig, plan: RunPlan, run_dir: Path, ckpt: Checkpointer, t
     # Records past the checkpoint are redone by this run: keep one record per step.
     logger = MetricsLogger(run_dir, keep_records=meta.get("metrics_records", 0), write=primary)
 
-    sft_step = make_sft_step(mcfg, lpol, sft_opt, mesh=mesh)
+    sft_step = make_sft_step(mcfg, lpol, sft_opt, mesh=mesh, remat=g.remat)
     grpo_step = make_grpo_step(mcfg, lpol, cfg.loss, grpo_opt, loop=loop, sampler_policy=spol,
-                               method=g.logprobs, micro_batches=g.micro_batches, mesh=mesh)
-    old_logp_fn = jit_learner_logprobs(mcfg, lpol, g.logprobs, loop=loop, mesh=mesh)
+                               method=g.logprobs, micro_batches=g.micro_batches, mesh=mesh,
+                               remat=g.remat)
+    # The behaviour log-probs of the whole batch, one micro-batch's rows at a time.
+    old_logp_fn = jit_learner_logprobs(mcfg, lpol, g.logprobs, loop=loop, mesh=mesh,
+                                       micro_batches=g.minibatches * g.micro_batches)
     total = cfg.sft.steps + g.steps
     evaluate_now = lambda p: evaluate(p, mcfg, task, spol, loop, cfg.run.eval_size, max_new,
                                       mesh)

@@ -1,0 +1,230 @@
+"""`plan(cfg, mesh, devices, target)`: a config's programs compiled at full size on N devices.
+
+The GRPO learner step (one optimizer update on one minibatch, micro-batched as
+the run does it), the behaviour log-probs of a step's whole batch (taken once
+before the updates) and one step of the sampler's decode loop are lowered and
+compiled on abstract inputs (`plan.inputs`) over a mesh of simulated devices
+(`plan.devices`), exactly as a run shards them, and nothing is allocated.
+What one device holds and does is read from the compiled programs:
+
+- memory: parameters, optimizer state and KV cache from their shapes and
+  shardings; each program's arguments, outputs, temporaries and code from
+  XLA's memory analysis. `learner_peak` is the larger of the GRPO step's
+  peak and the behaviour log-probs' (plus the resident optimizer state);
+  `sampler_peak` is the master parameters and optimizer state (resident
+  while the sampler runs) plus the decode step's peak (its per-layer copy of
+  the weights and the KV cache). `fits`: both within the target's HBM.
+- time: FLOPs and bytes of each program (XLA's cost analysis, loop bodies
+  once, and the loop-aware count of `plan.hlo_cost`) and the roofline bound
+  on the target (`plan.roofline`), from which the learner's tokens/s and the
+  sampler's decode tokens/s bounds follow.
+
+Low-precision compute dtypes are planned as they are stored on GPU/TPU
+(natively, `JAXRL_LP_NATIVE_LOW_PRECISION=1`), not as the f32 carrier used on
+CPU. The sizes and the model come from `plan.request` (no data or weights are
+read). The programs are the CPU compiler's, which is what can compile for N
+simulated devices; a GPU or TPU compiler fuses differently (the CPU one, for
+one, converts bf16 buffers to f32 around some updates and reads), so the
+bytes are those of this compile, and `decode_tokens_per_s_ideal` gives SPEC
+section 11's bound beside them (a decode step reads the weights and the KV
+cache once).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding
+
+from jaxrl_lp.models.blocks import unstack_layers
+from jaxrl_lp.models.config import ModelConfig
+from jaxrl_lp.numerics.policy import Policy
+from jaxrl_lp.parallel import MeshSpec, make_mesh, spec_for, use_mesh
+from jaxrl_lp.parallel.shard import replicated
+from jaxrl_lp.plan.inputs import (
+    abstract,
+    abstract_cache,
+    abstract_params,
+    abstract_rollout,
+    abstract_rows,
+    abstract_state,
+    per_device_bytes,
+    unstacked_shardings,
+)
+from jaxrl_lp.plan.request import check_request
+from jaxrl_lp.plan.roofline import cost_figures, memory_figures, roofline
+from jaxrl_lp.plan.targets import Target
+from jaxrl_lp.rl.logprobs import jit_learner_logprobs
+from jaxrl_lp.rl.train_step import make_grpo_step
+from jaxrl_lp.rollout.step import LoopSpec, decode_step
+from jaxrl_lp.train.config import TrainConfig
+
+__all__ = ["plan"]
+
+
+@contextlib.contextmanager
+def _native_low_precision():
+    old = os.environ.get("JAXRL_LP_NATIVE_LOW_PRECISION")
+    os.environ["JAXRL_LP_NATIVE_LOW_PRECISION"] = "1"
+    try:
+        yield
+    finally:
+        if old is None:
+            del os.environ["JAXRL_LP_NATIVE_LOW_PRECISION"]
+        else:
+            os.environ["JAXRL_LP_NATIVE_LOW_PRECISION"] = old
+
+
+def _compiled_figures(compiled, seconds: float, tgt: Target) -> dict:
+    xla, walk = cost_figures(compiled)
+    return {"compile_s": round(seconds, 1), "memory": memory_figures(compiled),
+            "xla_cost_analysis": xla,
+            "loop_aware": {"flops": walk.flops, "bytes": walk.bytes,
+                           "collective_bytes": walk.collective_bytes,
+                           "unknown_trip_loops": walk.unknown_trip_loops},
+            "roofline": roofline(walk.flops, walk.bytes, tgt)}
+
+
+def _compile(jitted, args):
+    t0 = time.perf_counter()
+    compiled = jitted.lower(*args).compile()
+    return compiled, time.perf_counter() - t0
+
+
+def plan(cfg: TrainConfig, mesh: str, devices: int, target: str = "h100", *,
+         prompt_len: int | None = None, remat: bool | None = None) -> dict:
+    """Compiles `cfg`'s GRPO step and decode step on `devices` devices; per-device figures.
+
+    Args:
+      cfg: the training config (its model, GRPO batch and policies, loss).
+      mesh: the mesh spec, e.g. `fsdp=8` (`parallel.MeshSpec`).
+      devices: how many devices; the first `devices` of `jax.devices()` are
+        used (`plan.devices.use_simulated_devices` makes them).
+      target: a key of `plan.targets.TARGETS` for the roofline and `fits`.
+      prompt_len: padded prompt slots (default: the task's bucket).
+      remat: recompute layer activations in the learner's backward pass
+        (`make_grpo_step(remat=...)`; default: the config's `grpo.remat` if
+        it has one, else off, as the training program runs).
+
+    Returns:
+      A JSON-ready dict (module docstring; bytes, FLOPs and seconds per device).
+
+    Raises:
+      ValueError: a bad request (`check_request`), or fewer devices than asked.
+    """
+    spec, tgt, mcfg, shp = check_request(cfg, mesh, devices, target, prompt_len)
+    if jax.device_count() < devices:
+        raise ValueError(f"plan needs {devices} devices but jax has {jax.device_count()}; run "
+                         f"`jaxrl-lp plan`, which simulates them")
+    from jaxrl_lp.train.program import _optimizers
+
+    m = make_mesh(spec, jax.devices()[:devices])
+    g = cfg.grpo
+    lpol, spol = Policy.parse(g.learner_policy), Policy.parse(g.sampler_policy)
+    loop = LoopSpec(g.exit_rule, g.compute_mode).resolve(mcfg)
+    grpo_opt = _optimizers(cfg)[1]
+    with _native_low_precision():
+        params, psh = abstract_params(mcfg, m)
+        opt = abstract_state(grpo_opt.init, params, psh, m)
+        ro = abstract_rollout(shp.rows, shp.prompt_len, shp.max_new, spol, loop, g.temperature, m)
+        served = params if cfg.sync.exporter != "none" and cfg.sync.loss_on_served else None
+        args = (params, opt, ro, abstract_rows((shp.rows,), jnp.float32, m),
+                abstract_rows((shp.rows, shp.max_new), jnp.float32, m), None, served)
+        step = make_grpo_step(mcfg, lpol, cfg.loss, grpo_opt, loop=loop, sampler_policy=spol,
+                              method=g.logprobs, micro_batches=g.micro_batches, mesh=m,
+                              remat=getattr(g, "remat", False) if remat is None else remat)
+        ins, outs = step.shardings(*args)
+
+        def learner(*a):
+            with use_mesh(m):
+                return step.step(*a)
+
+        # As `MeshStep` jits it: parameters and optimizer state by the rules (donated),
+        # rollout rows over the data shards, replicated metrics.
+        grpo, grpo_s = _compile(jax.jit(learner, in_shardings=ins, out_shardings=outs,
+                                        donate_argnums=(0, 1)), args)
+        # The behaviour log-probs of the whole step's batch, before the updates (the
+        # training program's `old_logp_fn`): one call, not micro-batched.
+        whole = abstract_rollout(shp.decode_batch, shp.prompt_len, shp.max_new, spol, loop,
+                                 g.temperature, m)
+        logp, logp_s = _compile(jit_learner_logprobs(
+            mcfg, lpol, g.logprobs, loop=loop, mesh=m,
+            micro_batches=g.minibatches * g.micro_batches), (params, whole))
+
+        b, slots = shp.decode_batch, shp.prompt_len + shp.max_new
+        ush = unstacked_shardings(psh, mcfg.num_layers)
+        # The sampler decodes from a per-layer copy of the (f32) weights, as `generate` does.
+        sampler_params = abstract(jax.eval_shape(unstack_layers, params), ush)
+        cache = abstract_cache(mcfg, spol, b, slots, m)
+        rows = lambda dtype: abstract_rows((b,), dtype, m)
+        active = rows(jnp.bool_) if loop.compute_mode == "deferred" else None
+        dargs = (sampler_params, rows(jnp.int32), rows(jnp.int32), cache,
+                 jax.ShapeDtypeStruct((), jnp.int32, sharding=replicated(m)), active)
+
+        def decode(params, tokens_B, positions_B, cache, index, active_B):
+            with use_mesh(m):
+                return decode_step(params, mcfg, spol, loop, tokens_B, positions_B, cache, index,
+                                   active_B=active_B)
+
+        # Logits by batch and vocabulary; the cache keeps its sharding and is updated in
+        # place (donated), as in the sampler's loop.
+        cache_sh = jax.tree.map(lambda x: x.sharding, cache)
+        dout = (NamedSharding(m, spec_for(("batch", "vocab"), mesh=m)), cache_sh,
+                rows(jnp.int32).sharding, replicated(m))
+        dec, dec_s = _compile(jax.jit(decode, out_shardings=dout, donate_argnums=(3,)), dargs)
+
+    out = {"model": {"family": mcfg.family, "params": mcfg.param_count(),
+                     "layers": mcfg.num_layers, "loop_steps": mcfg.loop_steps},
+           "mesh": str(spec), "devices": devices,
+           "target": {"name": tgt.name, "peak_flops": tgt.peak_flops,
+                      "hbm_bandwidth": tgt.hbm_bandwidth, "hbm_bytes": tgt.hbm_bytes,
+                      "source": tgt.source},
+           "policies": {"learner": str(lpol), "sampler": str(spol), "loop": str(loop)},
+           "shapes": shp._asdict(),
+           "per_device_bytes": {"params": per_device_bytes(params),
+                                "optimizer_state": per_device_bytes(opt),
+                                "kv_cache": per_device_bytes(cache),
+                                "rollout": per_device_bytes(ro),
+                                "decode_weights_read": _weights_read(params, mcfg, spec)},
+           "grpo_step": _compiled_figures(grpo, grpo_s, tgt),
+           "behaviour_logprobs": _compiled_figures(logp, logp_s, tgt),
+           "decode_step": _compiled_figures(dec, dec_s, tgt)}
+    return _summarize(out, cfg, tgt)
+
+
+def _weights_read(params, mcfg: ModelConfig, spec: MeshSpec) -> int:
+    """Weight bytes one device reads in a decode step: every layer once per loop step and
+    the output head, gathered over `fsdp` and split over `tensor` (the sampler's f32 copy)."""
+    nbytes = lambda tree: sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree))
+    head = params["embed"] if mcfg.tie_embeddings else params["lm_head"]
+    return int((nbytes(params["layers"]) * mcfg.loop_steps + nbytes(head)) // spec.tensor)
+
+
+def _summarize(out: dict, cfg: TrainConfig, tgt: Target) -> dict:
+    """Adds the headline figures: peaks, `fits`, tokens/s bounds, a GRPO iteration's time."""
+    shp, per = out["shapes"], out["per_device_bytes"]
+    # The optimizer state stays resident while the log-probs are taken and while sampling.
+    learner = max(out["grpo_step"]["memory"]["peak"],
+                  per["optimizer_state"] + out["behaviour_logprobs"]["memory"]["peak"])
+    sampler = per["params"] + per["optimizer_state"] + out["decode_step"]["memory"]["peak"]
+    step_s = out["grpo_step"]["roofline"]["time_s"]
+    decode_s = out["decode_step"]["roofline"]["time_s"]
+    g = cfg.grpo
+    out["summary"] = {
+        "learner_peak_bytes": learner, "sampler_peak_bytes": sampler,
+        "fits": max(learner, sampler) <= tgt.hbm_bytes,
+        "learner_tokens_per_s": shp["rows"] * (shp["prompt_len"] + shp["max_new"]) / step_s,
+        "decode_tokens_per_s": shp["decode_batch"] / decode_s,
+        # SPEC section 11's bound: a step reads the weights and the KV cache once.
+        "decode_tokens_per_s_ideal": shp["decode_batch"] * tgt.hbm_bandwidth
+        / (per["decode_weights_read"] + per["kv_cache"]),
+        # N decode steps, the behaviour log-probs, then mu passes of `minibatches`
+        # updates (prefill left out): the least time one GRPO iteration takes.
+        "iteration_s": shp["max_new"] * decode_s + out["behaviour_logprobs"]["roofline"]["time_s"]
+        + g.mu * g.minibatches * step_s,
+    }
+    return out

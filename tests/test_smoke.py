@@ -1,0 +1,28 @@
+"""`jaxrl-lp bench smoke`: the real programs at real sizes on CPU (slow; up to 16 GB of memory)."""
+
+import argparse
+import math
+
+import pytest
+
+from jaxrl_lp.bench import smoke
+
+
+@pytest.mark.slow
+def test_smoke_at_real_sizes():
+    out = smoke.run(argparse.Namespace(parts=",".join(smoke.PARTS), policy="bf16"))
+    qwen, ouro = out["qwen3-0.6b"], out["ouro-1.4b"]
+    assert qwen["params"] > 5e8 and ouro["params"] > 1.4e9
+    step = qwen["grpo_step"]
+    assert step["tokens"] == 64 and step["skipped"] == 0.0
+    assert math.isfinite(step["loss"]) and step["grad_norm"] > 0
+    assert ouro["sample_16"]["loop"].endswith("/deferred")
+    # 15 decode steps after the prefill, each 1..4 loop steps.
+    assert 15 <= ouro["sample_16"]["loop_evals"] <= 60
+    for part in (qwen, ouro):
+        assert part["peak_rss_bytes"] > 0 and part["sample_16"]["second_s"] > 0
+
+
+def test_smoke_refuses_unknown_parts():
+    with pytest.raises(ValueError, match="unknown smoke part"):
+        smoke.run(argparse.Namespace(parts="llama-70b", policy="bf16"))
