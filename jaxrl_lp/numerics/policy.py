@@ -35,6 +35,7 @@ import numpy as np
 
 __all__ = [
     "ALL_REGIONS",
+    "KERNEL_MODES",
     "PRESETS",
     "Policy",
     "Region",
@@ -46,6 +47,11 @@ __all__ = [
 Region = Literal["rope", "swiglu", "norm", "residual", "softmax"]
 ALL_REGIONS: tuple[str, ...] = ("rope", "swiglu", "norm", "residual", "softmax")
 BACKWARD_MODES: tuple[str, ...] = ("reuse", "fresh")
+# Where the Pallas kernels of `jaxrl_lp.kernels` run (`kernels.dispatch`): `auto`
+# (the kernel where the backend compiles it, the jnp reference elsewhere), `on`
+# (the kernel, an error where it cannot run), `off` (the reference), `interpret`
+# (the kernel in Pallas interpret mode: for checking kernels on CPU).
+KERNEL_MODES: tuple[str, ...] = ("auto", "on", "off", "interpret")
 # Number formats a policy may apply to matmul operands (SPEC section 4).
 MATMUL_FORMATS: tuple[str, ...] = (
     "fp8",  # per-tensor E4M3
@@ -124,6 +130,9 @@ class Policy:
         straight-through gradients.
       backward: `reuse` (backward reads the forward's rounded operands) or
         `fresh` (backward re-quantizes the saved high-precision operands).
+      kernels: where the hot-path kernels run (`KERNEL_MODES`): part of the
+        policy because a kernel rounds where its tiles end, so the sampler and
+        the learner must make the same choice to agree bit for bit.
 
     Example:
       >>> p = Policy.parse("bf16")
@@ -138,6 +147,7 @@ class Policy:
     f32_regions: frozenset[str] = frozenset(ALL_REGIONS)
     matmul_format: str | None = None
     backward: str = "reuse"
+    kernels: str = "auto"
 
     def __post_init__(self):
         for f in ("param_dtype", "compute_dtype", "accum_dtype", "logits_dtype"):
@@ -164,6 +174,10 @@ class Policy:
             raise ValueError(
                 f"Policy field 'backward': {self.backward!r} is not one of {list(BACKWARD_MODES)}"
             )
+        if self.kernels not in KERNEL_MODES:
+            raise ValueError(
+                f"Policy field 'kernels': {self.kernels!r} is not one of {list(KERNEL_MODES)}"
+            )
 
     # ----------------------------------------------------------------- string form
     def __str__(self) -> str:
@@ -174,6 +188,8 @@ class Policy:
         parts.append(f"bwd={self.backward}")
         regions = [r for r in ALL_REGIONS if r in self.f32_regions]
         parts.append(f"f32={'+'.join(regions) if regions else 'none'}")
+        if self.kernels != "auto":  # the default is left out: older strings stay valid
+            parts.append(f"k={self.kernels}")
         return ",".join(parts)
 
     def to_string(self) -> str:
@@ -186,7 +202,9 @@ class Policy:
 
         Keys: `p` (param dtype), `c` (compute), `a` (accum), `l` (logits),
         `mm` (matmul format or `none`), `bwd` (`reuse`/`fresh`), `f32`
-        (regions joined by `+`, or `none`). Unnamed keys take their defaults.
+        (regions joined by `+`, or `none`), `k` (kernels: `auto`, `on`, `off`,
+        `interpret`). Unnamed keys take their defaults. A preset name may be
+        followed by overrides: `bf16,k=interpret`.
         """
         if isinstance(spec, Policy):
             return spec
@@ -195,13 +213,17 @@ class Policy:
         spec = spec.strip()
         if spec in PRESETS:
             return PRESETS[spec]
+        head, _, rest = spec.partition(",")
+        if head in PRESETS and rest:
+            return cls.parse(f"{PRESETS[head]},{rest}")
         if "=" not in spec:
             raise ValueError(
                 f"unknown policy {spec!r}: not a preset ({sorted(PRESETS)}) and not of the "
                 "form 'p=f32,c=bf16,mm=none,bwd=reuse,f32=rope+norm'"
             )
         keys = {"p": "param_dtype", "c": "compute_dtype", "a": "accum_dtype", "l": "logits_dtype",
-                "mm": "matmul_format", "bwd": "backward", "f32": "f32_regions"}
+                "mm": "matmul_format", "bwd": "backward", "f32": "f32_regions",
+                "k": "kernels"}
         kwargs: dict[str, Any] = {}
         for item in spec.split(","):
             if "=" not in item:
