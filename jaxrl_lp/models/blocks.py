@@ -8,6 +8,9 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+# The module, not its function: the kernel module imports `models.layers`, so either
+# package may be the one still initializing when the other is imported.
+from jaxrl_lp.kernels import decode_attention as decode_kernel
 from jaxrl_lp.models.config import ModelConfig
 from jaxrl_lp.models.layers import attention, dot, rms_norm, rope, swiglu
 from jaxrl_lp.numerics.policy import Policy
@@ -18,7 +21,7 @@ from jaxrl_lp.parallel.context import constrain
 RESIDUAL = ("batch", "sequence", "hidden")
 
 __all__ = [
-    "attend", "embed", "kv_heads_first", "lm_logits", "mlp", "over_layers", "project_qkv",
+    "attend", "embed", "kv_heads_first", "lm_head", "lm_logits", "mlp", "over_layers", "project_qkv",
     "residual_add", "unstack_layers",
 ]
 
@@ -114,7 +117,10 @@ def attend(lp: dict, q, k, v, positions_BxT, policy: Policy, cache_kv=None, laye
     cache rides through the layer (and loop) loops and is written in place, so
     no step restacks it; reading one layer out of a stacked cache is still a
     copy on CPU, which per-layer buffers (`unstack_cache`) avoid. With
-    per-layer buffers `layer` must be a Python int.
+    per-layer buffers `layer` must be a Python int. A one-token chunk (the
+    decode step) reads the cache by `kernels.decode_attention`, the Pallas
+    flash-decoding kernel where `policy.kernels` picks it (else the same
+    `attention` as any other chunk).
 
     Returns (output [B, T, D], the updated `cache_kv` or None).
     """
@@ -128,7 +134,8 @@ def attend(lp: dict, q, k, v, positions_BxT, policy: Policy, cache_kv=None, laye
     buf_k, buf_v = (ck[layer], cv[layer]) if per_layer else (ck, cv)
     buf_k = _write(buf_k, k_heads, at, cache_index)
     buf_v = _write(buf_v, v_heads, at, cache_index)
-    o = attention(q, _read(buf_k, at), _read(buf_v, at), positions_BxT, pos_slots_BxS, policy)
+    attn = decode_kernel.decode_attention if q.shape[1] == 1 else attention
+    o = attn(q, _read(buf_k, at), _read(buf_v, at), positions_BxT, pos_slots_BxS, policy)
     if per_layer:
         buf_k = (*ck[:layer], buf_k, *ck[layer + 1:])
         buf_v = (*cv[:layer], buf_v, *cv[layer + 1:])
@@ -168,8 +175,13 @@ def mlp(lp: dict, x_BxTxD: jax.Array, policy: Policy) -> jax.Array:
     return constrain(policy.round(dot(hidden, lp["down_proj"], policy)), RESIDUAL)
 
 
+def lm_head(params: dict, cfg: ModelConfig) -> jax.Array:
+    """The output matrix `[D, V]`: `lm_head`, or the embedding transposed when tied."""
+    return params["embed"].T if cfg.tie_embeddings else params["lm_head"]
+
+
 def lm_logits(params: dict, h_xD: jax.Array, cfg: ModelConfig, policy: Policy) -> jax.Array:
     """Output logits from the final normed hidden state, f32 (rounded to `logits_dtype`)."""
-    w = params["embed"].T if cfg.tie_embeddings else params["lm_head"]
+    w = lm_head(params, cfg)
     logits = policy.round_logits(dot(h_xD, w, policy))
     return constrain(logits, ("batch", "sequence", "vocab")[3 - logits.ndim:])

@@ -38,6 +38,7 @@ def dense_forward(
     cache_index: jax.Array | int = 0,
     *,
     remat: bool = False,
+    hidden: bool = False,
 ) -> tuple[jax.Array, dict | None]:
     """Logits of a dense decoder, reading and writing an optional KV cache.
 
@@ -57,9 +58,12 @@ def dense_forward(
       cache: from `models.init_cache`, or None for a cache-free forward.
       cache_index: slot at which this chunk is written.
       remat: recompute each layer's activations in the backward pass.
+      hidden: return the final normed hidden state [B, T, D] (compute
+        precision, what the lm head reads) instead of the logits, for the
+        fused log-prob (`kernels.logprob`).
 
     Returns:
-      (logits [B, T, V] f32, the updated cache or None).
+      (logits [B, T, V] f32 or the hidden state, the updated cache or None).
     """
     cache_index = jnp.asarray(cache_index, jnp.int32)
     if positions_BxT is None:
@@ -90,4 +94,4 @@ def dense_forward(
     if cache is not None:
         cache = {**cache, "k": ck, "v": cv}
     h = rms_norm(h, params["final_norm"], cfg.rms_eps, policy)
-    return lm_logits(params, h, cfg, policy), cache
+    return (h if hidden else lm_logits(params, h, cfg, policy)), cache

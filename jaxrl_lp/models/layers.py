@@ -26,7 +26,8 @@ def dot(x_xK: jax.Array, w_KxN: jax.Array, policy: Policy) -> jax.Array:
     """Matmul of a compute-precision activation with a weight; returns the f32 accumulator.
 
     The weight is rounded to `param_dtype` then `compute_dtype`; with a
-    `matmul_format` both operands go through the format (straight-through).
+    `matmul_format` both operands go through the format (straight-through),
+    quantized by the Pallas kernel where `policy.kernels` picks it (bit-equal).
     """
     w = policy.round_params(w_KxN)
     if policy.matmul_format is not None:
@@ -36,7 +37,7 @@ def dot(x_xK: jax.Array, w_KxN: jax.Array, policy: Policy) -> jax.Array:
         # token's output never depends on the other tokens in the batch: decoding
         # one token at a time matches the learner's whole-sequence forward.
         return quantized_matmul(x_xK, w, policy.matmul_format, backward=policy.backward,
-                                batch_axes=tuple(range(x_xK.ndim - 1)))
+                                batch_axes=tuple(range(x_xK.ndim - 1)), kernels=policy.kernels)
     return jnp.einsum(
         "...k,kn->...n", x_xK, w,
         preferred_element_type=jnp.float32, precision=jax.lax.Precision.HIGHEST,

@@ -108,6 +108,7 @@ def looped_forward(
     readout: Literal["exit", "expected"] = "exit",
     early_stop: bool = False,
     remat: bool = False,
+    hidden: bool = False,
 ) -> LoopedOutput:
     """Logits of a looped decoder, reading and writing an optional [R, L, ...] KV cache.
 
@@ -129,6 +130,8 @@ def looped_forward(
       early_stop: in deferred mode, stop looping once every token has exited
         (a `lax.while_loop`: for sampling and replay, not differentiable).
       remat: recompute each layer's activations in the backward pass.
+      hidden: with the `exit` read-out, `logits` holds the normed hidden state
+        read out [B, T, D] (compute precision) instead, for the fused log-prob.
 
     Returns:
       A `LoopedOutput`.
@@ -138,6 +141,9 @@ def looped_forward(
     schedule = schedule or ExitSchedule()
     if readout not in ("exit", "expected"):
         raise ValueError(f"readout must be 'exit' or 'expected'; got {readout!r}")
+    if hidden and readout != "exit":
+        raise ValueError("hidden=True returns the exit read-out's hidden state; the expected "
+                         "read-out is a mixture of logits and has none")
     if early_stop and (loop.compute_mode != "deferred" or readout != "exit"):
         raise ValueError("early_stop needs compute_mode='deferred' and readout='exit'")
     deferred = loop.compute_mode == "deferred"
@@ -251,7 +257,7 @@ def looped_forward(
         logits_R = jax.vmap(lambda hn: lm_logits(params, hn, cfg, policy))(hn_steps)
         logits = jnp.einsum("rbtv,btr->btv", logits_R, pdf, precision=jax.lax.Precision.HIGHEST)
     else:
-        logits = lm_logits(params, carry.h_exit, cfg, policy)
+        logits = carry.h_exit if hidden else lm_logits(params, carry.h_exit, cfg, policy)
     return LoopedOutput(logits, cache, carry.exit_step, pdf, n)
 
 

@@ -74,25 +74,28 @@ def forward(params: dict, cfg: ModelConfig, policy: Policy | str, tokens_BxT: ja
             positions_BxT: jax.Array | None = None, cache: dict | None = None,
             cache_index: jax.Array | int = 0, *, loop: LoopSpec | None = None,
             schedule: ExitSchedule | None = None, readout: str = "exit",
-            early_stop: bool = False, remat: bool = False):
+            early_stop: bool = False, remat: bool = False, hidden: bool = False):
     """Dispatches to `dense_forward` or `looped_forward`; returns (logits, cache, LoopedOutput|None).
 
     For looped models the third element is the full `LoopedOutput` (exit steps,
     exit distribution, loop evaluations); for dense models it is None. `loop`,
     `schedule`, `readout` and `early_stop` are the looped forward's (see
     `looped_forward`); a dense model ignores `loop` and refuses the others.
+    With `hidden` the first element is the final normed hidden state [B, T, D]
+    that the lm head reads (the input of `kernels.fused_logprobs`).
     Not jitted itself; the options are Python values, static for the caller.
     """
     policy = Policy.parse(policy)
     if cfg.is_looped:
         out: LoopedOutput = looped_forward(
             params, cfg, policy, tokens_BxT, positions_BxT, cache, cache_index, loop=loop,
-            schedule=schedule, readout=readout, early_stop=early_stop, remat=remat)
+            schedule=schedule, readout=readout, early_stop=early_stop, remat=remat,
+            hidden=hidden)
         return out.logits, out.cache, out
     if schedule is not None or readout != "exit" or early_stop:
         raise ValueError("schedule, readout='expected' and early_stop apply to looped models only")
     logits, cache = dense_forward(params, cfg, policy, tokens_BxT, positions_BxT, cache,
-                                  cache_index, remat=remat)
+                                  cache_index, remat=remat, hidden=hidden)
     return logits, cache, None
 
 

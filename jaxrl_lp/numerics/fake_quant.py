@@ -21,6 +21,12 @@ policy's backward-state rule (SPEC section 7):
 
 Both modes give the plain f32 gradients when `fmt` is None. For block formats
 they differ, because a block along K (forward) is not a block along N or T.
+
+Kernels: every quantize and dequantize here goes through
+`jaxrl_lp.kernels.quantize`, whose `kernels` mode (`auto`, `on`, `off`,
+`interpret`; a policy's `kernels` field) picks the Pallas kernel or the jnp
+reference. The two are bit-equal, so values and gradients do not depend on it;
+`auto` runs the reference on CPU (the recorded programs are unchanged).
 """
 
 from __future__ import annotations
@@ -32,7 +38,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxrl_lp.numerics.formats import FORMATS, QArray, dequantize, quantize
+from jaxrl_lp.kernels.quantize import dequantize, kernels_mode, quantize
+from jaxrl_lp.numerics.formats import FORMATS, QArray
 from jaxrl_lp.numerics.policy import BACKWARD_MODES
 
 __all__ = ["fake_quant", "quantized_matmul"]
@@ -41,7 +48,8 @@ _HIGHEST = jax.lax.Precision.HIGHEST
 
 
 def fake_quant(
-    x: jax.Array, fmt: str | None, axis: int = 0, batch_axes: Sequence[int] = ()
+    x: jax.Array, fmt: str | None, axis: int = 0, batch_axes: Sequence[int] = (),
+    kernels: str = "auto",
 ) -> jax.Array:
     """`dequantize(quantize(x, fmt, axis, batch_axes))` with an identity gradient.
 
@@ -52,6 +60,7 @@ def fake_quant(
       fmt: a key of `FORMATS`, or None (then `x` in f32 is returned).
       axis: the reduction axis (block formats take their blocks along it).
       batch_axes: axes of independent tensors (see `quantize`).
+      kernels: kernels mode of the quantize/dequantize (module docstring).
 
     Returns:
       f32 array of `x`'s shape holding values of the format.
@@ -63,19 +72,19 @@ def fake_quant(
     if fmt is None:
         # Upcast: fake-quantized values are always f32.
         return jnp.asarray(x).astype(jnp.float32)
-    return _fake_quant(x, fmt, axis, tuple(batch_axes))
+    return _fake_quant(x, fmt, axis, tuple(batch_axes), kernels_mode(kernels))
 
 
-@functools.partial(jax.custom_jvp, nondiff_argnums=(1, 2, 3))
-def _fake_quant(x, fmt, axis, batch_axes):
-    return dequantize(quantize(x, fmt, axis, batch_axes))
+@functools.partial(jax.custom_jvp, nondiff_argnums=(1, 2, 3, 4))
+def _fake_quant(x, fmt, axis, batch_axes, kernels):
+    return dequantize(quantize(x, fmt, axis, batch_axes, kernels=kernels), kernels=kernels)
 
 
 @_fake_quant.defjvp
-def _fake_quant_jvp(fmt, axis, batch_axes, primals, tangents):
+def _fake_quant_jvp(fmt, axis, batch_axes, kernels, primals, tangents):
     (x,), (t,) = primals, tangents
     # Upcast: the tangent follows the f32 output (straight-through).
-    return _fake_quant(x, fmt, axis, batch_axes), t.astype(jnp.float32)
+    return _fake_quant(x, fmt, axis, batch_axes, kernels), t.astype(jnp.float32)
 
 
 def quantized_matmul(
@@ -84,6 +93,7 @@ def quantized_matmul(
     fmt: str | None,
     backward: str = "reuse",
     batch_axes: Sequence[int] = (),
+    kernels: str = "auto",
 ) -> jax.Array:
     """`Q(x) @ Q(w)` in f32 with a `reuse` or `fresh` backward (module docstring).
 
@@ -103,6 +113,8 @@ def quantized_matmul(
         output does not depend on the rest of the batch. The `fresh` backward
         uses them for `g` in `dx`; in `dw` the tokens are the reduction axis and
         the scales are per tensor (or per block of tokens).
+      kernels: kernels mode of every quantize/dequantize (module docstring);
+        a policy's `kernels` field.
 
     Returns:
       f32 array `[..., N]`.
@@ -137,6 +149,7 @@ def quantized_matmul(
         tuple(sorted(set(batch))),
         np.dtype(x_xK.dtype),
         np.dtype(w_KxN.dtype),
+        kernels_mode(kernels),
     )
 
 
@@ -150,20 +163,20 @@ def _dot(a: jax.Array, b: jax.Array, a_axis: int, b_axis: int) -> jax.Array:
     return jax.lax.dot_general(a, b, dims, precision=_HIGHEST, preferred_element_type=jnp.float32)
 
 
-def _q(x: jax.Array, fmt: str | None, axis: int, batch_axes=()) -> QArray | jax.Array:
+def _q(x: jax.Array, fmt: str | None, axis: int, batch_axes, kernels) -> QArray | jax.Array:
     """The QArray of `x`, or `x` in f32 when there is nothing to quantize."""
     if fmt is None:
         # Upcast: unquantized operands enter the matmul in f32.
         return x.astype(jnp.float32)
-    return quantize(x, fmt, axis, batch_axes)
+    return quantize(x, fmt, axis, batch_axes, kernels=kernels)
 
 
-def _value(q: QArray | jax.Array) -> jax.Array:
+def _value(q: QArray | jax.Array, kernels) -> jax.Array:
     # Upcast: operands enter the matmul in f32 (products of format values are exact).
-    return dequantize(q) if isinstance(q, QArray) else q.astype(jnp.float32)
+    return dequantize(q, kernels=kernels) if isinstance(q, QArray) else q.astype(jnp.float32)
 
 
-def _fq_padded(x: jax.Array, fmt: str | None, axis: int, batch_axes=()) -> jax.Array:
+def _fq_padded(x: jax.Array, fmt: str | None, axis: int, kernels, batch_axes=()) -> jax.Array:
     """Fake-quantizes along `axis`, zero-padding it to a multiple of the block size."""
     if fmt is None:
         # Upcast: unquantized operands enter the matmul in f32.
@@ -171,32 +184,32 @@ def _fq_padded(x: jax.Array, fmt: str | None, axis: int, batch_axes=()) -> jax.A
     axis %= x.ndim
     n, bs = x.shape[axis], FORMATS[fmt].block_size
     if bs is None or n % bs == 0:
-        return dequantize(quantize(x, fmt, axis, batch_axes))
+        return _value(quantize(x, fmt, axis, batch_axes, kernels=kernels), kernels)
     pad = [(0, 0)] * x.ndim
     pad[axis] = (0, bs - n % bs)
-    y = dequantize(quantize(jnp.pad(x, pad), fmt, axis, batch_axes))
+    y = _value(quantize(jnp.pad(x, pad), fmt, axis, batch_axes, kernels=kernels), kernels)
     return jax.lax.slice_in_dim(y, 0, n, axis=axis)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5, 6))
-def _qmm(x, w, fmt, backward, batch_axes, x_dtype, w_dtype):
-    return _qmm_fwd(x, w, fmt, backward, batch_axes, x_dtype, w_dtype)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5, 6, 7))
+def _qmm(x, w, fmt, backward, batch_axes, x_dtype, w_dtype, kernels):
+    return _qmm_fwd(x, w, fmt, backward, batch_axes, x_dtype, w_dtype, kernels)[0]
 
 
-def _qmm_fwd(x, w, fmt, backward, batch_axes, x_dtype, w_dtype):
-    xq = _q(x, fmt, -1, batch_axes) if _quantizes_x(fmt) else x
-    wq = _q(w, fmt, 0)
-    y = _dot(_value(xq), _value(wq), -1, 0)
+def _qmm_fwd(x, w, fmt, backward, batch_axes, x_dtype, w_dtype, kernels):
+    xq = _q(x, fmt, -1, batch_axes, kernels) if _quantizes_x(fmt) else x
+    wq = _q(w, fmt, 0, (), kernels)
+    y = _dot(_value(xq, kernels), _value(wq, kernels), -1, 0)
     # reuse keeps the rounded operands (codes + scales); fresh keeps x and w.
     res = (xq, wq) if backward == "reuse" else (x, w)
     return y, res
 
 
-def _qmm_bwd(fmt, backward, batch_axes, x_dtype, w_dtype, res, g):
+def _qmm_bwd(fmt, backward, batch_axes, x_dtype, w_dtype, kernels, res, g):
     a, b = res
     n = g.shape[-1]
     if backward == "reuse":
-        xv, wv = _value(a), _value(b)
+        xv, wv = _value(a, kernels), _value(b, kernels)
         g_dx, w_dx = g, wv
         x_dw = xv.reshape(-1, xv.shape[-1])
         g_dw = g.reshape(-1, n)
@@ -204,13 +217,13 @@ def _qmm_bwd(fmt, backward, batch_axes, x_dtype, w_dtype, res, g):
         x, w = a, b
         act = _quantizes_x(fmt)
         # dx reduces over N: w along axis 1, g along its last axis.
-        w_dx = _fq_padded(w, fmt, 1)
-        g_dx = _fq_padded(g, fmt, -1, batch_axes) if act else g
+        w_dx = _fq_padded(w, fmt, 1, kernels)
+        g_dx = _fq_padded(g, fmt, -1, kernels, batch_axes) if act else g
         # dw reduces over the tokens: flatten leading axes, quantize along axis 0.
         x_TxK = x.reshape(-1, x.shape[-1])
         g_TxN = g.reshape(-1, n)
-        x_dw = _fq_padded(x_TxK, fmt, 0) if act else _value(x_TxK)
-        g_dw = _fq_padded(g_TxN, fmt, 0) if act else g_TxN
+        x_dw = _fq_padded(x_TxK, fmt, 0, kernels) if act else _value(x_TxK, kernels)
+        g_dw = _fq_padded(g_TxN, fmt, 0, kernels) if act else g_TxN
     dx = _dot(g_dx, w_dx, -1, 1)
     dw = _dot(x_dw, g_dw, 0, 0)
     # Rounding site: cotangents take the primal dtypes (a bf16 carrier rounds here).

@@ -30,7 +30,9 @@ smallest normal f32 (`1.18e-38`); E8M0 exponents are clamped to [-126, 127]
 (2^-127 is an f32 subnormal, which XLA on CPU flushes to zero); ternary
 `gamma` is floored at `TERNARY_EPS = 1e-5` (the clamp of the BitNet b1.58
 reference code); an NVFP4 block whose scale rounds to zero gets zero codes.
-NaN inputs propagate. f32 subnormal inputs may be flushed to zero on CPU.
+NaN inputs propagate: a NaN makes its block's (and, for per-tensor scales,
+its tensor's) amax NaN in every program (`_amax`). f32 subnormal inputs may be
+flushed to zero on CPU.
 """
 
 from __future__ import annotations
@@ -44,7 +46,10 @@ import numpy as np
 
 from jaxrl_lp.numerics.qarray import FORMATS, FormatSpec, QArray, dequantize, get_format
 
-__all__ = ["FORMATS", "TERNARY_EPS", "FormatSpec", "QArray", "dequantize", "quantize"]
+__all__ = [
+    "FORMATS", "TERNARY_EPS", "FormatSpec", "QArray", "dequantize", "mx_block_values",
+    "nvfp4_block_values", "nvfp4_tensor_scale", "quantize",
+]
 
 TERNARY_EPS = 1e-5
 _F32_TINY = float(np.finfo(np.float32).tiny)
@@ -123,8 +128,17 @@ def _normalize_axes(
     return axis, batch_t
 
 
-def _amax(x: jax.Array, axes: tuple[int, ...]) -> jax.Array:
-    return jnp.max(jnp.abs(x), axis=axes, keepdims=True)
+def _amax(x: jax.Array, axes: tuple[int, ...], keepdims: bool = True) -> jax.Array:
+    """max |x| over `axes`; NaN when any element is NaN, in every program.
+
+    XLA on CPU drops NaN from some f32 max reductions and not others, depending
+    on the shape (openxla/xla#21461), so a float max gave one block a NaN scale
+    in one program and a finite one in another. The bit patterns of non-negative
+    floats order as int32, with NaN above +inf: the integer max is exact and
+    always propagates NaN.
+    """
+    bits = jax.lax.bitcast_convert_type(jnp.abs(x), jnp.int32)
+    return jax.lax.bitcast_convert_type(jnp.max(bits, axis=axes, keepdims=keepdims), jnp.float32)
 
 
 def _quantize_tensor_f32(x, spec: FormatSpec, reduce_axes):
@@ -177,26 +191,69 @@ def _pow2(e: jax.Array) -> jax.Array:
 
 def _quantize_mx(x, spec: FormatSpec, axis: int):
     """MX: E8M0 block scale `2^ceil(log2(amax / max))`, element codes RNE."""
-    xb = _blocks(x, axis, spec.block_size)
-    amax = jnp.max(jnp.abs(xb), axis=axis + 1)
-    e = jnp.clip(_ceil_exponent(amax, spec.max_value), -126, 127)
-    scale = _pow2(e)
-    # Division by a power of two is exact; the clip only guards NaN-free saturation.
-    y = jnp.clip(xb / jnp.expand_dims(scale, axis + 1), -spec.max_value, spec.max_value)
+    y, scale = mx_block_values(_blocks(x, axis, spec.block_size), spec, axis + 1)
     codes = y.reshape(x.shape).astype(spec.element_dtype)
     return codes, scale.astype(ml_dtypes.float8_e8m0fnu), None
 
 
+def mx_block_values(xb: jax.Array, spec: FormatSpec, block_axis: int):
+    """The MX scales of blocked f32 values and the scaled values before the element cast.
+
+    Shared by `quantize` and the Pallas kernel (`jaxrl_lp.kernels.quantize`), which
+    runs it on one tile, so the two round identically.
+
+    Args:
+      xb: f32 values with the elements of each block along `block_axis`.
+      spec: an MX format (`block_e8m0`).
+      block_axis: the axis of `xb` holding one block's elements.
+
+    Returns:
+      `(y, scale)`: `y` like `xb`, `clip(xb / 2^e, -max, max)` (cast it to the
+      element dtype for the codes, RNE); `scale` f32 `2^e` with `block_axis` removed,
+      `e = clip(ceil(log2(amax / max)), -126, 127)` (cast it to E8M0: exact).
+    """
+    amax = _amax(xb, (block_axis,), keepdims=False)
+    e = jnp.clip(_ceil_exponent(amax, spec.max_value), -126, 127)
+    scale = _pow2(e)
+    # Division by a power of two is exact; the clip only guards NaN-free saturation.
+    y = jnp.clip(xb / jnp.expand_dims(scale, block_axis), -spec.max_value, spec.max_value)
+    return y, scale
+
+
 def _quantize_nvfp4(x, spec: FormatSpec, axis: int, reduce_axes):
     """NVFP4: f32 tensor scale, E4M3 block scales, E2M1 codes saturated at +-6."""
-    s_t = jnp.maximum(_amax(x, reduce_axes) / (_E2M1_MAX * _E4M3_MAX), _F32_TINY)
-    xb = _blocks(x, axis, spec.block_size)
-    amax_b = jnp.max(jnp.abs(xb), axis=axis + 1)
+    s_t = nvfp4_tensor_scale(x, reduce_axes)
+    y, s_b = nvfp4_block_values(_blocks(x, axis, spec.block_size), s_t, axis + 1)
+    codes = y.reshape(x.shape).astype(spec.element_dtype)
+    return codes, s_b, s_t
+
+
+def nvfp4_tensor_scale(x: jax.Array, reduce_axes: tuple[int, ...]) -> jax.Array:
+    """The NVFP4 f32 tensor scale `max(amax / (6 * 448), tiny)` over `reduce_axes` (kept as 1s)."""
+    return jnp.maximum(_amax(x, reduce_axes) / (_E2M1_MAX * _E4M3_MAX), _F32_TINY)
+
+
+def nvfp4_block_values(xb: jax.Array, s_t: jax.Array, block_axis: int):
+    """NVFP4 E4M3 block scales of blocked f32 values and the scaled values before the cast.
+
+    Shared by `quantize` and the Pallas kernel, like `mx_block_values`.
+
+    Args:
+      xb: f32 values with the elements of each block along `block_axis`.
+      s_t: the f32 tensor scale (`nvfp4_tensor_scale`), broadcastable to `xb` with
+        `block_axis` removed.
+      block_axis: the axis of `xb` holding one block's elements.
+
+    Returns:
+      `(y, s_b)`: `y` like `xb`, `clip(xb / (f32(s_b) * s_t), -6, 6)` (0 where the
+      effective scale is 0; cast it to E2M1 for the codes); `s_b` E4M3
+      `E4M3(clip(amax_block / (6 * s_t), 0, 448))` with `block_axis` removed.
+    """
+    amax_b = _amax(xb, (block_axis,), keepdims=False)
     # f32 rounding of 6 * s_t can put the largest block a hair above 448: clip.
     s_b = jnp.clip(amax_b / (_E2M1_MAX * s_t), 0.0, _E4M3_MAX).astype(ml_dtypes.float8_e4m3fn)
     # Upcast: the E4M3 block scale is exact in f32; the product is one f32 rounding.
-    eff = jnp.expand_dims(s_b.astype(jnp.float32) * s_t, axis + 1)
+    eff = jnp.expand_dims(s_b.astype(jnp.float32) * s_t, block_axis)
     safe = jnp.where(eff > 0, eff, 1.0)
     y = jnp.where(eff > 0, jnp.clip(xb / safe, -_E2M1_MAX, _E2M1_MAX), 0.0)
-    codes = y.reshape(x.shape).astype(spec.element_dtype)
-    return codes, s_b, s_t
+    return y, s_b

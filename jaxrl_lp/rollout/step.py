@@ -6,29 +6,61 @@ makes the two agree bit for bit. Do not re-derive them elsewhere.
 
 Neither is jitted itself: both are traced inside `generate`'s and the
 learner's jitted programs, where `cfg`, `policy` and `loop` are static.
+
+The sampled tokens' log-probs come from a step's output by `step_logprobs`,
+which the sampler and the replay both call. Where the policy selects the
+fused log-prob kernel (`kernels.logprob.fused_readout`) the steps are run with
+`hidden=True` and return the final hidden state: the sampler takes its logits
+from it (`step_logits`) to choose a token, and both take the log-prob from the
+hidden state by `kernels.fused_logprobs`, as the learner's dense log-probs do.
+Elsewhere the steps return logits and the log-prob is `token_logprobs`.
 """
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 
+from jaxrl_lp.kernels.logprob import fused_logprobs, fused_readout
+from jaxrl_lp.models.blocks import lm_head, lm_logits
 from jaxrl_lp.models.config import ModelConfig
 from jaxrl_lp.models.loop import ExitSchedule, LoopSpec
 from jaxrl_lp.models.model import forward
 from jaxrl_lp.numerics.policy import Policy
+from jaxrl_lp.rollout.sampling import token_logprobs
 
-__all__ = ["LoopSpec", "decode_step", "prefill"]
+__all__ = ["LoopSpec", "decode_step", "fused_readout", "prefill", "step_logits", "step_logprobs"]
+
+
+def step_logits(params, cfg: ModelConfig, policy: Policy, out_BxX) -> jax.Array:
+    """The logits [B, V] of a step's output (the lm head applied when it is the hidden state)."""
+    return lm_logits(params, out_BxX, cfg, policy) if fused_readout(policy) else out_BxX
+
+
+def step_logprobs(params, cfg: ModelConfig, policy: Policy, out_BxX, tokens_B,
+                  temperature: float) -> jax.Array:
+    """Log-probs [B] f32 of `tokens_B` from a step's output (the sampler's and the replay's).
+
+    `out_BxX` is what `prefill` / `decode_step` returned with
+    `hidden=fused_readout(policy)`: the fused log-prob of the hidden state, or
+    `token_logprobs` of the logits.
+    """
+    if fused_readout(policy):
+        return fused_logprobs(out_BxX, lm_head(params, cfg), tokens_B, temperature, policy)[0]
+    return token_logprobs(out_BxX, tokens_B, temperature)
 
 
 def prefill(params, cfg: ModelConfig, policy: Policy, loop: LoopSpec, prompt_BxP, positions_BxP,
-            cache, readout_steps_B=None):
+            cache, readout_steps_B=None, *, hidden: bool = False):
     """Runs the (left-padded) prompts through the model at full depth, writing slots [0, P).
 
     Returns (logits [B, V] at the last slot, cache, exit step [B] of the last
     slot, loop evaluations). `readout_steps_B` replays a recorded read-out step.
+    With `hidden` the first output is the final hidden state [B, D] instead.
     """
     if not cfg.is_looped:
-        logits, cache, _ = forward(params, cfg, policy, prompt_BxP, positions_BxP, cache, 0)
+        logits, cache, _ = forward(params, cfg, policy, prompt_BxP, positions_BxP, cache, 0,
+                                   hidden=hidden)
         return logits[:, -1], cache, jnp.zeros(prompt_BxP.shape[:1], jnp.int32), jnp.int32(1)
     schedule = None
     if readout_steps_B is not None:
@@ -36,16 +68,18 @@ def prefill(params, cfg: ModelConfig, policy: Policy, loop: LoopSpec, prompt_BxP
                                                              prompt_BxP.shape))
     # A prompt runs at full depth in either compute mode; the rule picks its read-out.
     logits, cache, out = forward(params, cfg, policy, prompt_BxP, positions_BxP, cache, 0,
-                                 loop=LoopSpec(loop.exit_rule, "dense"), schedule=schedule)
+                                 loop=LoopSpec(loop.exit_rule, "dense"), schedule=schedule,
+                                 hidden=hidden)
     exits = out.exit_steps[:, -1] if readout_steps_B is None else readout_steps_B
     return logits[:, -1], cache, exits, out.loop_evals
 
 
 def decode_step(params, cfg: ModelConfig, policy: Policy, loop: LoopSpec, tokens_B, positions_B,
-                cache, index, exit_steps_B=None, active_B=None):
+                cache, index, exit_steps_B=None, active_B=None, *, hidden: bool = False):
     """One token per sequence at cache slot `index`.
 
-    Returns (logits [B, V], cache, exit step [B], loop evaluations). With
+    Returns (logits [B, V] or, with `hidden`, the final hidden state [B, D],
+    cache, exit step [B], loop evaluations). With
     `exit_steps_B` the recorded schedule is replayed instead of the exit rule.
     `active_B` (bool) marks the sequences still generating: in deferred mode
     the others are not computed (their outputs are meaningless) and do not
@@ -53,12 +87,12 @@ def decode_step(params, cfg: ModelConfig, policy: Policy, loop: LoopSpec, tokens
     """
     if not cfg.is_looped:
         logits, cache, _ = forward(params, cfg, policy, tokens_B[:, None], positions_B[:, None],
-                                   cache, index)
+                                   cache, index, hidden=hidden)
         return logits[:, 0], cache, jnp.zeros(tokens_B.shape, jnp.int32), jnp.int32(1)
     schedule = ExitSchedule(
         depth_BxT=None if exit_steps_B is None else exit_steps_B[:, None],
         active_BxT=None if active_B is None else active_B[:, None])
     logits, cache, out = forward(params, cfg, policy, tokens_B[:, None], positions_B[:, None],
                                  cache, index, loop=loop, schedule=schedule,
-                                 early_stop=loop.compute_mode == "deferred")
+                                 early_stop=loop.compute_mode == "deferred", hidden=hidden)
     return logits[:, 0], cache, out.exit_steps[:, 0], out.loop_evals

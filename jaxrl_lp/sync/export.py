@@ -31,8 +31,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxrl_lp.numerics.formats import quantize as quantize_array
-from jaxrl_lp.numerics.policy import parse_dtype
+from jaxrl_lp.kernels.quantize import quantize as quantize_array
+from jaxrl_lp.numerics.policy import KERNEL_MODES, parse_dtype
 from jaxrl_lp.numerics.qarray import dequantize, get_format
 from jaxrl_lp.numerics.rounding import error_feedback_round, round_nearest, round_stochastic
 from jaxrl_lp.sync.layout import flatten_served, is_qarray, matmul_weight_paths, path_str
@@ -174,7 +174,7 @@ def _block_check(path: str, x: Any, fmt: str, axis: int) -> None:
         )
 
 
-def quantize(fmt: str, *, include_lm_head: bool = False) -> Exporter:
+def quantize(fmt: str, *, include_lm_head: bool = False, kernels: str = "auto") -> Exporter:
     """Quantizes the matmul weights to `fmt` (`QArray` leaves); keeps every other tensor.
 
     Stacked weights `[L, in, out]` are quantized along axis 1 (the reduction
@@ -186,11 +186,16 @@ def quantize(fmt: str, *, include_lm_head: bool = False) -> Exporter:
     Args:
       fmt: a key of `jaxrl_lp.numerics.FORMATS` (`fp8`, `mxfp8`, `nvfp4`, `ternary`...).
       include_lm_head: quantize the untied `lm_head` too.
+      kernels: where the block quantize runs (`KERNEL_MODES`, see
+        `jaxrl_lp.kernels.dispatch`): the Pallas kernel and the jnp reference give
+        the same bits; `auto` is the reference on CPU, `on` is an error there.
 
     Raises:
       ValueError naming the tensor, its shape and the block size when a block
       format's block size does not divide a reduction axis, or naming the tensor
-      when the params tree does not have the served layout.
+      when the params tree does not have the served layout; ValueError for an
+      unknown `kernels` mode; `KernelUnavailableError` (at `apply`) for
+      `kernels="on"` where Pallas cannot compile.
 
     Example:
       >>> served, _ = quantize("mxfp8").apply(params, EmptyState())
@@ -198,6 +203,8 @@ def quantize(fmt: str, *, include_lm_head: bool = False) -> Exporter:
       dtype(float8_e8m0fnu)
     """
     get_format(fmt)
+    if kernels not in KERNEL_MODES:
+        raise ValueError(f"quantize exporter: kernels {kernels!r} is not one of {list(KERNEL_MODES)}")
 
     def init(params):
         del params
@@ -215,7 +222,7 @@ def quantize(fmt: str, *, include_lm_head: bool = False) -> Exporter:
             if path not in axes or is_qarray(x):
                 return x
             axis, batch = axes[path]
-            return quantize_array(x, fmt, axis, batch)
+            return quantize_array(x, fmt, axis, batch, kernels=kernels)
 
         return map_with_path(one, params), state
 

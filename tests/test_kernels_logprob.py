@@ -1,0 +1,228 @@
+"""The fused vocab-tiled log-prob and entropy (`kernels.logprob`): kernel, reference, integration.
+
+Tolerances (f32, stated in `kernels.logprob`): log-probs and entropies within
+1e-5 absolute + 1e-6 relative of `jax.nn.log_softmax` over materialized
+logits; gradients (d/dh, d/dW of a weighted sum of both outputs) within 1e-5
+absolute + 1e-4 relative of autodiff through it. With bf16 logits rounding the
+rounded logits and the rounded cotangent are compared the same way, looser
+(3e-5 on values, 2e-3 absolute on gradients: a cotangent one bf16 ulp apart).
+The kernel runs in Pallas interpret mode (`k=interpret`), on tiny shapes.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from jaxrl_lp.bench.exactness import KINDS, exactness_model, exactness_rollout, masked_max_abs_diff
+from jaxrl_lp.kernels.dispatch import KernelUnavailableError
+from jaxrl_lp.kernels.logprob import check_blocks, fused_logprobs, fused_readout
+from jaxrl_lp.numerics.policy import Policy
+from jaxrl_lp.rl.logprobs import learner_logprobs
+
+TAU = 0.7
+VALUE_TOL = {"f32": (1e-5, 1e-6), "bf16": (3e-5, 1e-6)}
+GRAD_TOL = {"f32": (1e-5, 1e-4), "bf16": (2e-3, 1e-4)}
+
+
+def _inputs(t, d, v, seed=0):
+    k = jax.random.split(jax.random.PRNGKey(seed), 4)
+    h = jax.random.normal(k[0], (t, d), jnp.float32)
+    w = 0.3 * jax.random.normal(k[1], (d, v), jnp.float32)
+    tokens = jax.random.randint(k[2], (t,), 0, v)
+    mask = (jnp.arange(t) % 4) != 1  # every fourth row masked
+    g = jax.random.normal(k[3], (2, t), jnp.float32)
+    return h, w, tokens, mask, g
+
+
+def _plain(h, w, tokens, mask, logits_dtype):
+    """The materialized path: logits [T, V], log_softmax, entropy (masked rows 0)."""
+    z = (h @ w).astype(logits_dtype).astype(jnp.float32)
+    lp = jax.nn.log_softmax(z / TAU, axis=-1)
+    chosen = jnp.take_along_axis(lp, tokens[:, None], axis=-1)[:, 0]
+    ent = -jnp.sum(jnp.exp(lp) * lp, axis=-1)
+    return jnp.where(mask, chosen, 0.0), jnp.where(mask, ent, 0.0)
+
+
+def _value_and_grads(fn, h, w, g):
+    def loss(h, w):
+        lp, ent = fn(h, w)
+        return jnp.sum(g[0] * lp + g[1] * ent), (lp, ent)
+
+    (_, outs), grads = jax.jit(jax.value_and_grad(loss, (0, 1), has_aux=True))(h, w)
+    return outs, grads
+
+
+# (T, D, V, block_v, block_d): odd T; ragged last tile, V below one tile, V a multiple of it.
+SHAPES = [(13, 32, 100, 32, 16), (7, 16, 40, 64, 16), (9, 32, 96, 32, 32)]
+
+
+@pytest.mark.parametrize("shape,impl,logits", [
+    *((s, impl, "f32") for s in SHAPES for impl in ("off", "interpret")),
+    *((SHAPES[0], impl, "bf16") for impl in ("off", "interpret"))])
+def test_matches_log_softmax_in_values_and_gradients(shape, impl, logits):
+    t, d, v, bv, bd = shape
+    h, w, tokens, mask, g = _inputs(t, d, v)
+    policy = Policy.parse(f"fp32,l={logits},k={impl}")
+    fused = functools.partial(fused_logprobs, tokens_T=tokens, temperature=TAU, policy=policy,
+                              mask_T=mask, block_v=bv, block_t=8, block_d=bd)
+    (lp, ent), (dh, dw) = _value_and_grads(lambda h, w: fused(h, w), h, w, g)
+    (lp0, ent0), (dh0, dw0) = _value_and_grads(
+        lambda h, w: _plain(h, w, tokens, mask, policy.logits_dtype), h, w, g)
+    atol, rtol = VALUE_TOL[logits]
+    np.testing.assert_allclose(lp, lp0, atol=atol, rtol=rtol)
+    np.testing.assert_allclose(ent, ent0, atol=atol, rtol=rtol)
+    assert float(jnp.abs(lp).max()) > 1.0 and float(ent.min()) >= 0.0
+    assert not np.any(np.asarray(lp)[~np.asarray(mask)]), "masked rows give 0"
+    atol, rtol = GRAD_TOL[logits]
+    np.testing.assert_allclose(dh, dh0, atol=atol, rtol=rtol)
+    np.testing.assert_allclose(dw, dw0, atol=atol, rtol=rtol)
+    assert not np.any(np.asarray(dh)[~np.asarray(mask)]), "masked rows get no gradient"
+
+
+def test_kernel_equals_reference_and_keeps_dtypes():
+    """Interpret-mode kernel against the tiled reference on the same tiles; bf16 h stays bf16."""
+    h, w, tokens, mask, g = _inputs(13, 32, 100, seed=3)
+    h = h.astype(jnp.bfloat16)
+    outs = {}
+    for impl in ("off", "interpret"):
+        fn = lambda h, w, impl=impl: fused_logprobs(h, w, tokens, TAU, f"fp32,k={impl}",
+                                                    mask_T=mask, block_v=32, block_t=8)
+        outs[impl] = _value_and_grads(fn, h, w, g)
+    (lp_r, ent_r), (dh_r, dw_r) = outs["off"]
+    (lp_k, ent_k), (dh_k, dw_k) = outs["interpret"]
+    assert dh_k.dtype == jnp.bfloat16 and dw_k.dtype == jnp.float32
+    np.testing.assert_allclose(lp_k, lp_r, atol=1e-5, rtol=1e-6)
+    np.testing.assert_allclose(ent_k, ent_r, atol=1e-5, rtol=1e-6)
+    np.testing.assert_allclose(dh_k.astype(jnp.float32), dh_r.astype(jnp.float32), atol=2e-2)
+    np.testing.assert_allclose(dw_k, dw_r, atol=1e-5, rtol=1e-4)
+
+
+# ---------------------------------------------------------------- bad input: one clear error each
+def test_kernels_on_where_pallas_cannot_compile_is_an_error():
+    if jax.default_backend() != "cpu":
+        pytest.skip("checks the CPU refusal")
+    h, w, tokens, _, _ = _inputs(4, 16, 40)
+    with pytest.raises(KernelUnavailableError, match="kernels=on.*cannot compile Pallas"):
+        fused_logprobs(h, w, tokens, 1.0, "fp32,k=on")
+    with pytest.raises(KernelUnavailableError, match="kernels=on"):
+        fused_readout("bf16,k=on")
+    assert not fused_readout("fp32") and fused_readout("fp32,k=interpret")
+    assert not fused_readout("fp32,k=interpret,mm=mxfp8")  # the lm head's quantized matmul
+
+
+def test_tiles_that_do_not_fit_are_one_clear_error():
+    h, w, tokens, _, _ = _inputs(4, 32, 100)
+    call = lambda **kw: fused_logprobs(h, w, tokens, 1.0, "fp32,k=interpret", **kw)
+    with pytest.raises(ValueError, match="block_d=24 does not divide the reduction axis D=32"):
+        call(block_d=24)
+    with pytest.raises(ValueError, match="block_v must be a positive int; got 0"):
+        call(block_v=0)
+    with pytest.raises(ValueError, match="block_t must be a positive int"):
+        call(block_t=2.5)
+    with pytest.raises(ValueError, match="quantizes matmuls"):
+        fused_logprobs(h, w, tokens, 1.0, "fp32,mm=mxfp8,k=interpret")
+    # What a compiled (GPU) kernel needs on top: lane-wide, power-of-two tiles.
+    with pytest.raises(ValueError, match="block_v=192 is not a power of two"):
+        check_blocks(1024, 151936, 16, 192, 256, compiled=True)
+    with pytest.raises(ValueError, match="block_v=64 is not a multiple of the 128-wide lane"):
+        check_blocks(1024, 151936, 16, 64, 256, compiled=True)
+    with pytest.raises(ValueError, match="last vocabulary tile .*= 384"):
+        check_blocks(1024, 151936, 16, 512, 256, compiled=True)
+    check_blocks(1024, 151936, 16, 256, 256, compiled=True)  # Qwen3's vocab: fits
+
+
+# ---------------------------------------------------------------- memory: no [tokens, vocab] in f32
+def test_grpo_like_loss_peak_memory_drops_by_more_than_the_f32_logits():
+    """value_and_grad of a PPO-style loss over 4096 tokens, vocab 151936, hidden 1024 (compiled only)."""
+    t, d, v = 4096, 1024, 151936
+
+    def loss(lp, ent, adv):
+        ratio = jnp.exp(lp - jax.lax.stop_gradient(lp))
+        return -jnp.mean(ratio * adv) - 1e-3 * jnp.mean(ent)
+
+    def plain(h, w, tokens, adv):  # the dense path before: logits, log_softmax twice
+        logits = jnp.einsum("td,dv->tv", h, w, preferred_element_type=jnp.float32)
+        lp = jnp.take_along_axis(jax.nn.log_softmax(logits, -1), tokens[:, None], 1)[:, 0]
+        lp2 = jax.nn.log_softmax(logits, -1)
+        return loss(lp, -jnp.sum(jnp.exp(lp2) * lp2, -1), adv)
+
+    def fused(policy):
+        return lambda h, w, tokens, adv: loss(*fused_logprobs(h, w, tokens, 1.0, policy), adv)
+
+    args = (jax.ShapeDtypeStruct((t, d), jnp.float32), jax.ShapeDtypeStruct((d, v), jnp.float32),
+            jax.ShapeDtypeStruct((t,), jnp.int32), jax.ShapeDtypeStruct((t,), jnp.float32))
+    temp = {}
+    for name, fn in (("plain", plain), ("reference", fused("fp32,k=off")),
+                     ("interpret", fused("fp32,k=interpret"))):
+        compiled = jax.jit(jax.value_and_grad(fn, (0, 1))).lower(*args).compile()
+        temp[name] = compiled.memory_analysis().temp_size_in_bytes
+    print({k: f"{b / 2**20:.0f} MiB" for k, b in temp.items()})
+    for name in ("reference", "interpret"):
+        assert temp["plain"] - temp[name] >= t * v * 4, temp
+
+
+# ---------------------------------------------------------------- exactness cells with kernels on
+PROMPTS = ((1, 5, 7), (2, 9, 4, 11, 3, 8), (6,))
+
+
+@functools.cache
+def _cell(pol, kind):
+    """(cfg, params, policy, loop, rollout) sampled with the fused log-prob (interpret mode)."""
+    cfg, params, loop = exactness_model(kind, loop_steps=4)
+    policy = Policy.parse(f"{pol},k=interpret")
+    ro = exactness_rollout(params, cfg, policy, loop, prompts=PROMPTS, num_samples=2,
+                           max_new_tokens=8)
+    return cfg, params, policy, loop, ro
+
+
+@pytest.mark.parametrize("pol,kind", [
+    ("fp32", "dense"), ("fp32", "looped_deferred"),
+    *(pytest.param(p, k, marks=pytest.mark.slow) for p in ("fp32", "bf16") for k in KINDS
+      if (p, k) not in (("fp32", "dense"), ("fp32", "looped_deferred")))])
+def test_replay_and_hybrid_stay_exact_with_the_kernel_on(pol, kind):
+    """Replay == sampler bit for bit; hybrid's value is the sampler's, its gradient dense's."""
+    cfg, params, policy, loop, ro = _cell(pol, kind)
+    assert "pallas_call" in str(jax.make_jaxpr(
+        lambda p: learner_logprobs(p, cfg, policy, ro, "hybrid", loop=loop))(params))
+    w = jax.random.normal(jax.random.PRNGKey(7), ro.logprobs.shape)
+
+    def grads(params):
+        def f(params, method):
+            logp, _ = learner_logprobs(params, cfg, policy, ro, method, loop=loop)
+            return jnp.sum(logp * ro.completion_mask * w), logp
+        return (jax.grad(f, has_aux=True)(params, "hybrid"),
+                jax.grad(f, has_aux=True)(params, "dense"),
+                learner_logprobs(params, cfg, policy, ro, "replay", loop=loop)[0])
+
+    (g_hybrid, hybrid), (g_dense, dense), replay = jax.jit(grads)(params)
+    mask = ro.completion_mask
+    assert masked_max_abs_diff(replay, ro.logprobs, mask) == 0.0
+    assert masked_max_abs_diff(hybrid, ro.logprobs, mask) == 0.0
+    assert masked_max_abs_diff(dense, ro.logprobs, mask) < {"fp32": 1e-4, "bf16": 0.1}[pol]
+    for a, b in zip(jax.tree.leaves(g_hybrid), jax.tree.leaves(g_dense), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert max(float(jnp.abs(a).max()) for a in jax.tree.leaves(g_hybrid)) > 0.0
+
+
+def test_sft_step_reads_the_hidden_state_through_the_kernel():
+    """A dense model's SFT loss and gradient by the fused path match the plain path's."""
+    from jaxrl_lp.models.config import get_preset
+    from jaxrl_lp.models.model import init_params
+    from jaxrl_lp.rl import make_sft_step
+
+    cfg = get_preset("tiny-qwen3").replace(num_layers=1, vocab_size=100)  # V: a ragged tile
+    params = init_params(cfg, jax.random.PRNGKey(0))
+    tokens = jax.random.randint(jax.random.PRNGKey(1), (2, 9), 0, cfg.vocab_size)
+    mask = jnp.ones(tokens.shape).at[1, 6:].set(0.0)
+    out = {}
+    for pol in ("fp32", "fp32,k=interpret"):
+        step = make_sft_step(cfg, Policy.parse(pol), optax.sgd(1.0))
+        new, _, m = step(jax.tree.map(jnp.copy, params), optax.sgd(1.0).init(params), tokens, mask)
+        out[pol] = (float(m["loss"]), jax.tree.map(lambda a, b: a - b, new, params))
+    np.testing.assert_allclose(out["fp32,k=interpret"][0], out["fp32"][0], rtol=1e-6)
+    for a, b in zip(*(jax.tree.leaves(o[1]) for o in out.values()), strict=True):
+        np.testing.assert_allclose(a, b, atol=1e-6)
