@@ -1,0 +1,19 @@
+"""`jaxrl-lp bench learner` end to end on the tiny preset (timing figures are not asserted)."""
+
+import json
+
+from jaxrl_lp.cli.main import main
+
+
+def test_bench_learner_prints_one_json_object_with_both_methods(capsys):
+    assert main(["bench", "learner", "--size", "tiny", "--batch", "4", "--group", "2",
+                 "--seq-len", "24", "--prompt-len", "8", "--repeats", "1", "--min-time", "0",
+                 "--no-tunix"]) == 0
+    res = json.loads(capsys.readouterr().out)
+    assert res["target"] == "learner" and res["tunix"] == {"available": False,
+                                                           "reason": "--no-tunix"}
+    for m in ("dense", "hybrid"):
+        assert res[m]["tokens_per_s"] > 0 and res[m]["mfu"] > 0
+    # The same update: hybrid's gradient is the dense forward's (only its value is the replay's).
+    assert abs(res["hybrid"]["grad_norm_first"] - res["dense"]["grad_norm_first"]) < 1e-5
+    assert "hybrid_over_dense_time<=1.5" in res["targets_met"]
