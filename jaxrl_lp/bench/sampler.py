@@ -3,8 +3,9 @@
 Dense (`tiny` and `small` presets): greedy decoding of the same random Qwen3
 weights, same batch, prompt and new-token lengths, by our sampler and by
 `transformers` `generate` (`hf_ref.hf_model`), on CPU, in one process, after a
-warm-up; our compile time is reported apart (`compile_s`). Policy fp32: on CPU
-XLA's bf16 matmuls are several times slower than f32 (SPEC section 11).
+warm-up; our compile time is reported apart (`compile_s`). Policy fp32 by
+default (`--policy`): on CPU XLA's bf16 matmuls are several times slower than
+f32 (SPEC section 11); on GPU `--policy bf16` runs natively.
 
 Looped: a random Ouro-style model whose exit gate (logits of std 0.5 around a
 bias of -0.6) makes a `threshold:0.5` rule exit after about 2 of 4 loop steps,
@@ -134,7 +135,7 @@ def _hf_threads(model, prompt_BxP, choice: str) -> int:
 
 def bench_dense(size: str, *, batch: int, prompt_len: int, new_tokens: int, repeats: int,
                 min_time: float, hf: bool, hf_threads: str, bandwidth_gbps: float,
-                seed: int) -> dict:
+                seed: int, policy: str = POLICY) -> dict:
     """Greedy decoding tokens/s of our sampler and of `transformers` on one dense preset.
 
     After a warm-up of each, timed runs of the two alternate, so that a change
@@ -144,7 +145,7 @@ def bench_dense(size: str, *, batch: int, prompt_len: int, new_tokens: int, repe
     params = init_params(cfg, jax.random.PRNGKey(seed))
     prompts = np.random.RandomState(seed).randint(1, cfg.vocab_size, (batch, prompt_len))
     ours = _ours_call(params, cfg, prompts.tolist(), sampling=SamplingConfig(greedy=True),
-                      policy=POLICY, max_new_tokens=new_tokens, eos_id=None)
+                      policy=policy, max_new_tokens=new_tokens, eos_id=None)
     calls = {"ours": ours}
     if hf:
         import torch
@@ -165,7 +166,7 @@ def bench_dense(size: str, *, batch: int, prompt_len: int, new_tokens: int, repe
     nbytes = weight_bytes(cfg, params)
     out = {
         "preset": DENSE_PRESETS[size], "params": cfg.param_count(), "batch": batch,
-        "prompt_len": prompt_len, "new_tokens": new_tokens, "policy": POLICY,
+        "prompt_len": prompt_len, "new_tokens": new_tokens, "policy": policy,
         "compile_s": round(first - ours_s, 3), "ours_s": round(ours_s, 4),
         "ours_runs": len(ours_times),
         "ours_ms_per_step": round(1e3 * ours_s / new_tokens, 3),
@@ -204,7 +205,7 @@ def looped_params(cfg: ModelConfig, seed: int, gate_bias: float, gate_scale: flo
 
 def bench_looped(size: str, *, batches, prompt_len: int, new_tokens: int, repeats: int,
                  min_time: float, exit_rule: str, gate_bias: float, gate_scale: float,
-                 bandwidth_gbps: float, seed: int) -> dict:
+                 bandwidth_gbps: float, seed: int, policy: str = POLICY) -> dict:
     """Dense against deferred compute mode on a looped model whose exits come early."""
     cfg = LOOPED_SIZES[size]
     r = cfg.loop_steps
@@ -214,7 +215,7 @@ def bench_looped(size: str, *, batches, prompt_len: int, new_tokens: int, repeat
     sampling = SamplingConfig(temperature=1.0)
     out = {
         "model": f"{DENSE_PRESETS[size]} shapes as a looped (ouro) model, R={r}",
-        "params": cfg.param_count(), "policy": POLICY, "exit_rule": exit_rule,
+        "params": cfg.param_count(), "policy": policy, "exit_rule": exit_rule,
         "gate": f"random kernel, gate logits ~ N({gate_bias}, {gate_scale}^2): under {exit_rule} "
                 f"tokens exit early (mean_exit_depth, of {r}) and at different steps",
         "sampling": "temperature 1.0, fixed key", "prompt_len": prompt_len,
@@ -224,7 +225,7 @@ def bench_looped(size: str, *, batches, prompt_len: int, new_tokens: int, repeat
         prompts = np.random.RandomState(seed).randint(1, cfg.vocab_size, (batch, prompt_len))
         prompt_list = prompts.tolist()
         call = lambda p, mode, rule=exit_rule, pl=prompt_list: _ours_call(
-            p, cfg, pl, sampling=sampling, policy=POLICY,
+            p, cfg, pl, sampling=sampling, policy=policy,
             max_new_tokens=new_tokens, eos_id=None, loop=LoopSpec(rule, mode),
             key=jax.random.PRNGKey(seed))
         calls = {"dense": call(params, "dense"), "deferred": call(params, "deferred")}
@@ -303,6 +304,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--gate-scale", type=float, default=0.5)
     parser.add_argument("--bandwidth-gbps", type=float, default=SPEC_BANDWIDTH_GBPS,
                         help="memory bandwidth for the bound (SPEC section 11: 15 GB/s)")
+    parser.add_argument("--policy", default=POLICY,
+                        help="precision policy of our sampler (fp32 on CPU: SPEC section 11; bf16 "
+                             "on GPU, where it is stored natively)")
     parser.add_argument("--seed", type=int, default=0)
 
 
@@ -325,8 +329,8 @@ def run(args: argparse.Namespace) -> dict:
         "target": "sampler",
         "platform": f"{platform.machine()} {jax.default_backend()}, {os.cpu_count()} cores",
         "jax": jax.__version__, "loadavg_start": round(os.getloadavg()[0], 2),
-        "policy": POLICY,
-        "note": "policy fp32: XLA's bf16 matmuls on CPU are much slower than f32 (SPEC 11); "
+        "policy": args.policy,
+        "note": "default policy fp32: XLA's bf16 matmuls on CPU are much slower than f32 (SPEC 11); "
                 "bounds are batch * bandwidth / weight bytes read per decode step",
         "bandwidth_gbps": args.bandwidth_gbps,
     }
@@ -339,12 +343,12 @@ def run(args: argparse.Namespace) -> dict:
                             new_tokens=args.new_tokens, repeats=args.repeats,
                             min_time=args.min_time, hf=not args.no_hf,
                             hf_threads=args.hf_threads, bandwidth_gbps=args.bandwidth_gbps,
-                            seed=args.seed) for s in sizes}
+                            seed=args.seed, policy=args.policy) for s in sizes}
     looped = {s: bench_looped(s, batches=batches, prompt_len=args.prompt_len,
                               new_tokens=args.new_tokens, repeats=args.repeats,
                               min_time=args.min_time, exit_rule=args.exit_rule, gate_bias=args.gate_bias,
                               gate_scale=args.gate_scale, bandwidth_gbps=args.bandwidth_gbps,
-                              seed=args.seed) for s in looped_sizes}
+                              seed=args.seed, policy=args.policy) for s in looped_sizes}
     summary = {}
     for key in ("ours_tokens_per_s", "hf_tokens_per_s", "ratio_vs_hf", "compile_s",
                 "bound_tokens_per_s"):

@@ -1,0 +1,97 @@
+"""`jaxrl-lp bench kernels`: the CLI end to end on tiny shapes, and the JSON it prints.
+
+On CPU the kernels run interpreted (correctness only); the `max_rel_diff`
+bounds are the kernel tests' own tolerances (quantization bit-equal). On a
+GPU the last test runs the compiled kernels (`k=on`) on the `small` shapes
+against their references with the same bounds (fp32 policy).
+"""
+
+import json
+
+import pytest
+
+from jaxrl_lp.bench.kernels import INTERPRET_NOTE
+from jaxrl_lp.cli.main import main
+from jaxrl_lp.kernels import kernel_backend
+
+IMPL_KEYS = {"compile_s", "memory"}
+TIMED_KEYS = {"time_s", "runs", "launches_per_run"}
+MEMORY_KEYS = {"argument", "output", "alias", "temp", "generated_code", "peak"}
+# Largest kernel-vs-reference difference, relative to the reference's largest value.
+REL_TOL = {"logprob_fwd_bwd": 1e-4, "decode_attention": 1e-5, "quantize": 0.0, "dequantize": 0.0}
+
+
+def _bench(tmp_path, capsys, *argv) -> dict:
+    out = tmp_path / "kernels.json"
+    assert main(["bench", "kernels", *argv, "--out", str(out)]) == 0
+    printed = json.loads(capsys.readouterr().out)
+    assert json.loads(out.read_text()) == printed
+    return printed
+
+
+def _tol(case: str) -> float:
+    return next(t for prefix, t in REL_TOL.items() if case.startswith(prefix))
+
+
+def _check_case(case: str, res: dict, *, timed: bool) -> None:
+    assert "error" not in res, res
+    impls = ["plain", "reference", "kernel"] if case == "logprob_fwd_bwd" else ["reference", "kernel"]
+    for impl in impls:
+        keys = IMPL_KEYS | (TIMED_KEYS if timed else set())
+        assert keys <= set(res[impl]), (case, impl, res[impl])
+        assert set(res[impl]["memory"]) == MEMORY_KEYS and res[impl]["memory"]["peak"] > 0
+    if timed:
+        assert res["kernel"]["time_s"] > 0 and res["kernel_speedup_vs_reference"] > 0
+        assert res["kernel"]["max_rel_diff"] <= _tol(case), (case, res["kernel"])
+    else:
+        assert "time_s" not in res["kernel"]
+
+
+def test_tiny_shapes_timed(tmp_path, capsys):
+    # Interpreted everywhere (the tiny vocabulary fits no compiled tile), f32 for the tolerances.
+    where = [] if kernel_backend() is None else ["--kernels", "interpret", "--policy", "fp32"]
+    out = _bench(tmp_path, capsys, "--shapes", "tiny", "--repeats", "1", "--min-time", "0",
+                 "--cases", "logprob,quantize_nvfp4,decode", *where)
+    assert out["target"] == "kernels"
+    assert out["kernel_mode"] == INTERPRET_NOTE and "memory_note" in out
+    assert out["policy"].endswith("k=interpret")
+    tiny = out["tiny"]
+    assert tiny["timed"] and set(tiny["shapes"]) == {"logprob", "quantize", "decode"}
+    assert set(tiny) - {"shapes", "timed"} == {"logprob_fwd_bwd", "quantize_nvfp4",
+                                               "decode_attention"}
+    for case in ("logprob_fwd_bwd", "quantize_nvfp4", "decode_attention"):
+        _check_case(case, tiny[case], timed=True)
+        assert f"tiny/{case}" in out["summary"]
+    assert tiny["logprob_fwd_bwd"]["tiles"]["block_v"] > 0
+
+
+def test_full_shapes_memory_only_on_cpu(tmp_path, capsys):
+    """Interpreted, the production shapes are compiled for their memory, not run, and say so."""
+    if kernel_backend() is not None:
+        pytest.skip("a Pallas backend times the full shapes")
+    out = _bench(tmp_path, capsys, "--shapes", "full", "--cases", "dequantize_mxfp8")
+    assert out["full_shapes"].startswith("memory analysis only, not run")
+    assert not out["full"]["timed"]
+    _check_case("dequantize_mxfp8", out["full"]["dequantize_mxfp8"], timed=False)
+    assert out["full"]["dequantize_mxfp8"]["kernel"]["memory"]["output"] == 1024 * 3072 * 4
+
+
+def test_bad_shape_set_is_one_clear_error(capsys):
+    assert main(["bench", "kernels", "--shapes", "huge"]) == 2
+    assert "--shapes: unknown ['huge']" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(kernel_backend() is None, reason="needs a backend that compiles Pallas")
+def test_compiled_kernels_match_their_references(tmp_path, capsys):
+    out = _bench(tmp_path, capsys, "--shapes", "small", "--kernels", "on", "--policy", "fp32",
+                 "--repeats", "1", "--min-time", "0", "--inner", "1")
+    assert out["kernel_mode"] == "compiled (k=on)"
+    for case, res in out["small"].items():
+        if case not in ("shapes", "timed"):
+            _check_case(case, res, timed=True)
+
+
+@pytest.mark.skipif(kernel_backend() is not None, reason="a Pallas backend compiles kernels")
+def test_kernels_on_without_a_pallas_backend_is_one_clear_error(capsys):
+    assert main(["bench", "kernels", "--shapes", "tiny", "--kernels", "on"]) == 2
+    assert "--kernels on: the cpu backend cannot compile Pallas kernels" in capsys.readouterr().err
