@@ -27,6 +27,7 @@ from jaxrl_lp.models.tokenizer import CharTokenizer, Tokenizer
 
 __all__ = ["OPS", "ArithmeticProblem", "ArithmeticSplit", "ArithmeticTask"]
 
+# The operations an arithmetic task may use (`ArithmeticTask.ops` draws from these).
 OPS = ("+", "-", "*")
 
 

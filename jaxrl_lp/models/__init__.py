@@ -4,6 +4,7 @@ from jaxrl_lp.models.blocks import unstack_layers
 from jaxrl_lp.models.cache import init_cache, unstack_cache
 from jaxrl_lp.models.config import PRESETS, ModelConfig, get_preset
 from jaxrl_lp.models.dense import dense_forward
+from jaxrl_lp.models.hf_io import save_hf_checkpoint
 from jaxrl_lp.models.loop import ExitRule, ExitSchedule, LoopSpec, exit_distribution
 from jaxrl_lp.models.looped import LoopedOutput, looped_forward
 from jaxrl_lp.models.model import CausalLM, forward, init_params, param_shapes
@@ -25,6 +26,7 @@ __all__ = [
     "init_params",
     "looped_forward",
     "param_shapes",
+    "save_hf_checkpoint",
     "unstack_cache",
     "unstack_layers",
 ]

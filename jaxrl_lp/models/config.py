@@ -127,6 +127,7 @@ class ModelConfig:
         return total
 
 
+# Named model configs for `get_preset`: published Qwen3/Ouro shapes and tiny test sizes.
 PRESETS: dict[str, ModelConfig] = {
     # Published Ouro configs (ByteDance/Ouro-1.4B and -2.6B config.json).
     "ouro-1.4b": ModelConfig(

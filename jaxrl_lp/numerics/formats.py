@@ -51,6 +51,7 @@ __all__ = [
     "nvfp4_block_values", "nvfp4_tensor_scale", "quantize",
 ]
 
+# Floor of the ternary scale `gamma = mean|W|`, so an all-zero tensor does not divide by 0.
 TERNARY_EPS = 1e-5
 _F32_TINY = float(np.finfo(np.float32).tiny)
 _E4M3_MAX = 448.0

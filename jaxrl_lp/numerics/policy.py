@@ -45,6 +45,7 @@ __all__ = [
 ]
 
 Region = Literal["rope", "swiglu", "norm", "residual", "softmax"]
+# The non-matmul regions a policy may keep in f32 (`f32=rope+norm+...`).
 ALL_REGIONS: tuple[str, ...] = ("rope", "swiglu", "norm", "residual", "softmax")
 BACKWARD_MODES: tuple[str, ...] = ("reuse", "fresh")
 # Where the Pallas kernels of `jaxrl_lp.kernels` run (`kernels.dispatch`): `auto`
@@ -297,6 +298,7 @@ def _regions(names: Iterable[str]) -> frozenset[str]:
     return frozenset(names)
 
 
+# Named policies (`fp32`, `bf16`, ...) that `Policy.parse` accepts as shorthands.
 PRESETS: dict[str, Policy] = {
     "fp32": _preset(),
     "bf16": _preset(compute_dtype="bf16"),

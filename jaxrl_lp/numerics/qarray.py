@@ -73,6 +73,7 @@ def _spec(name, element_dtype, block_size, scale_kind, max_value, element_bits, 
     )
 
 
+# The number formats `quantize` / `dequantize` know, by name (`FormatSpec` each).
 # fmt: off
 FORMATS: dict[str, FormatSpec] = {s.name: s for s in (
     #     name        element  block  scale kind               max      bits          acts

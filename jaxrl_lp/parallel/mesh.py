@@ -27,7 +27,9 @@ from jax.sharding import AxisType, Mesh
 
 __all__ = ["AXES", "BATCH_AXES", "MeshSpec", "make_mesh"]
 
+# The mesh axes, outermost first: data parallel, fully sharded data parallel, tensor parallel.
 AXES: tuple[str, ...] = ("data", "fsdp", "tensor")
+# The axes a batch's rows are split over (its data shards).
 BATCH_AXES: tuple[str, ...] = ("data", "fsdp")
 
 

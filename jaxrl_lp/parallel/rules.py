@@ -80,6 +80,7 @@ class ShardingRules:
                          f"{[n for n, _ in self.rules]}")
 
 
+# The default logical-axis -> mesh-axis rules (FSDP over parameters, rows over data shards).
 DEFAULT_RULES = ShardingRules((
     ("batch", ("data", "fsdp")),
     ("vocab", ("tensor",)),

@@ -36,6 +36,7 @@ class Target(NamedTuple):
     source: str
 
 
+# The accelerators `jaxrl-lp plan --target` knows, by name (peak FLOP/s, bandwidth, memory).
 TARGETS: dict[str, Target] = {t.name: t for t in (
     Target("h100", 989e12, 3.35e12, 80e9,
            "NVIDIA H100 Tensor Core GPU data sheet (H100 SXM: BF16 1,979 TFLOPS with sparsity, "

@@ -63,6 +63,7 @@ from jaxrl_lp.studies.common import (
 
 __all__ = ["ARMS", "arm_figures", "run_fair_cast"]
 
+# The study's arms: the f32 reference and one bf16 served copy per rounding.
 ARMS: tuple[str, ...] = ("f32", "nearest", "stochastic", "error_feedback")
 DEFAULT_STEPS = 40
 DEFAULT_LR = 1e-6

@@ -39,6 +39,7 @@ from jaxrl_lp.studies.common import QUICK_OVERRIDES, make_config, remove_outputs
 
 __all__ = ["DEFAULT_SFT_STEPS", "TERNARY_POLICY", "run_ternary_export"]
 
+# The learner policy of the study: every matmul weight ternary (BitNet b1.58), straight-through.
 TERNARY_POLICY = "p=f32,c=f32,mm=ternary,bwd=reuse,f32=rope+swiglu+norm+residual+softmax"
 # Ternary learns slower than f32 (the default f32 warm-start reaches 44.5% in 1200 steps).
 # Measured on the 2-core development machine with the default model: 2000 steps at the

@@ -52,6 +52,7 @@ __all__ = [
     "check_unquantized_exact", "check_version", "expected_layout", "run_sync_checks",
 ]
 
+# The seven sync checks, in the order `run_sync_checks` reports them.
 CHECK_NAMES = ("layout", "hashes", "scales", "version", "unquantized_exact",
                "requantize_fixed_point", "probe_logprobs")
 

@@ -36,6 +36,7 @@ __all__ = [
     "staleness_update", "ulp_distance", "update_retention",
 ]
 
+# The served progress at which the served copy counts as caught up (`ProgressState.lag`).
 LAG_THRESHOLD = 0.5
 _LOG_RATIO_CLIP = 20.0
 
@@ -63,6 +64,7 @@ class StalenessState(NamedTuple):
 
 
 def staleness_init(served: Any) -> StalenessState:
+    """The staleness tracker at the first export (`served`): every element starts fresh."""
     dense = _dense(served)
     return StalenessState(dense, [jnp.zeros(x.shape, jnp.int32) for x in dense])
 
@@ -177,6 +179,7 @@ class ProgressState(NamedTuple):
 
 
 def progress_init(served: Any, master: Any) -> ProgressState:
+    """The progress tracker at the first export: `served` and `master` become the start points."""
     return ProgressState(_dense(served), _dense(master), jnp.zeros((), jnp.int32),
                          jnp.full((), -1, jnp.int32))
 

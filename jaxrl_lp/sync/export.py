@@ -51,6 +51,7 @@ __all__ = [
     "straight_through_served",
 ]
 
+# The roundings of `cast`: round to nearest even, stochastic, error feedback.
 ROUNDINGS: tuple[str, ...] = ("nearest", "stochastic", "error_feedback")
 
 

@@ -22,6 +22,7 @@ from jaxrl_lp.sync.report import CheckResult, result
 
 __all__ = ["PROBE_ATOL", "check_probe_logprobs", "probe_logprobs"]
 
+# Check 7's tolerance (nats) between learner and sampler probe log-probs for unmatched policies.
 PROBE_ATOL = 0.05
 
 

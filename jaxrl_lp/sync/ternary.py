@@ -52,6 +52,7 @@ from jaxrl_lp.sync.layout import flatten_served, is_qarray, matmul_axes, matmul_
 __all__ = ["TERNARY_PATHS", "code_disagreement", "legacy_ternary_quantize", "ternary",
            "ternary_fixed_point"]
 
+# The three ternary export paths of `ternary(path)` (module docstring).
 TERNARY_PATHS: tuple[str, ...] = ("bf16_then_quantize", "direct_codes", "bf16_fixed_point")
 _BF16 = jnp.dtype(ml_dtypes.bfloat16)
 

@@ -132,15 +132,15 @@ def plot_specs(records: list[dict]) -> list[PlotSpec]:
 
 def plot_metrics(records: list[dict], out_dir: str | Path) -> list[Path]:
     """Writes sft_loss.png, reward.png, accuracy.png and mismatch.png; returns their paths."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    # A bare Figure draws with Agg and touches no global state: `matplotlib.use("Agg")`
+    # here would switch off a notebook's inline plots for the rest of its session.
+    from matplotlib.figure import Figure
 
     out_dir = Path(out_dir)
     written = []
     for spec in plot_specs(records):
-        fig, ax = plt.subplots(figsize=(6, 3.5))
+        fig = Figure(figsize=(6, 3.5))
+        ax = fig.subplots()
         for label, (steps, values) in spec.series.items():
             ax.plot(steps, values, marker="." if len(steps) < 30 else None, label=label)
         if spec.yscale == "symlog":  # the mismatch measures are >= 0
@@ -154,6 +154,5 @@ def plot_metrics(records: list[dict], out_dir: str | Path) -> list[Path]:
             ax.legend()
         fig.tight_layout()
         fig.savefig(out_dir / spec.name, dpi=100)
-        plt.close(fig)
         written.append(out_dir / spec.name)
     return written
