@@ -1,0 +1,96 @@
+"""Executes every notebook in notebooks/ top to bottom (nbclient), as CI does.
+
+    python notebooks/run_all.py                 # all, SMALL settings (JAXRL_LP_SMALL=1)
+    python notebooks/run_all.py 05 --full       # matching names only, full settings
+    python notebooks/run_all.py --write         # also save the executed notebooks (outputs)
+
+Each notebook runs in a fresh kernel of this Python with notebooks/ as its
+working directory. Prints each notebook's wall time; exits 1 if any cell
+raises or a notebook shows no plot (a PNG output), 0 otherwise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+# The kernel draws figures into the notebook whatever the caller's MPLBACKEND (CI sets Agg).
+INLINE = "module://matplotlib_inline.backend_inline"
+
+
+def notebooks(patterns: list[str] | None = None) -> list[Path]:
+    """The notebooks here (`NN_name.ipynb`, in order), those matching any of `patterns`."""
+    found = sorted(HERE.glob("[0-9][0-9]_*.ipynb"))
+    if patterns:
+        found = [p for p in found if any(s in p.name for s in patterns)]
+    return found
+
+
+def execute(nb, *, small: bool, timeout: int = 1200):
+    """Runs a notebook node in place (outputs filled in); raises on the first failing cell."""
+    from nbclient import NotebookClient
+
+    os.environ["JAXRL_LP_SMALL"] = "1" if small else "0"
+    os.environ["MPLBACKEND"] = INLINE
+    # `!jaxrl-lp ...` cells find this Python's command, as in an activated virtual environment.
+    bindir = str(Path(sys.executable).parent)
+    if os.environ.get("PATH", "").split(os.pathsep)[0] != bindir:
+        os.environ["PATH"] = bindir + os.pathsep + os.environ.get("PATH", "")
+    client = NotebookClient(nb, timeout=timeout, kernel_name="python3",
+                            resources={"metadata": {"path": str(HERE)}})
+    client.execute()
+    return nb
+
+
+def png_outputs(nb) -> int:
+    """How many PNG images the notebook's outputs hold."""
+    return sum("image/png" in out.get("data", {}) for cell in nb.cells
+               if cell.cell_type == "code" for out in cell.get("outputs", []))
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Runs the notebooks; prints one line per notebook and a total."""
+    import nbformat
+    from nbclient.exceptions import CellExecutionError
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("names", nargs="*", help="run only notebooks whose file name contains one")
+    parser.add_argument("--full", action="store_true", help="full settings (JAXRL_LP_SMALL=0)")
+    parser.add_argument("--write", action="store_true", help="save the executed notebooks")
+    parser.add_argument("--timeout", type=int, default=1200, help="seconds per cell")
+    args = parser.parse_args(argv)
+    paths = notebooks(args.names)
+    if not paths:
+        print(f"run_all: no notebooks matching {args.names} in {HERE}", file=sys.stderr)
+        return 1
+    failed, total = [], time.time()
+    for path in paths:
+        nb = nbformat.read(path, as_version=4)
+        t0 = time.time()
+        try:
+            execute(nb, small=not args.full, timeout=args.timeout)
+            plots = png_outputs(nb)
+            status = "ok" if plots else "FAILED (no plot in its outputs)"
+        except CellExecutionError as e:
+            status = "FAILED"
+            print(str(e)[-3000:], file=sys.stderr)
+        wall = time.time() - t0
+        print(f"{path.name}: {status}, {wall:.0f} s", flush=True)
+        if status != "ok":
+            failed.append(path.name)
+        elif args.write:
+            nbformat.write(nb, path)
+    print(f"notebooks: {len(paths) - len(failed)} of {len(paths)} ok in {time.time() - total:.0f} s"
+          f" ({'SMALL' if not args.full else 'full'} settings)")
+    if failed:
+        print(f"run_all: failed: {', '.join(failed)}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
