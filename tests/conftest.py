@@ -19,6 +19,8 @@ if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "")
 import jax  # noqa: E402 - after XLA_FLAGS
 import pytest  # noqa: E402
 
+import jaxrl_lp  # noqa: E402, F401 - adds the rounding flag to XLA_FLAGS before jax starts
+
 _CACHE = os.environ.setdefault(
     "JAX_COMPILATION_CACHE_DIR", os.path.join(tempfile.gettempdir(), "jaxrl_lp_test_xla_cache"))
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
