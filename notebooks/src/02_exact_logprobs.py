@@ -37,7 +37,7 @@ from jaxrl_lp.numerics import Policy
 from jaxrl_lp.rl import dense_logprobs, learner_logprobs, mismatch_metrics, replay_logprobs
 from jaxrl_lp.rollout import SamplingConfig, generate
 
-# CI sets JAXRL_LP_SMALL=1: shorter samples. 16 rows (4 prompts x 4 samples): see the note in section 2.
+# CI sets JAXRL_LP_SMALL=1: shorter samples. 16 rows (4 prompts x 4 samples).
 SMALL = os.environ.get("JAXRL_LP_SMALL", "0") == "1"
 PROMPTS, SAMPLES, NEW_TOKENS = 4, 4, (24 if SMALL else 64)
 print("SMALL =", SMALL)
@@ -120,10 +120,10 @@ for policy, (ro, lps) in results.items():
 
 # %% [markdown]
 # `replay` and `hybrid` give the sampler's values bit for bit, under both
-# policies. (A known limit, measured on XLA:CPU with this model: under `bf16`,
-# batches of 32 rows or more decode slightly differently in the sampler's
-# `while_loop` than in the replay's `scan`, up to about 1e-3 nats; `fp32` stays
-# bit-equal. Hence 16 rows here.) `dense` is off by f32 rounding at fp32, and by far more at bf16:
+# policies, at any batch size: `import jaxrl_lp` asks XLA to round where the
+# program rounds (`--xla_allow_excess_precision=false`; with XLA's default a
+# fusion may skip a bf16 round trip, and 64-row bf16 batches differed by
+# about 6e-3 nats). `dense` is off by f32 rounding at fp32, and by far more at bf16:
 # that gap is the *training-inference mismatch* that TIS/MIS corrections exist
 # to patch up, here removed at its source.
 
