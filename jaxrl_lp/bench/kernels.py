@@ -45,7 +45,7 @@ from jaxrl_lp.bench.sampler import _race  # the one alternating race of the benc
 from jaxrl_lp.kernels import KernelUnavailableError, kernel_backend
 from jaxrl_lp.kernels import quantize as kq
 from jaxrl_lp.kernels.decode_attention import chunk_slots, decode_attention
-from jaxrl_lp.kernels.logprob import BLOCK_T, BLOCK_V, _compiled_tiles, fused_logprobs
+from jaxrl_lp.kernels.logprob import BLOCK_T, BLOCK_V, fused_logprobs
 from jaxrl_lp.models.layers import attention
 from jaxrl_lp.numerics.policy import Policy
 from jaxrl_lp.plan.roofline import memory_figures
@@ -118,13 +118,9 @@ def _logprob_case(t, d, v, policy: Policy, mode: str):
         ent = -jnp.sum(jnp.exp(lp) * lp, axis=-1)
         return jnp.where(mask, chosen, 0.0), jnp.where(mask, ent, 0.0)
 
-    # Compiled (`k=on`) the tiles must fit the kernel: the first that do, as `k=auto` picks them.
-    tiles = dict(block_t=BLOCK_T, block_v=BLOCK_V)
-    if mode == "on":
-        impl, bv, bd = _compiled_tiles(d, v, BLOCK_T, BLOCK_V, None)
-        if impl != "kernel":
-            raise ValueError(f"no compiled tile fits D={d}, V={v}")
-        tiles.update(block_v=bv, block_d=bd)
+    # Compiled (`k=on`), `fused_logprobs` picks the first vocabulary tile that fits, as under
+    # `k=auto`; interpreted, any tile runs.
+    tiles = dict(block_t=BLOCK_T) if mode == "on" else dict(block_t=BLOCK_T, block_v=BLOCK_V)
     fused = lambda pol, **kw: (lambda h, w, tokens, mask: fused_logprobs(
         h, w, tokens, TEMPERATURE, pol, mask_T=mask, **kw))
     fns = {"plain": grads(plain), "reference": grads(fused(policy.replace(kernels="off"))),

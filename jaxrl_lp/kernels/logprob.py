@@ -256,7 +256,7 @@ _fused.defvjp(_fused_fwd, _fused_bwd)
 
 def fused_logprobs(h_TxD: jax.Array, w_DxV: jax.Array, tokens_T: jax.Array, temperature: float,
                    policy: Policy | str, *, mask_T: jax.Array | None = None,
-                   block_v: int = BLOCK_V, block_t: int = BLOCK_T, block_d: int | None = None):
+                   block_v: int | None = None, block_t: int = BLOCK_T, block_d: int | None = None):
     """Log-prob of the chosen tokens and entropy of `softmax(round_logits(h @ W) / tau)`, f32.
 
     Differentiable in `h` and `W` (both outputs; own backward, module
@@ -271,12 +271,15 @@ def fused_logprobs(h_TxD: jax.Array, w_DxV: jax.Array, tokens_T: jax.Array, temp
       policy: rounds the weight and the logits; its `kernels` field picks the implementation.
       mask_T: rows to compute (nonzero); the others give 0 and get no gradient. Default all.
       block_v: vocabulary columns per tile (the last tile may be ragged).
+        Default `BLOCK_V`, or for a compiled kernel the first of `BLOCK_V`,
+        256, 128 that fits (`_compiled_tiles`).
       block_t: rows per kernel program (rows are padded to a multiple of it).
       block_d: hidden columns per matmul chunk in the kernel; must divide D.
         Default: D, or the largest of 512, 256, ... that divides it.
         Compiled under `kernels=auto`, tiles that do not fit the kernel
         (`check_blocks`) are replaced by ones that do, or the reference scan
-        runs (`_compiled_tiles`); under `kernels=on` they are an error.
+        runs (`_compiled_tiles`); under `kernels=on` tiles passed explicitly
+        that do not fit are an error.
 
     Returns:
       (logp [T] f32, entropy [T] f32).
@@ -301,8 +304,12 @@ def fused_logprobs(h_TxD: jax.Array, w_DxV: jax.Array, tokens_T: jax.Array, temp
     if not float(temperature) > 0:
         raise ValueError(f"fused_logprobs: temperature must be > 0; got {temperature}")
     d, v = w_DxV.shape
-    if impl == "kernel" and policy.kernels == "auto":
-        impl, block_v, block_d = _compiled_tiles(d, v, block_t, block_v, block_d)
+    if impl == "kernel" and (policy.kernels == "auto" or block_v is None):
+        picked, bv, bd = _compiled_tiles(d, v, block_t, BLOCK_V if block_v is None else block_v,
+                                         block_d)
+        if picked == "kernel" or policy.kernels == "auto":  # under `on`, a misfit raises below
+            impl, block_v, block_d = picked, bv, bd
+    block_v = BLOCK_V if block_v is None else block_v
     if block_d is None:
         block_d = d if d <= 512 else next((b for b in (512, 256, 128, 64, 32, 16) if d % b == 0), d)
     check_blocks(d, v, block_t, block_v, block_d, compiled=impl == "kernel")
