@@ -1,10 +1,20 @@
 """`jaxrl-lp study NAME`: the numerics studies built into the library (SPEC sections 5 and 7).
 
 Targets:
-  fair-cast       bf16 export by nearest / stochastic / error-feedback rounding against
-                  an f32 reference, on the same short GRPO run (`jaxrl_lp.studies.fair_cast`).
-  ternary-export  a ternary (BitNet b1.58) model exported by the three paths
-                  (`jaxrl_lp.studies.ternary_export`).
+  fair-cast          bf16 export by nearest / stochastic / error-feedback rounding against
+                     an f32 reference, on the same short GRPO run (`jaxrl_lp.studies.fair_cast`).
+  ternary-export     a ternary (BitNet b1.58) model exported by the three paths
+                     (`jaxrl_lp.studies.ternary_export`).
+  alignment          mismatch per f32 region left out of the sampler's policy, and a short
+                     GRPO run per arm (`jaxrl_lp.studies.alignment`).
+  backward-state     `reuse` against `fresh` backwards per matmul format: gradient
+                     difference, bias against f32, loss curves (`jaxrl_lp.studies.backward_state`).
+  error-diffusion    binary / ternary weights trained by the error-diffusion optimizer per
+                     residual width k against a latent-weight baseline
+                     (`jaxrl_lp.studies.error_diffusion`).
+  matched-precision  GRPO with sampler and learner in the same FP8/FP4 format against an
+                     unmatched learner with and without TIS/MIS
+                     (`jaxrl_lp.studies.matched_precision`).
 
 Each prints its result as JSON and writes it (and plots) under `--out`
 (default `runs/study-<name>`), replacing what is there.
@@ -13,30 +23,41 @@ Each prints its result as JSON and writes it (and plots) under `--out`
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import os
 import tempfile
 
 from jaxrl_lp.cli.help import show_defaults
 
-STUDIES = ("fair-cast", "ternary-export")
+# name -> (module under jaxrl_lp.studies, its run function). Every run function takes
+# `(out_dir, *, steps, sft_steps, arms, overrides, quick, progress)` (None: its default)
+# and returns the JSON-able result; its module's `ARMS` lists the valid `--arms`.
+STUDIES: dict[str, tuple[str, str]] = {
+    "fair-cast": ("fair_cast", "run_fair_cast"),
+    "ternary-export": ("ternary_export", "run_ternary_export"),
+    "alignment": ("alignment", "run_alignment"),
+    "backward-state": ("backward_state", "run_backward_state"),
+    "error-diffusion": ("error_diffusion", "run_error_diffusion"),
+    "matched-precision": ("matched_precision", "run_matched_precision"),
+}
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("study", help="run a built-in numerics study (fair-cast, ternary-export)",
+    p = sub.add_parser("study", help="run a built-in numerics study (" + ", ".join(STUDIES) + ")",
                        description=__doc__.split("\n\n", 1)[1].split("\n\nEach")[0],
                        formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("name", choices=STUDIES, help="the study")
+    p.add_argument("name", choices=tuple(STUDIES), help="the study")
     p.add_argument("--out", default=None, help="output directory (default runs/study-<name>)")
     p.add_argument("--steps", type=int, default=None,
-                   help="fair-cast: GRPO steps per arm (default 40; 3 with --quick)")
+                   help="training steps per arm (each study's default; fair-cast 40, 3 with "
+                        "--quick; ternary-export has no GRPO phase and takes none)")
     p.add_argument("--sft-steps", type=int, default=None,
-                   help="warm-start steps (default: fair-cast the default config's, "
-                        "ternary-export 2000)")
+                   help="warm-start steps (default: each study's own)")
     p.add_argument("--lr", type=float, default=None, help="fair-cast: GRPO learning rate (default 1e-6)")
     p.add_argument("--arms", default=None,
-                   help="fair-cast: comma-separated subset of f32,nearest,stochastic,error_feedback "
-                        "(default: all)")
+                   help="comma-separated subset of the study's arms (default: all; the study's "
+                        "module docstring lists them)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="extra config override for every run of the study (repeatable)")
     p.add_argument("--quick", action="store_true", help="a tiny smoke version (seconds to minutes)")
@@ -66,25 +87,31 @@ def run(args) -> int:
         raise UserError(f"--sft-steps must be non-negative; got {args.sft_steps}")
     if args.lr is not None and not args.lr > 0:
         raise UserError(f"--lr must be positive; got {args.lr}")
+    if args.lr is not None and args.name != "fair-cast":
+        raise UserError(f"--lr applies to fair-cast only; {args.name} sets its own learning rates "
+                        "(change them with --set)")
+    module_name, fn_name = STUDIES[args.name]
+    module = importlib.import_module(f"jaxrl_lp.studies.{module_name}")
+    arms = None
+    if args.arms is not None:
+        valid = tuple(getattr(module, "ARMS", ()))
+        arms = tuple(a.strip() for a in args.arms.split(",") if a.strip())
+        if not valid:
+            raise UserError(f"--arms does not apply to {args.name} (it has no arms to choose)")
+        if not arms or set(arms) - set(valid):
+            raise UserError(f"--arms {args.arms!r}: choose from {','.join(valid)}")
+    if args.name == "ternary-export" and args.steps is not None:
+        raise UserError("--steps does not apply to ternary-export (it has no GRPO phase; "
+                        "use --sft-steps)")
     out = args.out or f"runs/study-{args.name}"
     _compilation_cache()
+    kwargs = dict(sft_steps=args.sft_steps, overrides=tuple(args.overrides), quick=args.quick,
+                  progress=args.progress)
     if args.name == "fair-cast":
-        from jaxrl_lp.studies.fair_cast import ARMS, DEFAULT_LR, DEFAULT_STEPS, run_fair_cast
-
-        arms = tuple(a.strip() for a in args.arms.split(",") if a.strip()) if args.arms else ARMS
-        if not arms or set(arms) - set(ARMS):
-            raise UserError(f"--arms {args.arms!r}: choose from {','.join(ARMS)}")
-        result = run_fair_cast(
-            out, steps=args.steps or (3 if args.quick else DEFAULT_STEPS), arms=arms,
-            sft_steps=args.sft_steps, lr=args.lr or DEFAULT_LR, overrides=tuple(args.overrides),
-            quick=args.quick, progress=args.progress)
-    else:
-        if args.steps is not None or args.lr is not None or args.arms is not None:
-            raise UserError("--steps, --lr and --arms apply to fair-cast only (ternary-export "
-                            "has no GRPO phase)")
-        from jaxrl_lp.studies.ternary_export import run_ternary_export
-
-        result = run_ternary_export(out, sft_steps=args.sft_steps, overrides=tuple(args.overrides),
-                                    quick=args.quick, progress=args.progress)
+        kwargs.update(steps=args.steps or (3 if args.quick else module.DEFAULT_STEPS),
+                      arms=arms or module.ARMS, lr=args.lr or module.DEFAULT_LR)
+    elif args.name != "ternary-export":
+        kwargs.update(steps=args.steps, arms=arms)
+    result = getattr(module, fn_name)(out, **kwargs)
     print(json.dumps(result, indent=2))
     return 0
