@@ -1,4 +1,10 @@
-"""`jaxrl-lp sft`: the supervised phase alone (a train run with grpo.steps=0)."""
+"""`jaxrl-lp sft`: the supervised phase alone (a train run with grpo.steps=0).
+
+A binary- or ternary-weight model is trained by config, e.g.
+`jaxrl-lp sft --set sft.optimizer=error_diffusion:binary:k=8` (error diffusion,
+`jaxrl_lp.optim`) or `--set sft.optimizer=latent_ste:ternary` (f32 latents);
+`jaxrl-lp train` with the same setting continues it under GRPO.
+"""
 
 from __future__ import annotations
 

@@ -3,6 +3,13 @@
 Both steps skip a non-finite update: when the loss or any gradient is not
 finite the parameters and optimizer state are returned unchanged and the
 metric `skipped` is 1, so a NaN never reaches a checkpoint.
+
+Both take an optional `weights` representation (`jaxrl_lp.optim.weights`):
+then `params` is its train tree (e.g. int8 codes and f32 scales), the loss
+is differentiated with respect to the float view `weights.differentiable(params)`
+through `weights.model_params`, and the metric `flip_rate` (the fraction of
+matmul-weight codes the update changed) is added. Without it (the default)
+the steps are exactly as before.
 """
 
 from __future__ import annotations
@@ -47,7 +54,7 @@ def make_grpo_step(cfg: ModelConfig, policy: Policy, loss_cfg: LossConfig,
                    optimizer: optax.GradientTransformation, *, loop: LoopSpec | None = None,
                    sampler_policy: Policy | str | None = None, method: str = "hybrid",
                    micro_batches: int = 1, remat: bool = False, mesh: Mesh | None = None,
-                   rules: ShardingRules = DEFAULT_RULES):
+                   rules: ShardingRules = DEFAULT_RULES, weights=None):
     """Builds `step(params, opt_state, rollout, advantages_B, old_logp_BxN, ref_logp_BxN, served)`.
 
     The returned function is jitted; `params` and `opt_state` are donated. The
@@ -75,6 +82,8 @@ def make_grpo_step(cfg: ModelConfig, policy: Policy, loss_cfg: LossConfig,
       remat: recompute layer activations in the backward pass.
       mesh, rules: run sharded (`MeshStep`): params and optimizer state by the
         rules, rollout rows over the data shards, activations constrained.
+      weights: a weight representation (`optim.weights`; module docstring), or
+        None: `params` are the model's params. Not with `mesh`.
 
     With `served` (the f32 values the sampler ran on) the loss is computed on
     the served copy with a straight-through gradient to the master (Fair Cast):
@@ -83,11 +92,17 @@ def make_grpo_step(cfg: ModelConfig, policy: Policy, loss_cfg: LossConfig,
     Returns:
       `step(...) -> (params, opt_state, metrics)`, metrics a dict of f32 scalars.
     """
-    def mb_loss(params, mb, adv, anchor, keep, weights, denom, ref, num_tokens, served):
+    if weights is not None and mesh is not None:
+        raise ValueError("make_grpo_step: a weight representation (weights=) runs on one "
+                         "device; drop mesh")
+
+    def mb_loss(params, mb, adv, anchor, keep, weights_, denom, ref, num_tokens, served):
+        if weights is not None:  # the float view of the train tree -> the model's params
+            params = weights.model_params(params)
         if served is not None:
             params = straight_through_served(params, served)
         logp, ent = learner_logprobs(params, cfg, policy, mb, method, remat=remat)
-        loss, m = policy_loss(logp, anchor, adv, keep, weights, denom, loss_cfg, ref,
+        loss, m = policy_loss(logp, anchor, adv, keep, weights_, denom, loss_cfg, ref,
                               num_tokens=num_tokens)
         m = dict(m, entropy=jnp.sum(ent * keep) / num_tokens)
         return loss, m
@@ -97,21 +112,24 @@ def make_grpo_step(cfg: ModelConfig, policy: Policy, loss_cfg: LossConfig,
 
     def step(params, opt_state, ro: Rollout, adv_B, old_logp_BxN, ref_logp_BxN=None,
              served=None):
+        train = params
+        if weights is not None:  # gradients w.r.t. f32 codes (int8 has none)
+            params = weights.differentiable(params)
         rollout_loop(ro, cfg, loop)
         if ro.policy != want_policy:
             raise ValueError(
                 f"rollout was sampled under policy {ro.policy!r} but this learner step was built "
                 f"for rollouts of {want_policy!r}; build it with sampler_policy={ro.policy!r} "
                 "(an unmatched learner) or sample under the expected policy")
-        weights, keep, cmetrics = correction_weights(old_logp_BxN, ro.logprobs,
-                                                     ro.completion_mask, loss_cfg)
+        cweights, keep, cmetrics = correction_weights(old_logp_BxN, ro.logprobs,
+                                                      ro.completion_mask, loss_cfg)
         anchor = select_anchor(old_logp_BxN, ro.logprobs, loss_cfg)
         denom = loss_denominator(keep, loss_cfg)
         num_tokens = jnp.maximum(jnp.sum(keep), 1.0)
         m = micro_batches
         b = adv_B.shape[0]
         rows = lambda x: None if x is None else x.reshape(m, b // m, *x.shape[1:])
-        xs = (split_rows(ro, m), rows(adv_B), rows(anchor), rows(keep), rows(weights),
+        xs = (split_rows(ro, m), rows(adv_B), rows(anchor), rows(keep), rows(cweights),
               rows(denom), rows(ref_logp_BxN))
 
         def accumulate(acc, x):
@@ -126,10 +144,12 @@ def make_grpo_step(cfg: ModelConfig, policy: Policy, loss_cfg: LossConfig,
         (loss, metrics, grads), _ = jax.lax.scan(accumulate, zeros, xs)
         grads = constrain_params(grads)
         grad_norm = optax.tree.norm(grads)
-        params, opt_state, ok = _apply_if_finite(optimizer, grads, opt_state, params, loss)
+        new, opt_state, ok = _apply_if_finite(optimizer, grads, opt_state, train, loss)
         metrics = dict(metrics, **cmetrics, loss=loss, grad_norm=grad_norm,
                        skipped=1.0 - ok.astype(jnp.float32))
-        return params, opt_state, metrics
+        if weights is not None:
+            metrics["flip_rate"] = weights.flip_rate(train, new)
+        return new, opt_state, metrics
 
     if mesh is None:
         return jax.jit(step, donate_argnums=(0, 1))
@@ -139,11 +159,13 @@ def make_grpo_step(cfg: ModelConfig, policy: Policy, loss_cfg: LossConfig,
 
 def make_sft_step(cfg: ModelConfig, policy: Policy, optimizer: optax.GradientTransformation,
                   *, remat: bool = False, mesh: Mesh | None = None,
-                  rules: ShardingRules = DEFAULT_RULES):
+                  rules: ShardingRules = DEFAULT_RULES, weights=None):
     """Builds the jitted supervised step `step(params, opt_state, tokens_BxL, mask_BxL)`.
 
     `params` and `opt_state` are donated; with `mesh` it runs sharded like the
-    GRPO step (`MeshStep`).
+    GRPO step (`MeshStep`). With `weights` (a representation from
+    `optim.weights`, not with `mesh`) `params` is its train tree and the
+    metrics add `flip_rate` (module docstring).
 
     Loss: mean over masked targets of -log p(token_{t+1} | tokens_<=t); looped
     models use the expected (exit-weighted) read-out, their training objective.
@@ -180,6 +202,23 @@ def make_sft_step(cfg: ModelConfig, policy: Policy, optimizer: optax.GradientTra
         params, opt_state, ok = _apply_if_finite(optimizer, grads, opt_state, params, loss)
         return params, opt_state, {"loss": loss, "grad_norm": grad_norm,
                                    "skipped": 1.0 - ok.astype(jnp.float32)}
+
+    def coded_step(train, opt_state, tokens, mask):
+        # Gradients w.r.t. the float view (codes as f32): int8 codes have none.
+        loss, grads = jax.value_and_grad(
+            lambda d: loss_fn(weights.model_params(d), tokens, mask))(
+                weights.differentiable(train))
+        grad_norm = optax.tree.norm(grads)
+        new, opt_state, ok = _apply_if_finite(optimizer, grads, opt_state, train, loss)
+        return new, opt_state, {"loss": loss, "grad_norm": grad_norm,
+                                "skipped": 1.0 - ok.astype(jnp.float32),
+                                "flip_rate": weights.flip_rate(train, new)}
+
+    if weights is not None:
+        if mesh is not None:
+            raise ValueError("make_sft_step: a weight representation (weights=) runs on one "
+                             "device; drop mesh")
+        return jax.jit(coded_step, donate_argnums=(0, 1))
 
     if mesh is None:
         return jax.jit(step, donate_argnums=(0, 1))

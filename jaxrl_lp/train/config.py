@@ -82,18 +82,29 @@ class SFTConfig:
       batch_size: sequences per warm-start step.
       lr: peak AdamW learning rate (linear warmup, then cosine decay to 0).
       warmup_steps: learning-rate warmup steps (at most half of steps).
+      optimizer: how the run holds and trains its weights, for the whole run (GRPO
+        continues with the same weights): `adamw` (f32 params), `error_diffusion:binary:k=8`
+        or `error_diffusion:ternary:k=4` (int8 codes with a k-bit residual, k in 2..8,
+        optional `:lr=X`; Adam on the rest), `latent_ste:binary` / `latent_ste:ternary`
+        (f32 latents, straight-through). See jaxrl_lp.optim.
     """
 
     steps: int = 300
     batch_size: int = 64
     lr: float = 3e-3
     warmup_steps: int = 20
+    optimizer: str = "adamw"
 
     def __post_init__(self):
         check_int("sft.steps", self.steps, minimum=0)
         check_int("sft.batch_size", self.batch_size, minimum=1)
         check_number("sft.lr", self.lr, gt=0)
         check_int("sft.warmup_steps", self.warmup_steps, minimum=0)
+        check_str("sft.optimizer", self.optimizer, nonempty=True,
+                  what="e.g. adamw or error_diffusion:binary:k=8")
+        from jaxrl_lp.optim.spec import OptimizerSpec
+
+        OptimizerSpec.parse(self.optimizer, "sft.optimizer")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -26,6 +26,15 @@ from jaxrl_lp.train.sync_hooks import make_exporter
 __all__ = ["hf_to_run", "run_to_hf", "run_to_served"]
 
 
+def _model_params(cfg: TrainConfig, params):
+    """The model's params of a checkpoint's params: a low-bit run (`sft.optimizer`) holds
+    its train tree (e.g. int8 codes and scales), which is materialized here."""
+    from jaxrl_lp.optim import OptimizerSpec
+
+    weights = OptimizerSpec.parse(cfg.sft.optimizer, "sft.optimizer").weights()
+    return params if weights is None else weights.materialize(params)
+
+
 def _restore(run_dir, step):
     ckpt = Checkpointer(run_dir, create=False)
     try:
@@ -33,7 +42,7 @@ def _restore(run_dir, step):
         params, meta = ckpt.restore_params(step)
     finally:
         ckpt.close()
-    return step, params, meta
+    return step, _model_params(run_config(run_dir), params), meta
 
 
 def run_to_hf(run_dir: str | os.PathLike, out: str | os.PathLike, *, step: int | None = None,
@@ -126,7 +135,7 @@ def run_to_served(run_dir: str | os.PathLike, out: str | os.PathLike, *,
     try:
         step = ckpt.resolve_step(step)
         params, meta = ckpt.restore_params(step)
-        served, info = served_export(ckpt, params, meta, step, exporter)
+        served, info = served_export(ckpt, _model_params(cfg, params), meta, step, exporter)
     finally:
         ckpt.close()
     facts = {"run": str(Path(run_dir).absolute()), "step": step,

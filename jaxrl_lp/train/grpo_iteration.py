@@ -26,18 +26,20 @@ __all__ = ["grpo_iteration"]
 
 
 def grpo_iteration(state, step, cfg, task, mcfg, spol, loop, max_new, grpo_step, old_logp_fn,
-                   prompt_it, hooks: SyncHooks, mesh=None) -> dict:
+                   prompt_it, hooks: SyncHooks, mesh=None, model_params=None) -> dict:
     """One GRPO step: export, sample groups, score, advantages, `mu` passes of updates.
 
     With `mesh` the sampler and the learner run sharded; what is computed on
     the host (rewards, advantages, metrics) is computed by every process on the
     whole batch (`to_host`), so they agree without further communication.
+    `model_params` maps a low-bit run's train tree (`state["params"]`, see
+    `optim.weights`) to the model's params the sampler and diagnostics use.
     """
     g = cfg.grpo
     tok = task.tokenizer
     key = jax.random.fold_in(jax.random.PRNGKey(cfg.run.seed), step)
     problems = [task.train[int(i)] for i in prompt_it.next_global()]
-    master = state["params"]
+    master = state["params"] if model_params is None else model_params(state["params"])
     served, sampler_params, state["sync"] = hooks.export(state["sync"], master)
     t0 = time.time()
     ro = generate(sampler_params, mcfg, [task.prompt_ids(p) for p in problems], policy=spol,

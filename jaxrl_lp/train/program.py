@@ -56,7 +56,9 @@ def initial_state(cfg: TrainConfig, plan: RunPlan | None = None) -> tuple[RunPla
     Returns:
       `(plan, state, hooks)`: the validated `RunPlan`, the state dict a run
       checkpoints (`params` from `init_from` or a seeded random init,
-      `opt_sft`, `opt_grpo`, `sync`) and the `SyncHooks` of `cfg.sync`.
+      `opt_sft`, `opt_grpo`, `sync`) and the `SyncHooks` of `cfg.sync`. With a
+      low-bit `sft.optimizer`, `params` is the train tree of `plan.weights`
+      (`plan.weights.materialize(params)` gives the model's params).
     """
     plan = plan or validate(cfg)
     mcfg, mesh = plan.model, plan.mesh
@@ -77,8 +79,15 @@ def initial_state(cfg: TrainConfig, plan: RunPlan | None = None) -> tuple[RunPla
         params = init(jax.random.PRNGKey(cfg.run.seed))
     sft_opt, grpo_opt = plan.optimizers
     hooks = SyncHooks(cfg.sync, mcfg, plan.learner_policy, plan.sampler_policy)
-    state = {"params": params, "opt_sft": sft_opt.init(params), "opt_grpo": grpo_opt.init(params),
-             "sync": hooks.init_state(params)}
+    weights = plan.weights
+    if weights is None:
+        state = {"params": params, "opt_sft": sft_opt.init(params),
+                 "opt_grpo": grpo_opt.init(params), "sync": hooks.init_state(params)}
+    else:  # the train tree (`sft.optimizer`): e.g. int8 codes and scales, no f32 weights
+        train = weights.from_params(params)
+        del params
+        state = {"params": train, "opt_sft": sft_opt.init(train), "opt_grpo": grpo_opt.init(train),
+                 "sync": hooks.init_state(weights.materialize(train))}
     if mesh is not None:
         state = {k: v if k == "params" else put_tree(v, state_shardings(v, params, param_sh, mesh))
                  for k, v in state.items()}
@@ -100,12 +109,25 @@ def evaluate(params, mcfg, task, policy, loop, size: int, max_new: int, mesh=Non
 
 
 def _optimizers(cfg: TrainConfig):
-    """The warm-start optimizer (AdamW, warmup + cosine) and the GRPO one (clipped Adam)."""
+    """The warm-start optimizer (AdamW, warmup + cosine) and the GRPO one (clipped Adam).
+
+    With `sft.optimizer=error_diffusion:...` the codes are trained by error
+    diffusion beside them (`OptimizerSpec.transform`): in the warm-start its
+    step follows the AdamW schedule's shape, in GRPO it is scaled by
+    `grpo.lr / sft.lr`; `latent_ste` uses these optimizers on its latents.
+    """
+    from jaxrl_lp.optim import OptimizerSpec
+
     s = cfg.sft
     warmup = max(1, min(s.warmup_steps, s.steps // 2))
-    sft = optax.adamw(optax.warmup_cosine_decay_schedule(
-        0.0, s.lr, warmup, max(warmup + 1, s.steps)), weight_decay=0.0)
-    grpo = optax.chain(optax.clip_by_global_norm(1.0), optax.adam(cfg.grpo.lr))
+    schedule = optax.warmup_cosine_decay_schedule(0.0, s.lr, warmup, max(warmup + 1, s.steps))
+    sft = optax.adamw(schedule, weight_decay=0.0)
+    grpo_adam = optax.adam(cfg.grpo.lr)
+    spec = OptimizerSpec.parse(s.optimizer, "sft.optimizer")
+    if spec.kind == "error_diffusion":
+        sft = spec.transform(sft, lambda c: schedule(c) / s.lr, seed=cfg.run.seed)
+        grpo_adam = spec.transform(grpo_adam, cfg.grpo.lr / s.lr, seed=cfg.run.seed + 1)
+    grpo = optax.chain(optax.clip_by_global_norm(1.0), grpo_adam)
     return sft, grpo
 
 
@@ -131,6 +153,7 @@ def evaluate_run(cfg: TrainConfig, size: int | None = None, *, step: int | None 
     Returns:
       `{"step", "accuracy"}`, plus `"accuracy_served"` and `"exporter"` with `served`.
     """
+    from jaxrl_lp.optim import OptimizerSpec
     from jaxrl_lp.sync.export import served_params_for_forward
     from jaxrl_lp.train.run_io import served_export
 
@@ -140,6 +163,9 @@ def evaluate_run(cfg: TrainConfig, size: int | None = None, *, step: int | None 
         task = build_task(cfg)
         mcfg = model_config(cfg, task)
         params, meta = ckpt.restore_params(step, mcfg)
+        weights = OptimizerSpec.parse(cfg.sft.optimizer, "sft.optimizer").weights()
+        if weights is not None:  # a low-bit run's train tree -> the model's params
+            params = weights.materialize(params)
         served = served or exporter is not None
         export = served_export(ckpt, params, meta, step, exporter) if served else None
     finally:
@@ -246,16 +272,19 @@ def _train(cfg: TrainConfig, plan: RunPlan, run_dir: Path, ckpt: Checkpointer, t
     # Records past the checkpoint are redone by this run: keep one record per step.
     logger = MetricsLogger(run_dir, keep_records=meta.get("metrics_records", 0), write=primary)
 
-    sft_step = make_sft_step(mcfg, lpol, sft_opt, mesh=mesh, remat=g.remat)
+    weights = plan.weights  # None: the params are the model's (the default run)
+    sft_step = make_sft_step(mcfg, lpol, sft_opt, mesh=mesh, remat=g.remat, weights=weights)
     grpo_step = make_grpo_step(mcfg, lpol, cfg.loss, grpo_opt, loop=loop, sampler_policy=spol,
                                method=g.logprobs, micro_batches=g.micro_batches, mesh=mesh,
-                               remat=g.remat)
+                               remat=g.remat, weights=weights)
+    # What the sampler, evaluation and export read: the model's params.
+    model_params = (lambda p: p) if weights is None else jax.jit(weights.materialize)
     # The behaviour log-probs of the whole batch, one micro-batch's rows at a time.
     old_logp_fn = jit_learner_logprobs(mcfg, lpol, g.logprobs, loop=loop, mesh=mesh,
                                        micro_batches=g.minibatches * g.micro_batches)
     total = cfg.sft.steps + g.steps
-    evaluate_now = lambda p: evaluate(p, mcfg, task, spol, loop, cfg.run.eval_size, max_new,
-                                      mesh)
+    evaluate_now = lambda p: evaluate(model_params(p), mcfg, task, spol, loop,
+                                      cfg.run.eval_size, max_new, mesh)
 
     def save(step):
         meta.update(step=step, sft_data=sft_it.get_state(), prompt_data=prompt_it.get_state(),
@@ -275,11 +304,15 @@ def _train(cfg: TrainConfig, plan: RunPlan, run_dir: Path, ckpt: Checkpointer, t
             phase = "sft"
         else:
             if meta["initial_accuracy"] is None:
-                state["sync"], state["params"] = hooks.start(state["sync"], state["params"])
+                if weights is None:
+                    state["sync"], state["params"] = hooks.start(state["sync"], state["params"])
+                else:  # sync.bf16_start is refused for these (validate)
+                    state["sync"], _ = hooks.start(state["sync"], model_params(state["params"]))
                 meta["initial_accuracy"] = evaluate_now(state["params"])
                 logger.log(step, "eval", {"accuracy": meta["initial_accuracy"]})
             m = grpo_iteration(state, step, cfg, task, mcfg, spol, loop, max_new, grpo_step,
-                               old_logp_fn, prompt_it, hooks, mesh)
+                               old_logp_fn, prompt_it, hooks, mesh,
+                               **({} if weights is None else {"model_params": model_params}))
             phase = "grpo"
         m = {k: float(v) for k, v in m.items()}
         meta["nonfinite_in_row"] = meta["nonfinite_in_row"] + 1 if m["skipped"] else 0
@@ -309,7 +342,7 @@ def _train(cfg: TrainConfig, plan: RunPlan, run_dir: Path, ckpt: Checkpointer, t
     final = evaluate_now(state["params"])
     final_served = None
     if hooks.active:  # what the sampler would serve next (a fresh export; the state is kept)
-        _, served_params, _ = hooks.export(state["sync"], state["params"])
+        _, served_params, _ = hooks.export(state["sync"], model_params(state["params"]))
         final_served = evaluate_now(served_params)
     logger.log(step, "eval", {"accuracy": final} | (
         {} if final_served is None else {"accuracy_served": final_served}))

@@ -44,6 +44,8 @@ class RunPlan(NamedTuple):
     exporter: Any                    # the sync exporter, or None
     optimizers: tuple                # (warm-start, GRPO) optax transforms
     mesh: Any = None                 # the device mesh (`run.mesh`), or None: one device
+    weights: Any = None              # the train tree's representation (`sft.optimizer`;
+                                     # `optim.weights`), or None: the model's f32 params
 
 
 def _named(key: str, fn, *args, **kwargs):
@@ -148,9 +150,32 @@ def validate(cfg: TrainConfig) -> RunPlan:
             f"{where}={ctx} cannot hold the task's longest prompt ({prompt} tokens) plus "
             f"{max(max_new, answer)} completion tokens; raise model.max_position_embeddings to at "
             f"least {prompt + max(max_new, answer)} or lower grpo.max_new_tokens")
+    weights = _weights(cfg)
     return RunPlan(task=task, model=mcfg, max_new_tokens=max_new, seq_len=seq_len,
                    learner_policy=lpol, sampler_policy=spol, loop=loop, sampling=sampling,
-                   exporter=exporter, optimizers=_optimizers(cfg), mesh=_mesh(cfg, mcfg))
+                   exporter=exporter, optimizers=_optimizers(cfg), mesh=_mesh(cfg, mcfg),
+                   weights=weights)
+
+
+def _weights(cfg: TrainConfig):
+    """The weight representation of `sft.optimizer`, checked against the rest of the run.
+
+    A low-bit train tree runs on one device (its codes and scales have no
+    sharding rules yet) and has no f32 master to round to bf16.
+    """
+    from jaxrl_lp.optim import OptimizerSpec
+
+    spec = OptimizerSpec.parse(cfg.sft.optimizer, "sft.optimizer")
+    weights = spec.weights()
+    if weights is not None:
+        if cfg.run.mesh:
+            raise ValueError(f"sft.optimizer={cfg.sft.optimizer!r} runs on one device: set "
+                             f"run.mesh='' (got run.mesh={cfg.run.mesh!r}) or sft.optimizer=adamw")
+        if cfg.sync.bf16_start:
+            raise ValueError(f"sync.bf16_start rounds an f32 master, which "
+                             f"sft.optimizer={cfg.sft.optimizer!r} does not have; set "
+                             "sync.bf16_start=false or sft.optimizer=adamw")
+    return weights
 
 
 def _mesh(cfg: TrainConfig, mcfg: ModelConfig):
