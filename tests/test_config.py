@@ -94,6 +94,10 @@ BAD = {
     "run.keep_checkpoints": ["0"],
     "run.progress": ["abc"],
     "grpo.remat": ["abc"],
+    "grpo.speculative": ["abc", "self:loops=1,k=0", "dense:/nonexistent/drafter,k=4",
+                         ("self:loops=1,k=4", ["grpo.compute_mode=deferred"]),
+                         "self:loops=2,k=4",  # the default model has 2 loop steps
+                         ("self:loops=1,k=4", ["run.mesh=fsdp=8"])],
     "run.mesh": ["batch=8", "fsdp=0", "fsdp=3"],  # unknown axis, size 0, 3 != 8 devices
     "distributed.coordinator": ["nohost", "host:port"],
     "distributed.num_processes": ["0", "abc"],

@@ -40,6 +40,7 @@ from jaxrl_lp.parallel.context import use_mesh
 from jaxrl_lp.parallel.rules import DEFAULT_RULES, ShardingRules
 from jaxrl_lp.rollout.generate import Rollout, split_rows
 from jaxrl_lp.rollout.sampling import token_logprobs
+from jaxrl_lp.rollout.speculative import replay_speculative
 from jaxrl_lp.rollout.step import LoopSpec, decode_step, fused_readout, prefill, step_logprobs
 
 __all__ = ["LogprobMethod", "dense_logprobs", "jit_learner_logprobs", "learner_logprobs",
@@ -132,6 +133,9 @@ def replay_logprobs(params: dict, cfg: ModelConfig, policy: Policy, ro: Rollout,
                     loop: LoopSpec | None = None) -> jax.Array:
     """The sampler's computation replayed over the recorded tokens and schedule: [B, N].
 
+    A speculative rollout (`ro.verify_tokens > 0`) is replayed by
+    `rollout.speculative.replay_speculative`: its recorded verification chunks,
+    not one-token steps (not differentiable; use `hybrid` for gradients).
     Bit-equal to `ro.logprobs` on the completion mask when `params` and
     `policy` are the sampler's (under another policy it is the learner's own
     decode computation, which is how an unmatched learner measures the
@@ -139,6 +143,8 @@ def replay_logprobs(params: dict, cfg: ModelConfig, policy: Policy, ro: Rollout,
     is a `while_loop`); use `hybrid` for gradients there.
     """
     loop = rollout_loop(ro, cfg, loop)
+    if ro.verify_tokens:  # a speculative rollout: re-run its verification chunks
+        return replay_speculative(params, cfg, policy, ro, loop)
     b, p = ro.prompt_tokens.shape
     n = ro.completion_tokens.shape[1]
     params = unstack_layers(params)  # as the sampler (`generate`) decodes

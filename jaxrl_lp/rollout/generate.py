@@ -59,6 +59,11 @@ class Rollout:
       loop: the `LoopSpec` the rollout was sampled with, resolved (static):
         the learner replays `exit_steps` with it and refuses another.
       temperature: the temperature the log-probs were taken at (static).
+      verify_counts: [B, N] int32, speculative rollouts only (else None):
+        tokens row b committed at verification i (`rollout.speculative`).
+      verify_tokens: tokens per verification chunk, k + 1 (static); 0 for a
+        plain rollout (one-token decode steps). The learner's replay re-runs
+        these chunks.
     """
 
     prompt_tokens: jax.Array
@@ -73,10 +78,17 @@ class Rollout:
     loop: LoopSpec = dataclasses.field(default=LoopSpec("full", "dense"),
                                        metadata={"static": True})
     temperature: float = dataclasses.field(default=1.0, metadata={"static": True})
+    verify_counts: jax.Array | None = None
+    verify_tokens: int = dataclasses.field(default=0, metadata={"static": True})
 
 
 _ROW_FIELDS = ("prompt_tokens", "prompt_lengths", "completion_tokens", "completion_mask",
                "logprobs", "exit_steps")
+
+
+def _row_fields(ro: Rollout) -> tuple[str, ...]:
+    """The per-row fields of `ro` (a speculative rollout also has its verification counts)."""
+    return _ROW_FIELDS + (() if ro.verify_counts is None else ("verify_counts",))
 
 
 def split_rows(ro: Rollout, m: int) -> Rollout:
@@ -84,14 +96,14 @@ def split_rows(ro: Rollout, m: int) -> Rollout:
     b = ro.prompt_tokens.shape[0]
     if b % m:
         raise ValueError(f"batch of {b} sequences does not split into {m} micro-batches")
-    rows = {f: getattr(ro, f).reshape(m, b // m, *getattr(ro, f).shape[1:]) for f in _ROW_FIELDS}
+    rows = {f: getattr(ro, f).reshape(m, b // m, *getattr(ro, f).shape[1:]) for f in _row_fields(ro)}
     return dataclasses.replace(ro, **rows, loop_evals=jnp.broadcast_to(ro.loop_evals, (m,)),
                                weights_version=jnp.broadcast_to(ro.weights_version, (m,)))
 
 
 def take_rows(ro: Rollout, idx) -> Rollout:
     """The rollout restricted to rows `idx` (a minibatch)."""
-    return dataclasses.replace(ro, **{f: getattr(ro, f)[idx] for f in _ROW_FIELDS})
+    return dataclasses.replace(ro, **{f: getattr(ro, f)[idx] for f in _row_fields(ro)})
 
 
 def bucket_length(n: int, minimum: int = 8) -> int:

@@ -132,6 +132,10 @@ class GRPOConfig:
       dynamic_sampling: drop zero-variance groups from the loss.
       remat: recompute layer activations in the backward pass (less memory, more time).
       max_nonfinite_in_row: stop the run after this many skipped steps in a row.
+      speculative: speculative rollouts (`rollout.SpecConfig`): '' (off), `self:loops=1,k=4`
+        (the looped model drafts for itself at fewer loop steps) or
+        `dense:PATH,k=4,sink=4,window=256` (a dense drafter checkpoint). Same samples,
+        fewer target forwards; needs `compute_mode=dense`.
     """
 
     steps: int = 60
@@ -152,6 +156,21 @@ class GRPOConfig:
     dynamic_sampling: bool = False
     max_nonfinite_in_row: int = 5
     remat: bool = False
+    speculative: str = ""
+
+    def _check_speculative(self):
+        from jaxrl_lp.rollout.spec_config import SpecConfig
+
+        try:
+            spec = SpecConfig.parse(self.speculative)
+        except (ValueError, TypeError) as e:
+            raise ValueError(f"grpo.speculative={self.speculative!r}: {e}") from None
+        if spec is not None and self.compute_mode != "dense":
+            raise ValueError(f"grpo.speculative={self.speculative!r} verifies drafts in dense "
+                             f"compute mode; set grpo.compute_mode=dense (got {self.compute_mode!r})")
+        if spec is not None and spec.drafter == "dense" and not Path(spec.path).is_dir():
+            raise ValueError(f"grpo.speculative={self.speculative!r}: the dense drafter's "
+                             f"checkpoint directory {spec.path!r} does not exist")
 
     def __post_init__(self):
         check_int("grpo.steps", self.steps, minimum=0)
@@ -170,6 +189,7 @@ class GRPOConfig:
         check_choice("grpo.compute_mode", self.compute_mode, ("dense", "deferred"))
         check_bool("grpo.dynamic_sampling", self.dynamic_sampling)
         check_bool("grpo.remat", self.remat)
+        self._check_speculative()
         from jaxrl_lp.models.loop import LoopSpec
         from jaxrl_lp.numerics.policy import Policy
 

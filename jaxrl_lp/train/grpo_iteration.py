@@ -42,10 +42,21 @@ def grpo_iteration(state, step, cfg, task, mcfg, spol, loop, max_new, grpo_step,
     master = state["params"] if model_params is None else model_params(state["params"])
     served, sampler_params, state["sync"] = hooks.export(state["sync"], master)
     t0 = time.time()
-    ro = generate(sampler_params, mcfg, [task.prompt_ids(p) for p in problems], policy=spol,
-                  sampling=SamplingConfig(temperature=g.temperature), max_new_tokens=max_new,
-                  num_samples=g.group_size, eos_id=tok.eos_id, pad_id=tok.pad_id, loop=loop,
-                  key=key, weights_version=step, mesh=mesh)
+    sample_kw = dict(policy=spol, sampling=SamplingConfig(temperature=g.temperature),
+                     max_new_tokens=max_new, num_samples=g.group_size, eos_id=tok.eos_id,
+                     pad_id=tok.pad_id, loop=loop, key=key, weights_version=step, mesh=mesh)
+    prompts = [task.prompt_ids(p) for p in problems]
+    spec_metrics = {}
+    if g.speculative:  # same samples, drafted and verified (`rollout.speculative`)
+        from jaxrl_lp.rollout.speculative import speculative_generate
+
+        ro, st = speculative_generate(sampler_params, mcfg, prompts, g.speculative,
+                                      with_stats=True, **sample_kw)
+        spec_metrics = {"spec_acceptance": st.acceptance_rate,
+                        "spec_tokens_per_forward": st.tokens_per_target_forward(
+                            ro.prompt_tokens.shape[0])}
+    else:
+        ro = generate(sampler_params, mcfg, prompts, **sample_kw)
     ro = jax.block_until_ready(ro)
     t_sample = time.time() - t0
     rewards = task.rewards(to_host(ro.completion_tokens),
@@ -85,6 +96,7 @@ def grpo_iteration(state, step, cfg, task, mcfg, spol, loop, max_new, grpo_step,
     metrics = {k: v / updates for k, v in sums.items()}
     metrics["skipped"] = float(sums.get("skipped", 0.0) > 0)
     metrics.update({k: float(v) for k, v in sync_metrics.items()})
+    metrics.update(spec_metrics)
     mask = to_host(ro.completion_mask)
     lengths = mask.sum(1)
     metrics.update(

@@ -151,6 +151,7 @@ def validate(cfg: TrainConfig) -> RunPlan:
             f"{max(max_new, answer)} completion tokens; raise model.max_position_embeddings to at "
             f"least {prompt + max(max_new, answer)} or lower grpo.max_new_tokens")
     weights = _weights(cfg)
+    _speculative(cfg, mcfg)
     return RunPlan(task=task, model=mcfg, max_new_tokens=max_new, seq_len=seq_len,
                    learner_policy=lpol, sampler_policy=spol, loop=loop, sampling=sampling,
                    exporter=exporter, optimizers=_optimizers(cfg), mesh=_mesh(cfg, mcfg),
@@ -176,6 +177,25 @@ def _weights(cfg: TrainConfig):
                              f"sft.optimizer={cfg.sft.optimizer!r} does not have; set "
                              "sync.bf16_start=false or sft.optimizer=adamw")
     return weights
+
+
+def _speculative(cfg: TrainConfig, mcfg: ModelConfig) -> None:
+    """`grpo.speculative` checked against the model (and the dense drafter's checkpoint)."""
+    from jaxrl_lp.rollout.spec_config import SpecConfig
+
+    spec = SpecConfig.parse(cfg.grpo.speculative)
+    if spec is None:
+        return
+    where = f"grpo.speculative={cfg.grpo.speculative!r}"
+    if cfg.run.mesh:
+        raise ValueError(f"{where} samples on one device: set run.mesh='' "
+                         f"(got run.mesh={cfg.run.mesh!r}) or grpo.speculative=''")
+    drafter_cfg = None
+    if spec.drafter == "dense":
+        from jaxrl_lp.models.hf_config import read_hf_config
+
+        drafter_cfg = _named(where, read_hf_config, spec.path)
+    _named(where, spec.resolve, mcfg, drafter_cfg)
 
 
 def _mesh(cfg: TrainConfig, mcfg: ModelConfig):

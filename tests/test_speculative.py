@@ -1,0 +1,244 @@
+"""Speculative rollouts: exactness (greedy, distribution, log-probs, replay), the bounded drafter, errors.
+
+Models are tiny and random (one layer, vocabulary 8) with a large init scale
+so that distributions are peaked and the drafter disagrees with the target:
+rejections and residual draws happen. Shapes are shared between tests so that
+compiled programs are reused.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from scipy import stats
+
+from jaxrl_lp.models import forward, init_params
+from jaxrl_lp.models.config import ModelConfig
+from jaxrl_lp.numerics.policy import Policy
+from jaxrl_lp.rl.logprobs import jit_learner_logprobs
+from jaxrl_lp.rollout import SamplingConfig, generate
+from jaxrl_lp.rollout.drafter import sampling_probs
+from jaxrl_lp.rollout.speculative import SpecConfig, drafter_cache_bytes, speculative_generate
+
+TOL = 1e-5  # f32 verification chunks vs one f32 full forward: log-probs, absolute
+N = 8
+V = 8
+TARGET = ModelConfig(family="ouro", vocab_size=V, hidden_size=32, num_layers=1, num_heads=2,
+                     num_kv_heads=1, head_dim=16, intermediate_size=64, qk_norm=False,
+                     loop_steps=2, max_position_embeddings=64, rope_theta=10_000.0, init_std=0.3)
+# A short-context dense drafter: trained length 12, so a 5-token prompt plus 8 new tokens
+# runs past it and the re-basing has to act.
+DRAFTER = ModelConfig(family="qwen3", vocab_size=V, hidden_size=32, num_layers=1, num_heads=2,
+                      num_kv_heads=1, head_dim=16, intermediate_size=64,
+                      max_position_embeddings=12, rope_theta=10_000.0, init_std=0.3)
+PROMPTS = [[5, 1, 3, 7, 2], [6, 6, 0, 1, 4]]  # equal lengths: one batched full forward
+SELF = "self:loops=1,k=4"
+DENSE = "dense:-,k=4,sink=2,window=5"
+
+
+@functools.cache
+def target_params():
+    return init_params(TARGET, jax.random.PRNGKey(1))
+
+
+@functools.cache
+def drafter_params():
+    return init_params(DRAFTER, jax.random.PRNGKey(2))
+
+
+def spec_rollout(spec, **kw):
+    drafter = (drafter_params(), DRAFTER) if spec.startswith("dense") else None
+    return speculative_generate(target_params(), TARGET, PROMPTS, spec, drafter=drafter,
+                                max_new_tokens=N, with_stats=True, **kw)
+
+
+@functools.cache
+def plain_greedy():
+    return generate(target_params(), TARGET, PROMPTS, max_new_tokens=N)
+
+
+@functools.cache
+def greedy(spec):
+    return spec_rollout(spec)
+
+
+@jax.jit
+def full_logprobs(params, tokens_BxT):
+    """log_softmax of one cache-free f32 forward (the model's default `full` read-out)."""
+    return jax.nn.log_softmax(forward(params, TARGET, "fp32", tokens_BxT)[0], axis=-1)
+
+
+@pytest.mark.parametrize("spec", [SELF, DENSE])
+def test_greedy_equals_plain_greedy_token_for_token(spec):
+    ro, st = greedy(spec)
+    plain = plain_greedy()
+    np.testing.assert_array_equal(ro.completion_tokens, plain.completion_tokens)
+    np.testing.assert_array_equal(ro.completion_mask, plain.completion_mask)
+    assert ro.verify_tokens == 5
+    counts = np.asarray(ro.verify_counts)
+    assert (counts.sum(1) == N - 1).all()  # every token after the prefill's was verified
+    assert int(st.iterations) == (counts > 0).sum(1).max()
+
+
+def test_rows_accept_different_counts_and_logprobs_equal_full_forward():
+    ro, st = greedy(SELF)
+    counts = np.asarray(ro.verify_counts)
+    assert int(st.accepted) > 0 and (counts != counts[:1]).any()  # batched, ragged acceptance
+    tokens = jnp.concatenate([jnp.asarray(PROMPTS), ro.completion_tokens], axis=1)
+    lp = full_logprobs(target_params(), tokens)[:, len(PROMPTS[0]) - 1:-1]
+    want = jnp.take_along_axis(lp, ro.completion_tokens[..., None], axis=-1)[..., 0]
+    np.testing.assert_allclose(ro.logprobs, want * ro.completion_mask, atol=TOL, rtol=0)
+
+
+@pytest.mark.parametrize("policy", ["fp32", "bf16"])
+def test_replay_equals_sampler_bit_for_bit(policy):
+    ro, _ = spec_rollout(SELF, policy=policy, sampling=SamplingConfig(temperature=0.7),
+                         key=jax.random.PRNGKey(4)) if policy == "bf16" else greedy(SELF)
+    replay = jit_learner_logprobs(TARGET, Policy.parse(policy), "replay")(target_params(), ro)
+    mask = np.asarray(ro.completion_mask) > 0
+    assert (np.asarray(replay)[mask] == np.asarray(ro.logprobs)[mask]).all()
+
+
+def _exact_joint(params, prompt, sampling):
+    """P(x0, x1, x2) [V, V, V] of the target's sampler after `prompt`, from full forwards."""
+    grid = np.stack(np.meshgrid(np.arange(V), np.arange(V), indexing="ij"), -1).reshape(-1, 2)
+    tokens = jnp.concatenate([jnp.broadcast_to(jnp.asarray(prompt), (V * V, len(prompt))),
+                              jnp.asarray(grid)], axis=1)
+    logits = forward(params, TARGET, "fp32", tokens)[0]
+    p = len(prompt)
+    probs = [np.asarray(sampling_probs(logits[:, p - 1 + i], sampling)) for i in range(3)]
+    p0 = probs[0][0]  # [V]
+    p1 = probs[1].reshape(V, V, V)[:, 0]  # [x0, x1]
+    p2 = probs[2].reshape(V, V, V)  # [x0, x1, x2]
+    return p0[:, None, None] * p1[:, :, None] * p2
+
+
+def _chi2(counts, expected):
+    """Chi-square p-value, cells with expected count < 5 pooled."""
+    counts, expected = counts.ravel(), np.asarray(expected, np.float64).ravel()
+    small = expected < 5
+    c = np.append(counts[~small], counts[small].sum())
+    e = np.append(expected[~small], expected[small].sum())
+    keep = e > 0
+    e = e[keep] / e[keep].sum() * c[keep].sum()
+    return stats.chisquare(c[keep], e * (c[keep].sum() / e.sum())).pvalue
+
+
+DRAWS = 4000
+
+
+@pytest.mark.parametrize("spec", ["self:loops=1,k=1", "dense:-,k=4,sink=2,window=5"])
+def test_sampled_tokens_follow_the_target_distribution_chi_square(spec):
+    sampling = SamplingConfig(temperature=0.8)
+    prompt = PROMPTS[0]
+    drafter = (drafter_params(), DRAFTER) if spec.startswith("dense") else None
+    ro, st = speculative_generate(target_params(), TARGET, [prompt], spec, drafter=drafter,
+                                  sampling=sampling, max_new_tokens=5, num_samples=DRAWS,
+                                  key=jax.random.PRNGKey(7), with_stats=True)
+    # Both acceptances (some rows accept two drafts in a row) and residual draws happen.
+    k = SpecConfig.parse(spec).k
+    assert 0.05 < st.acceptance_rate < 0.95
+    assert np.asarray(ro.verify_counts).max() >= min(k + 1, 3)
+    toks = np.asarray(ro.completion_tokens)
+    joint = _exact_joint(target_params(), prompt, sampling)
+    counts = np.zeros((V, V, V))
+    np.add.at(counts, (toks[:, 0], toks[:, 1], toks[:, 2]), 1)
+    pvals = [_chi2(counts.sum(2), DRAWS * joint.sum(2)),  # (x0, x1)
+             _chi2(counts.sum(0), DRAWS * joint.sum(0))]  # (x1, x2)
+    print(f"{spec}: acceptance {st.acceptance_rate:.3f}, chi-square p-values {pvals}")
+    assert min(pvals) > 1e-3
+    # Power: the same counts against the wrong (token-shifted) distribution are refused.
+    assert _chi2(counts.sum(2), DRAWS * np.roll(joint.sum(2), 1, axis=1)) < 1e-6
+
+
+def test_dense_drafter_cache_is_bounded_and_positions_rebased():
+    ro, st = greedy(DENSE)
+    spec = SpecConfig.parse(DENSE).resolve(TARGET, DRAFTER)
+    # Prompt 5 + 8 new tokens + drafts run past the trained length of 12: re-based, the
+    # drafter's positions stay below it (without re-basing they do not: the slow test).
+    assert int(st.max_draft_position) < DRAFTER.max_position_embeddings
+    one = drafter_cache_bytes(spec, DRAFTER, "fp32", 1)
+    assert one == drafter_cache_bytes(spec, DRAFTER, "fp32", 1) > 0
+    assert drafter_cache_bytes(SpecConfig.parse(SELF), None, "fp32", 1) == 0
+
+
+def test_bad_input_gives_one_clear_error_each():
+    with pytest.raises(ValueError, match="k must be an integer >= 1"):
+        SpecConfig.parse("self:loops=1,k=0")
+    other = DRAFTER.replace(vocab_size=V + 1)
+    with pytest.raises(ValueError, match="vocabulary"):
+        speculative_generate(target_params(), TARGET, PROMPTS, DENSE,
+                             drafter=(init_params(other, jax.random.PRNGKey(0)), other))
+    with pytest.raises(ValueError, match="trained length"):
+        SpecConfig.parse("dense:-,k=4,sink=2,window=12").resolve(TARGET, DRAFTER)
+    with pytest.raises(ValueError, match="fewer loop steps"):
+        SpecConfig.parse("self:loops=2,k=4").resolve(TARGET)
+    with pytest.raises(ValueError, match="starts with"):
+        SpecConfig.parse("fast:k=4")
+    assert str(SpecConfig.parse("dense:/a/b,k=3,sink=1,window=9,rebase=false")) == \
+        "dense:/a/b,k=3,sink=1,window=9,rebase=false"
+    assert str(SpecConfig.parse(SELF)) == SELF
+
+
+def _affine_batch(rng, b, length):
+    """Sequences [key, s, s + key, s + 2 key, ...] mod V: every next token needs the first one."""
+    key = rng.randint(1, V, (b, 1))
+    start = rng.randint(0, V, (b, 1))
+    return np.concatenate([key, (start + key * np.arange(length - 1)[None]) % V], 1)
+
+
+def _train_affine(length, steps, seed):
+    """A 1-layer dense model trained on `_affine_batch` sequences of `length` (its trained length)."""
+    import optax
+
+    cfg = ModelConfig(family="qwen3", vocab_size=V, hidden_size=64, num_layers=1, num_heads=4,
+                      num_kv_heads=2, head_dim=16, intermediate_size=128,
+                      max_position_embeddings=length, rope_theta=10_000.0)
+    params = init_params(cfg, jax.random.PRNGKey(seed))
+    opt = optax.adam(3e-3)
+    state = opt.init(params)
+
+    @jax.jit
+    def step(params, state, tokens):
+        def loss(p):  # positions 2.. are determined by the key and the previous token
+            lp = jax.nn.log_softmax(forward(p, cfg, "fp32", tokens)[0][:, 1:-1])
+            return -jnp.mean(jnp.take_along_axis(lp, tokens[:, 2:, None], axis=-1))
+
+        g = jax.grad(loss)(params)
+        updates, state = opt.update(g, state, params)
+        return optax.apply_updates(params, updates), state
+
+    rng = np.random.RandomState(seed)
+    for _ in range(steps):
+        params, state = step(params, state, jnp.asarray(_affine_batch(rng, 64, length)))
+    return params, cfg
+
+
+@pytest.mark.slow
+def test_rebasing_keeps_acceptance_past_the_drafters_trained_length():
+    """A drafter trained on 16-token sequences drafts for a target trained on 64-token ones.
+
+    Each next token needs the first one (the key), at any distance: past 16
+    tokens the un-rebased drafter attends to it at distances it never saw and
+    its acceptance falls; re-based, every distance stays below 16.
+    """
+    drafter = _train_affine(16, 400, 1)
+    target = _train_affine(64, 400, 2)
+    rng = np.random.RandomState(5)
+    acc = {}
+    for name, prompt_len, new in (("short", 5, 8), ("long", 40, 20)):
+        prompts = [list(r) for r in _affine_batch(rng, 16, prompt_len)]
+        for rebase in (True, False):
+            spec = f"dense:-,k=3,sink=4,window=8,rebase={str(rebase).lower()}"
+            _, st = speculative_generate(*target, prompts, spec, drafter=drafter,
+                                         max_new_tokens=new, with_stats=True)
+            acc[name, rebase] = st.acceptance_rate
+            if rebase:
+                assert int(st.max_draft_position) < 16
+            elif name == "long":
+                assert int(st.max_draft_position) >= 16
+    print(acc)
+    assert acc["long", True] > acc["short", True] - 0.2
+    assert acc["long", False] < acc["long", True] - 0.08
