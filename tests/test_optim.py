@@ -182,6 +182,25 @@ def _restore(cfg):
     return restore_state(cfg)[0]
 
 
+def test_convert_writes_a_binary_runs_materialized_weights(tmp_path):
+    """`convert run-to-hf` of an error-diffusion run writes `codes * scale`, not its train tree."""
+    from jaxrl_lp.models.hf_config import read_hf_config
+    from jaxrl_lp.models.hf_io import load_hf_params
+    from jaxrl_lp.train.convert import run_to_hf
+
+    run_train(_cfg(tmp_path / "run", "sft.steps=3", "grpo.steps=0"))
+    state = _restore(_cfg(tmp_path / "run", "sft.steps=3", "grpo.steps=0"))
+    assert state["params"]["layers"]["q_proj"]["codes"].dtype == jnp.int8
+    run_to_hf(tmp_path / "run", tmp_path / "hf")
+    hf = load_hf_params(tmp_path / "hf", read_hf_config(tmp_path / "hf"))
+    want = CodedWeights("binary").materialize(state["params"])
+    for name in ("q_proj", "down_proj"):
+        np.testing.assert_array_equal(np.asarray(hf["layers"][name]),
+                                      np.asarray(want["layers"][name]))
+
+
+@pytest.mark.slow  # 18 s with a warm compilation cache, 82 s cold; the study test below
+# covers error diffusion by config (warm-start) in the default suite
 def test_sft_then_grpo_by_config_trains_and_resumes_exactly(tmp_path):
     """A binary run (8 warm-start steps, 2 GRPO steps): its loss falls, its int8 codes are
     checkpointed, and a run interrupted at step 5 and resumed ends bit for bit the same."""

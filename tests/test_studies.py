@@ -71,7 +71,9 @@ def test_arm_figures_conventions():
 
 def test_study_cli_errors(capsys):
     assert cli_main(["study", "ternary-export", "--steps", "3"]) == 2
-    assert "fair-cast only" in capsys.readouterr().err
+    assert "--steps does not apply to ternary-export" in capsys.readouterr().err
+    assert cli_main(["study", "alignment", "--lr", "1e-3"]) == 2
+    assert "--lr applies to fair-cast only" in capsys.readouterr().err
     assert cli_main(["study", "fair-cast", "--arms", "nearest,bogus"]) == 2
     assert "choose from" in capsys.readouterr().err
     with pytest.raises(SystemExit):
