@@ -43,18 +43,12 @@ per step, and the initial and final greedy held-out accuracy (under the arm's
 sampler policy). Plots: `alignment_mismatch.png` (per-arm k3 KL and max
 |dlogp|), `alignment_reward.png` (reward curves).
 
-Cost, measured on the 2-core development machine (CPU, default model and
-task) while 4-5 other jobs shared its two cores (load average 8-10): the full
-study with its defaults (1,200 warm-start steps, `DEFAULT_STEPS` = 10 GRPO
-steps per arm, 7 arms, through `jaxrl-lp study`, i.e. with the XLA compilation
-cache) took 1,276 s of wall time but only 412 s of CPU time (user + sys):
-warm-start 383 s, mismatch measurement 224 s, the first arm 217 s (it compiles
-the learner programs) and 54-100 s for each later one (cache hits). Idle, the
-wall time should lie between half the CPU time and the CPU time (estimated,
-not measured: 3.5-7 minutes); the wall time under that load was not under 10
-minutes. `--quick` (the tiny model of `common.QUICK_OVERRIDES`, 3 GRPO steps,
-called from Python without the compilation cache) took 557 s under the same
-load. Compiles dominate at these sizes; `--steps` and
+Cost: the full study with its defaults (1,200 warm-start steps,
+`DEFAULT_STEPS` = 10 GRPO steps per arm, 7 arms, through `jaxrl-lp study`) took
+5.2 minutes on the 2-core development machine with an empty compilation cache
+and one other job beside it (warm-start 108 s, mismatch measurement 59 s, the
+first arm 38 s, each later one 17-20 s; docs/studies/alignment-default.json).
+Compiles dominate at these sizes; `--steps` and
 `--set model.hidden_size=...` scale the run itself up.
 """
 

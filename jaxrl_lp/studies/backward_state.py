@@ -44,16 +44,11 @@ The runs are the study's own loop over the program's step, not `run_train`:
 one compiled step per policy serves both the curve and the gradients (compiles
 dominate the study's cost on CPU), and no run directories are written.
 
-Cost, measured on the 2-core development machine (CPU, default model and
-task) while 4-5 other jobs shared its two cores (load average 8-10): the full
-study with its defaults (`DEFAULT_STEPS` = 100 steps per run, five formats,
-through `jaxrl-lp study`) took 1,200 s of wall time but only 413 s of CPU time
-(user + sys): the f32 run 131 s, the gradients 455 s (ten step compiles: they
-dominate), 34-100 s per further run. Idle, the wall time should lie between half
-the CPU time and the CPU time (estimated, not measured: 3.5-7 minutes); the
-wall time under that load was not under 10 minutes. `--quick`
-(the tiny model of `common.QUICK_OVERRIDES`, 30 steps) took 466 s under the
-same load, almost all of it compiling. `--steps`, `--sft-steps` and `--set
+Cost: the full study with its defaults (`DEFAULT_STEPS` = 100 steps per run,
+five formats, through `jaxrl-lp study`) took 6.0 minutes on the 2-core
+development machine with an empty compilation cache and one other job beside it
+(the f32 run 34 s, the gradients 167 s: ten step compiles dominate, 8-30 s per
+further run; docs/studies/backward-state-default.json). `--steps`, `--sft-steps` and `--set
 model.hidden_size=...` scale it up.
 """
 
