@@ -23,12 +23,14 @@ weights whose code changed, per step) and, for error diffusion,
 no GRPO phase; when both are given they must agree). Model size and anything
 else: `overrides` (`--set model.hidden_size=128`).
 
-Measured (default model and task, 1200 steps, each `DEFAULT_ARMS` arm run alone
-on the shared 2-core machine under a load of about 7): final loss binary ED k=4
-0.103 (5 bits/weight) vs latent 0.704 (96); ternary ED k=4 0.233 (5.58) vs
-latent 1.300; mean flip rate per step 0.036% / 0.05% (ED) vs 0.18% / 0.20%
-(latent). Each arm took 290-490 s there; the idle-machine time of the default
-study (four arms) is estimated, not measured, at 7-8 minutes. docs/design.md
+Measured (default model and task, 1200 steps; `jaxrl-lp study error-diffusion`
+with an empty compilation cache, docs/studies/error-diffusion-default.json): final
+loss binary ED k=4 0.103 (5 bits/weight) vs latent 0.704 (96); ternary ED k=4
+0.233 (5.58) vs latent 1.300; mean flip rate per step 0.04% / 0.05% (ED) vs
+0.18% / 0.20% (latent). The four arms took 155-177 s each, 664 s in all, on the
+2-core machine with another job using about two cores beside it (load 3-4);
+alone it should be about 8-9 minutes (the warm-start of the other studies, the
+same 1200 steps, took 108 s idle). docs/design.md
 ("Error diffusion") has the details and the caveats.
 """
 
