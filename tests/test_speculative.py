@@ -101,6 +101,21 @@ def test_replay_equals_sampler_bit_for_bit(policy):
     assert (np.asarray(replay)[mask] == np.asarray(ro.logprobs)[mask]).all()
 
 
+def test_one_row_path_is_exact_and_batched_rows_draft_as_alone():
+    """A lone row (B = 1: in-place cache writes, no vmap) equals plain greedy and replays bit for
+    bit; rows in a batch draft and accept exactly as they do alone."""
+    alone = [speculative_generate(target_params(), TARGET, [p], SELF, max_new_tokens=N,
+                                  with_stats=True) for p in PROMPTS]
+    ro = alone[0][0]
+    plain = generate(target_params(), TARGET, PROMPTS[:1], max_new_tokens=N)
+    np.testing.assert_array_equal(ro.completion_tokens, plain.completion_tokens)
+    replay = jit_learner_logprobs(TARGET, Policy.parse("fp32"), "replay")(target_params(), ro)
+    np.testing.assert_array_equal(replay, ro.logprobs)
+    _, st = greedy(SELF)
+    assert int(st.accepted) == sum(int(s.accepted) for _, s in alone)
+    assert int(st.proposed) == sum(int(s.proposed) for _, s in alone)
+
+
 def _exact_joint(params, prompt, sampling):
     """P(x0, x1, x2) [V, V, V] of the target's sampler after `prompt`, from full forwards."""
     grid = np.stack(np.meshgrid(np.arange(V), np.arange(V), indexing="ij"), -1).reshape(-1, 2)

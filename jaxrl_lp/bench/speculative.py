@@ -11,12 +11,30 @@ shallow loop agrees with its full depth by chance only). Drafters:
   a short trained length (`--drafter-context`), a bounded cache (`sink` +
   `window`) and re-based positions.
 
-Each arm decodes the same prompts greedily (batch `--batch`, default 1),
-speculative and plain alternating call by call so that a change in load falls
-on both; `speedup_vs_plain` is plain's fastest time over speculative's fastest
-(compile excluded). Greedy speculative output equals plain output token for
-token (checked, `same_tokens`). `drafter_cache_bytes` is the dense drafter's
-cache at two context lengths (it does not grow), against the target's.
+Workload: `--prompts` held-out problems, decoded greedily `--batch` rows per
+call (default 1: one problem per call), each call stopping at EOS, as the
+sampler of a training run does. The answers are what the model learned, so
+the acceptance measures how often the drafter agrees with the target where
+the target's output means something. (`--past-eos` decodes exactly
+`--new-tokens` tokens past EOS instead, the regime of a long rollout; there
+the continuation was never trained and the acceptance measures agreement on
+noise.) One timed run of an arm decodes every prompt;
+runs of the two arms alternate (so a change in load falls on both), each
+arm calls its jitted program (`_speculate`, `_generate`: what
+`speculative_generate` and `generate` run after their host-side checks and
+padding, about 1 ms a call that both pay alike) on the same padded device
+arrays after a warm-up call (compile excluded), and `speedup_vs_plain` is
+the ratio of the median run times (the fastest runs' ratio beside it).
+`prefill_only_s` and `speculative_prefill_only_s` are each arm's calls at
+`max_new_tokens=1` (dispatch, prefill, first token, set-up: what speculation
+cannot shorten); `decode_speedup_vs_plain` is the ratio after subtracting
+them.
+`round_cost_in_plain_steps` is what one speculative iteration (k draft
+steps, the verification forward, the acceptance) costs in plain decode
+steps: speculation pays when `tokens_per_target_forward` exceeds it.
+Greedy speculative output equals plain output token for token (checked,
+`same_tokens`). `drafter_cache_bytes` is the dense drafter's cache at two
+context lengths (it does not grow), against the target's.
 """
 
 from __future__ import annotations
@@ -34,25 +52,31 @@ from jaxrl_lp.models.cache import init_cache
 from jaxrl_lp.models.config import ModelConfig
 from jaxrl_lp.models.model import init_params
 from jaxrl_lp.numerics.policy import Policy
-from jaxrl_lp.rollout import SamplingConfig, generate
+from jaxrl_lp.rollout import LoopSpec, SamplingConfig
+from jaxrl_lp.rollout.generate import _generate, pad_prompts
 from jaxrl_lp.rollout.rows import cache_bytes
-from jaxrl_lp.rollout.speculative import SpecConfig, drafter_cache_bytes, speculative_generate
+from jaxrl_lp.rollout.speculative import SpecConfig, _speculate, drafter_cache_bytes
 
 __all__ = ["add_arguments", "run", "warm_start"]
 
 
 def add_arguments(parser) -> None:
-    parser.add_argument("--k", type=int, default=4, help="tokens drafted per verification")
+    parser.add_argument("--k", type=int, default=2, help="tokens drafted per verification")
     parser.add_argument("--loops", type=int, default=1, help="the self-drafter's loop steps")
-    parser.add_argument("--batch", type=int, default=1, help="rows decoded at once")
-    parser.add_argument("--new-tokens", type=int, default=24, help="tokens generated per row")
+    parser.add_argument("--batch", type=int, default=1, help="rows decoded per call")
+    parser.add_argument("--prompts", type=int, default=16,
+                        help="held-out problems decoded per timed run (batch rows per call)")
+    parser.add_argument("--new-tokens", type=int, default=0,
+                        help="tokens generated per row at most (0: the task's longest answer)")
+    parser.add_argument("--past-eos", action="store_true",
+                        help="decode exactly --new-tokens tokens, past EOS (untrained output)")
     parser.add_argument("--sft-steps", type=int, default=300,
                         help="warm-start steps of the target and the dense drafter")
     parser.add_argument("--drafter-context", type=int, default=32,
                         help="the dense drafter's trained length (max_position_embeddings)")
     parser.add_argument("--sink", type=int, default=4, help="the dense drafter's sink tokens")
     parser.add_argument("--window", type=int, default=16, help="the dense drafter's window")
-    parser.add_argument("--repeats", type=int, default=5, help="timed runs per arm at least")
+    parser.add_argument("--repeats", type=int, default=7, help="timed runs per arm at least")
     parser.add_argument("--min-time", type=float, default=2.0,
                         help="seconds each arm is timed for at least")
     parser.add_argument("--seed", type=int, default=0)
@@ -76,33 +100,78 @@ def warm_start(mcfg: ModelConfig, task, steps: int, seq_len: int, seed: int = 0)
     return params
 
 
-def _arm(name, params, cfg, prompts, spec, drafter, args, eos_id, pad_id):
-    kw = dict(sampling=SamplingConfig(greedy=True), max_new_tokens=args.new_tokens,
-              eos_id=eos_id, pad_id=pad_id)
-    calls = {
-        "speculative": lambda: jax.block_until_ready(speculative_generate(
-            params, cfg, prompts, spec, drafter=drafter, with_stats=True, **kw)),
-        "plain": lambda: jax.block_until_ready(generate(params, cfg, prompts, **kw)),
-    }
+def _arm(params, cfg, batches, spec, drafter, args, new_tokens, eos_id, pad_id):
+    """Times plain against speculative decoding of `batches` (lists of prompts), alternating.
+
+    Both arms run their jitted program (`_generate`, `_speculate`: what `generate` and
+    `speculative_generate` call after validating and padding on the host) on the same
+    padded device arrays, so the times are the programs' (prefill and decode), not the
+    host wrappers' (about 1 ms a call here, the same for both).
+    """
+    sampling = SamplingConfig(greedy=True)
+    policy = Policy.parse("fp32")
+    loop = LoopSpec().resolve(cfg)
+    dparams, dcfg = drafter if drafter is not None else (None, None)
+    spec = spec.resolve(cfg, dcfg)
+    key = jax.random.PRNGKey(0)
+    inputs = [tuple(jnp.asarray(a) for a in pad_prompts(
+        ps, pad_id, max_len=cfg.max_position_embeddings - new_tokens - spec.k)) for ps in batches]
+    kw = dict(cfg=cfg, policy=policy, loop=loop, sampling=sampling, eos_id=eos_id, pad_id=pad_id)
+
+    def spec_call(n):
+        return lambda: [jax.block_until_ready(_speculate(
+            params, dparams, *x, key, 0, dcfg=dcfg, spec=spec, max_new_tokens=n, **kw))
+            for x in inputs]
+
+    def plain_call(n):
+        return lambda: [jax.block_until_ready(_generate(params, *x, key, 0, max_new_tokens=n,
+                                                        **kw)) for x in inputs]
+
+    calls = {"speculative": spec_call(new_tokens), "plain": plain_call(new_tokens),
+             "prefill_only": plain_call(1), "speculative_prefill_only": spec_call(1)}
     firsts, times, outs = _race(calls, args.repeats, args.min_time)
-    (ro, st), plain = outs["speculative"], outs["plain"]
-    best_spec, best_plain = min(times["speculative"]), min(times["plain"])
-    tokens = float(np.asarray(plain.completion_mask).sum())
+    med = {m: float(np.median(t)) for m, t in times.items()}
+    best = {m: min(t) for m, t in times.items()}
+    stats = [st for _, st in outs["speculative"]]
+    total = lambda f: sum(int(getattr(st, f)) for st in stats)  # noqa: E731
+    tokens = sum(float(np.asarray(ro.completion_mask).sum()) for ro in outs["plain"])
+    # Each program's own fixed part (dispatch, prefill, first token, set-up) is its time at
+    # max_new_tokens=1; what is left is decoding.
+    fixed = {"plain": "prefill_only", "speculative": "speculative_prefill_only"}
+    decode = lambda m: med[m] - med[fixed[m]]  # noqa: E731
+    plain_forwards = sum(int(np.asarray(ro.completion_mask).sum(1).max()) for ro in outs["plain"])
     return {
         "spec": str(spec),
-        "acceptance_rate": round(st.acceptance_rate, 4),
-        "tokens_per_target_forward": round(st.tokens_per_target_forward(len(prompts)), 4),
-        "target_forwards": int(st.iterations) + 1,
-        "plain_target_forwards": int(np.asarray(plain.completion_mask).sum(1).max()),
-        "speedup_vs_plain": round(best_plain / best_spec, 4),
-        "speculative_s": round(best_spec, 5),
-        "plain_s": round(best_plain, 5),
-        "speculative_tokens_per_s": round(tokens / best_spec, 1),
-        "plain_tokens_per_s": round(tokens / best_plain, 1),
+        "acceptance_rate": round(total("accepted") / max(total("proposed"), 1), 4),
+        "tokens_per_target_forward": round(
+            total("committed") / max(sum(int(st.iterations) * len(ps)
+                                         for st, ps in zip(stats, batches, strict=True)), 1), 4),
+        "target_forwards": sum(int(st.iterations) + 1 for st in stats),
+        "plain_target_forwards": plain_forwards,
+        "speedup_vs_plain": round(med["plain"] / med["speculative"], 4),
+        "speedup_vs_plain_fastest": round(best["plain"] / best["speculative"], 4),
+        "decode_speedup_vs_plain": round(decode("plain") / max(decode("speculative"), 1e-9), 4),
+        # Speculation pays when a row commits more tokens per verification than a round
+        # (k draft steps, the verification, the acceptance) costs in plain decode steps.
+        "round_cost_in_plain_steps": round(
+            decode("speculative") / max(sum(int(st.iterations) for st in stats), 1)
+            / max(decode("plain") / max(plain_forwards - len(batches), 1), 1e-12), 3),
+        "speculative_s": round(med["speculative"], 5),
+        "plain_s": round(med["plain"], 5),
+        "prefill_only_s": round(med["prefill_only"], 5),
+        "speculative_prefill_only_s": round(med["speculative_prefill_only"], 5),
+        "plain_s_per_decode_step": round(decode("plain") / max(plain_forwards - len(batches), 1),
+                                         7),
+        "speculative_s_per_round": round(
+            decode("speculative") / max(sum(int(st.iterations) for st in stats), 1), 7),
+        "speculative_tokens_per_s": round(tokens / med["speculative"], 1),
+        "plain_tokens_per_s": round(tokens / med["plain"], 1),
+        "tokens": int(tokens),
         "compile_s": {m: round(t, 2) for m, t in firsts.items()},
         "runs": len(times["plain"]),
-        "same_tokens": bool((np.asarray(ro.completion_tokens)
-                             == np.asarray(plain.completion_tokens)).all()),
+        "same_tokens": all(bool((np.asarray(ro.completion_tokens)
+                                 == np.asarray(pl.completion_tokens)).all())
+                           for (ro, _), pl in zip(outs["speculative"], outs["plain"], strict=True)),
     }
 
 
@@ -125,20 +194,25 @@ def run(args) -> dict:
     train_s = time.time() - t0
     rng = np.random.RandomState(args.seed)
     prompts = [task.prompt_ids(task.heldout[int(i)])
-               for i in rng.choice(len(task.heldout), args.batch, replace=False)]
-    # The answer is a handful of tokens: decode past EOS (eos_id None) so every arm runs
-    # the same number of steps, as a long reasoning rollout would.
+               for i in rng.choice(len(task.heldout), args.prompts, replace=False)]
+    batches = [prompts[i:i + args.batch] for i in range(0, len(prompts), args.batch)]
+    # Stopping at EOS decodes the learned answers; past EOS every call runs the same number
+    # of steps, on output the model was never trained on.
+    new_tokens = args.new_tokens or task.max_completion_tokens
+    eos_id = None if args.past_eos else tok.eos_id
     self_spec = SpecConfig("self", k=args.k, loops=args.loops)
     dense_spec = SpecConfig("dense", k=args.k, sink=args.sink, window=args.window)
     out = {
         "target": {"model": "default looped (2 layers x 2 loop steps)",
                    "params": mcfg.param_count(), "sft_steps": args.sft_steps},
         "drafter": {"params": dcfg.param_count(), "trained_length": args.drafter_context},
-        "batch": args.batch, "new_tokens": args.new_tokens, "k": args.k,
+        "batch": args.batch, "prompts": args.prompts, "new_tokens": new_tokens,
+        "stop_at_eos": eos_id is not None, "k": args.k,
         "prompt_tokens": max(len(p) for p in prompts),
-        "self": _arm("self", target, mcfg, prompts, self_spec, None, args, None, tok.pad_id),
-        "dense": _arm("dense", target, mcfg, prompts, dense_spec, (drafter, dcfg), args, None,
-                      tok.pad_id),
+        "self": _arm(target, mcfg, batches, self_spec, None, args, new_tokens, eos_id,
+                     tok.pad_id),
+        "dense": _arm(target, mcfg, batches, dense_spec, (drafter, dcfg), args, new_tokens,
+                      eos_id, tok.pad_id),
     }
     spec = dense_spec.resolve(mcfg, dcfg)
     lengths = (64, 65536)

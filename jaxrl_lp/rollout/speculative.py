@@ -168,7 +168,10 @@ def _speculate(params, dparams, prompt_BxP, positions_BxP, lengths_B, key, versi
         return (s.it < n - 1) & ~jnp.all(s.done)
 
     def body(s: _SpecState):
-        key, kd, ka = jax.random.split(s.key, 3)
+        if sampling.greedy:  # no draws: the key is carried unused
+            key, kd, ka = s.key, None, None
+        else:
+            key, kd, ka = jax.random.split(s.key, 3)
         slot = p + s.n - 1  # the last committed token's slot (and its index in `seq`)
         last = take_chunk(s.seq, slot, 1)[:, 0]
         prev = take_chunk(s.seq, slot - 1, 1)[:, 0]
@@ -194,7 +197,7 @@ def _speculate(params, dparams, prompt_BxP, positions_BxP, lengths_B, key, versi
             seq=put_chunk(s.seq, emitted, p + s.n),
             logprobs=put_chunk(s.logprobs, lps, s.n),
             exit_steps=put_chunk(s.exit_steps, exits, s.n),
-            counts=s.counts.at[:, s.it].set(count),
+            counts=jax.lax.dynamic_update_slice(s.counts, count[:, None], (jnp.int32(0), s.it)),
             proposed=s.proposed + k * jnp.sum(live).astype(jnp.int32),
             accepted=s.accepted + jnp.sum(jnp.where(live, a, 0)).astype(jnp.int32))
 
