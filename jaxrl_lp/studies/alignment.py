@@ -62,6 +62,7 @@ from pathlib import Path
 import numpy as np
 
 from jaxrl_lp.numerics.policy import ALL_REGIONS, PRESETS, Policy
+from jaxrl_lp.studies import common
 from jaxrl_lp.studies.common import QUICK_OVERRIDES, make_config, remove_outputs, restore_state
 
 __all__ = ["ARMS", "DEFAULT_STEPS", "LEARNER_POLICY", "OWNED_KEYS", "arm_policy", "check_arms",
@@ -96,23 +97,12 @@ OWNED_KEYS: tuple[str, ...] = ("grpo.learner_policy", "grpo.sampler_policy", "gr
 
 def check_overrides(overrides) -> None:
     """A one-line ValueError for an override of a key the study sets itself (`OWNED_KEYS`)."""
-    for o in overrides:
-        key = str(o).split("=", 1)[0].strip()
-        if key in OWNED_KEYS:
-            raise ValueError(f"alignment: --set {key} is set by the study itself (its arms, "
-                             f"--steps, --out); remove it")
+    common.check_overrides("alignment", overrides, OWNED_KEYS)
 
 
 def check_arms(arms) -> tuple[str, ...]:
     """`arms` as a tuple (None: `ARMS`); a one-line ValueError naming the valid arms."""
-    if arms is None:
-        return ARMS
-    arms = tuple(arms)
-    bad = [a for a in arms if a not in ARMS]
-    if bad or not arms:
-        raise ValueError(f"alignment: unknown arm(s) {bad or '(none given)'}; "
-                         f"arms are {','.join(ARMS)}")
-    return arms
+    return common.check_arms("alignment", arms, ARMS, "arm")
 
 
 def measure_mismatch(params: dict, mcfg, task, loop, arms, *, num_prompts: int, group_size: int,

@@ -63,6 +63,7 @@ from typing import NamedTuple
 import numpy as np
 
 from jaxrl_lp.numerics.policy import Policy
+from jaxrl_lp.studies import common
 from jaxrl_lp.studies.common import QUICK_OVERRIDES, make_config, remove_outputs
 
 __all__ = ["ARMS", "BACKWARDS", "DEFAULT_STEPS", "OWNED_KEYS", "ArmStep", "CapturedGradient",
@@ -94,23 +95,12 @@ OWNED_KEYS: tuple[str, ...] = (
 
 def check_overrides(overrides) -> None:
     """A one-line ValueError for an override of a key the study sets itself (`OWNED_KEYS`)."""
-    for o in overrides:
-        key = str(o).split("=", 1)[0].strip()
-        if key in OWNED_KEYS:
-            raise ValueError(f"backward-state: --set {key} is set by the study itself (its arms, "
-                             f"--steps, --out); remove it")
+    common.check_overrides("backward-state", overrides, OWNED_KEYS)
 
 
 def check_arms(arms) -> tuple[str, ...]:
     """`arms` as a tuple (None: `ARMS`); a one-line ValueError naming the valid formats."""
-    if arms is None:
-        return ARMS
-    arms = tuple(arms)
-    bad = [a for a in arms if a not in ARMS]
-    if bad or not arms:
-        raise ValueError(f"backward-state: unknown format(s) {bad or '(none given)'}; "
-                         f"formats are {','.join(ARMS)}")
-    return arms
+    return common.check_arms("backward-state", arms, ARMS, "format")
 
 
 class CapturedGradient(NamedTuple):

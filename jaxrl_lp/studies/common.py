@@ -29,7 +29,8 @@ from jaxrl_lp.train.config import TrainConfig, apply_overrides
 from jaxrl_lp.train.defaults import default_config
 from jaxrl_lp.train.sync_hooks import SyncHooks
 
-__all__ = ["QUICK_OVERRIDES", "make_config", "remove_outputs", "reseat_checkpoint", "restore_state"]
+__all__ = ["QUICK_OVERRIDES", "check_arms", "check_overrides", "make_config", "remove_outputs",
+           "reseat_checkpoint", "restore_state"]
 
 # A tiny model, task and batch for smoke runs (`--quick`, the tests). One-digit addition
 # and 100 warm-start steps give the tiny model some reward variance (about 20% accuracy),
@@ -45,6 +46,27 @@ QUICK_OVERRIDES: tuple[str, ...] = (
 def make_config(overrides: list[str] | tuple[str, ...]) -> TrainConfig:
     """The default config (read at call time) with `a.b=c` overrides applied in order."""
     return apply_overrides(default_config(), list(overrides))
+
+
+def check_overrides(study: str, overrides, owned) -> None:
+    """A one-line ValueError for an override of a key the study sets itself (`owned`)."""
+    for o in overrides:
+        key = str(o).split("=", 1)[0].strip()
+        if key in owned:
+            raise ValueError(f"{study}: --set {key} is set by the study itself (its arms, "
+                             f"--steps, --out); remove it")
+
+
+def check_arms(study: str, arms, valid: tuple[str, ...], what: str = "arm") -> tuple[str, ...]:
+    """`arms` as a tuple (None: `valid`); a one-line ValueError naming the valid ones."""
+    if arms is None:
+        return valid
+    arms = tuple(arms)
+    bad = [a for a in arms if a not in valid]
+    if bad or not arms:
+        raise ValueError(f"{study}: unknown {what}(s) {bad or '(none given)'}; "
+                         f"{what}s are {','.join(valid)}")
+    return arms
 
 
 def remove_outputs(out: Path, names: list[str] | tuple[str, ...]) -> None:

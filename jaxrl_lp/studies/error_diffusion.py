@@ -27,10 +27,8 @@ Measured (default model and task, 1200 steps; `jaxrl-lp study error-diffusion`
 with an empty compilation cache, docs/studies/error-diffusion-default.json): final
 loss binary ED k=4 0.103 (5 bits/weight) vs latent 0.704 (96); ternary ED k=4
 0.233 (5.58) vs latent 1.300; mean flip rate per step 0.04% / 0.05% (ED) vs
-0.18% / 0.20% (latent). The four arms took 155-177 s each, 664 s in all, on the
-2-core machine with another job using about two cores beside it (load 3-4);
-alone it should be about 8-9 minutes (the warm-start of the other studies, the
-same 1200 steps, took 108 s idle). docs/design.md
+0.18% / 0.20% (latent). The whole default study (four arms) took 7.7 minutes
+on the idle 2-core development machine with an empty compilation cache. docs/design.md
 ("Error diffusion") has the details and the caveats.
 """
 
