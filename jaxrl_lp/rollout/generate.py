@@ -224,6 +224,24 @@ def _sample(params, prompt_BxP, positions_BxP, lengths_B, key, version, *, cfg, 
     )
 
 
+def sample_rows(prompts, toks, pos, lengths, cfg: ModelConfig, num_samples: int,
+                sampling: SamplingConfig, key):
+    """Checks the prompts' token ids, repeats each padded prompt row `num_samples` times and
+    resolves the key (greedy decoding may omit it); shared by `generate` and the speculative
+    sampler. Returns `(toks, pos, lengths, key)`."""
+    if bad := [int(t) for t in np.unique(np.concatenate([np.asarray(p) for p in prompts]))
+               if not 0 <= t < cfg.vocab_size]:
+        raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, "
+                         f"{cfg.vocab_size})")
+    if num_samples > 1:
+        toks, pos, lengths = (np.repeat(a, num_samples, axis=0) for a in (toks, pos, lengths))
+    if key is None:
+        if not sampling.greedy:
+            raise ValueError("sampling needs a PRNG key (key=jax.random.key(seed))")
+        key = jax.random.PRNGKey(0)
+    return toks, pos, lengths, key
+
+
 def generate(
     params: dict,
     cfg: ModelConfig,
@@ -295,16 +313,8 @@ def generate(
             f"model's context of {cfg.max_position_embeddings} tokens; shorten the prompt or "
             "lower max_new_tokens"
         )
-    if bad := [int(t) for t in np.unique(np.concatenate([np.asarray(p) for p in prompts]))
-               if not 0 <= t < cfg.vocab_size]:
-        raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, "
-                         f"{cfg.vocab_size})")
-    if num_samples > 1:
-        toks, pos, lengths = (np.repeat(a, num_samples, axis=0) for a in (toks, pos, lengths))
-    if key is None:
-        if not sampling.greedy:
-            raise ValueError("sampling needs a PRNG key (key=jax.random.key(seed))")
-        key = jax.random.PRNGKey(0)
+    toks, pos, lengths, key = sample_rows(prompts, toks, pos, lengths, cfg, num_samples,
+                                          sampling, key)
     rows = toks.shape[0]
     host = (toks, pos, lengths)
     if mesh is None:

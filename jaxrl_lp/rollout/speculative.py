@@ -55,7 +55,7 @@ from jaxrl_lp.models.cache import init_cache, unstack_cache
 from jaxrl_lp.models.config import ModelConfig
 from jaxrl_lp.numerics.policy import Policy
 from jaxrl_lp.rollout.drafter import DraftState, draft, init_draft, sampling_probs
-from jaxrl_lp.rollout.generate import Rollout, pad_prompts
+from jaxrl_lp.rollout.generate import Rollout, pad_prompts, sample_rows
 from jaxrl_lp.rollout.rows import put_chunk, rowwise_forward, take_chunk
 from jaxrl_lp.rollout.sampling import SamplingConfig, sample_tokens
 from jaxrl_lp.rollout.sampling import _filter as filter_logits  # the sampler's own filter
@@ -316,16 +316,8 @@ def speculative_generate(
         raise ValueError(
             f"prompt of {longest} tokens plus max_new_tokens={max_new_tokens} and k={spec.k} "
             f"draft slots exceeds the model's context of {cfg.max_position_embeddings} tokens")
-    if bad := [int(t) for t in np.unique(np.concatenate([np.asarray(q) for q in prompts]))
-               if not 0 <= t < cfg.vocab_size]:
-        raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, "
-                         f"{cfg.vocab_size})")
-    if num_samples > 1:
-        toks, pos, lengths = (np.repeat(a, num_samples, axis=0) for a in (toks, pos, lengths))
-    if key is None:
-        if not sampling.greedy:
-            raise ValueError("sampling needs a PRNG key (key=jax.random.key(seed))")
-        key = jax.random.PRNGKey(0)
+    toks, pos, lengths, key = sample_rows(prompts, toks, pos, lengths, cfg, num_samples,
+                                          sampling, key)
     ro, stats = _speculate(params, dparams, jnp.asarray(toks), jnp.asarray(pos),
                            jnp.asarray(lengths), key, weights_version, cfg=cfg, dcfg=dcfg,
                            spec=spec, policy=policy, loop=loop, sampling=sampling,
