@@ -30,6 +30,18 @@ jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
 jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _release_compiled_programs():
+    """Drops the in-memory compiled programs after each test file.
+
+    A whole session keeps hundreds of executables loaded otherwise; late in such a
+    session XLA CPU segfaulted deserializing a large program from the persistent
+    cache. Programs a later file needs again come back from that cache.
+    """
+    yield
+    jax.clear_caches()
+
+
 @pytest.fixture(scope="session")
 def finished_runs(tmp_path_factory):
     """Two finished short runs that the tests reading runs share (read them, or copy them).
