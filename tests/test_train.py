@@ -61,7 +61,7 @@ def test_sigkill_and_resume_is_bit_identical(tmp_path, finished_runs):
     step_killed = Checkpointer(cut_dir).latest_step()
     assert step_killed is not None and step_killed < FINISHED_STEPS, "the kill should land mid-run"
     # The resume runs in a fresh process too, as a user's would. (In-process, late in a long
-    # test session, XLA CPU once segfaulted deserializing this run's programs from the
+    # test session, XLA CPU segfaulted (every time) deserializing this run's programs from the
     # persistent compilation cache; a fresh process reads the same entries cleanly.)
     subprocess.run(args, check=True, stdout=subprocess.DEVNULL, timeout=600)
     resumed = json.loads((cut_dir / "summary.json").read_text())
