@@ -141,11 +141,13 @@ def test_per_token_activation_scales_make_tokens_independent():
     f = jax.jit(quantized_matmul, static_argnums=(2, 3, 4))
     y_all = f(x, w, "fp8", "reuse", (0, 1))
     y_one = f(x[1:2, 7:8], w, "fp8", "reuse", (0, 1))
-    np.testing.assert_array_equal(np.asarray(y_all[1:2, 7:8]), np.asarray(y_one))
-    # Without batch axes the activation scale is per tensor, so the row changes.
+    # The same quantized operands; only the f32 matmul's rounding may differ with the row
+    # count (XLA:CPU picks its kernel by shape: 3e-7 on an AVX-512 machine, 0 on others).
+    np.testing.assert_allclose(np.asarray(y_all[1:2, 7:8]), np.asarray(y_one), atol=1e-6)
+    # Without batch axes the activation scale is per tensor, so the row changes (by 8e-2).
     y_tensor = f(x[1:2, 7:8], w, "fp8", "reuse", ())
     y_all_tensor = f(x, w, "fp8", "reuse", ())
-    assert not np.array_equal(np.asarray(y_all_tensor[1:2, 7:8]), np.asarray(y_tensor))
+    assert np.abs(np.asarray(y_all_tensor[1:2, 7:8]) - np.asarray(y_tensor)).max() > 1e-2
 
 
 def test_no_recompile_on_second_call():
