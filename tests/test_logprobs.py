@@ -198,3 +198,34 @@ def test_behaviour_logprobs_in_micro_batches_equal_one_pass():
     split = jit_learner_logprobs(cfg, policy, "hybrid", loop=loop, micro_batches=3)(params, ro)
     np.testing.assert_array_equal(np.asarray(split) * np.asarray(ro.completion_mask),
                                   np.asarray(replay) * np.asarray(ro.completion_mask))
+
+
+# ---------------------------------------------------------------- the dense read-out's one-pass log-prob
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_logprob_entropy_equals_log_softmax_in_value_and_gradient(temperature):
+    """One pass (lse shared, gradient written out) == autodiff of log_softmax taken twice."""
+    from jaxrl_lp.rl.logprobs import logprob_entropy
+    from jaxrl_lp.rollout.sampling import token_logprobs
+
+    k1, k2, k3, k4 = jax.random.split(jax.random.PRNGKey(3), 4)
+    logits = 4.0 * jax.random.normal(k1, (3, 5, 37))  # a vocabulary no tile size divides
+    tokens = jax.random.randint(k2, (3, 5), 0, 37)
+    g_lp, g_ent = jax.random.normal(k3, (3, 5)), jax.random.normal(k4, (3, 5))
+
+    def plain(z):
+        lp = jax.nn.log_softmax(z / temperature, axis=-1)
+        return token_logprobs(z, tokens, temperature), -jnp.sum(jnp.exp(lp) * lp, axis=-1)
+
+    def loss(fn):
+        return lambda z: jnp.sum(fn(z)[0] * g_lp) + jnp.sum(fn(z)[1] * g_ent)
+
+    got = logprob_entropy(logits, tokens, temperature)
+    for a, b in zip(got, plain(logits), strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5, rtol=1e-6)
+    np.testing.assert_allclose(
+        np.asarray(jax.grad(loss(lambda z: logprob_entropy(z, tokens, temperature)))(logits)),
+        np.asarray(jax.grad(loss(plain))(logits)), atol=1e-5, rtol=1e-4)
+    # The cotangent comes back in the logits' dtype (bf16 logits get bf16 gradients).
+    g16 = jax.grad(lambda z: jnp.sum(logprob_entropy(z, tokens, temperature)[0]))(
+        logits.astype(jnp.bfloat16))
+    assert g16.dtype == jnp.bfloat16

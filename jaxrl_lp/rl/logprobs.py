@@ -23,6 +23,7 @@ caller's jit.
 
 from __future__ import annotations
 
+import functools
 from typing import Literal
 
 import jax
@@ -30,7 +31,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 
 from jaxrl_lp.kernels.logprob import fused_logprobs
-from jaxrl_lp.models.blocks import lm_head, unstack_layers
+from jaxrl_lp.models.blocks import lm_head, lm_logits, unstack_layers
 from jaxrl_lp.models.cache import init_cache, unstack_cache
 from jaxrl_lp.models.config import ModelConfig
 from jaxrl_lp.models.loop import MODEL_DEFAULT, ExitSchedule
@@ -39,12 +40,11 @@ from jaxrl_lp.numerics.policy import Policy
 from jaxrl_lp.parallel.context import use_mesh
 from jaxrl_lp.parallel.rules import DEFAULT_RULES, ShardingRules
 from jaxrl_lp.rollout.generate import Rollout, split_rows
-from jaxrl_lp.rollout.sampling import token_logprobs
 from jaxrl_lp.rollout.speculative import replay_speculative
 from jaxrl_lp.rollout.step import LoopSpec, decode_step, fused_readout, prefill, step_logprobs
 
 __all__ = ["LogprobMethod", "dense_logprobs", "jit_learner_logprobs", "learner_logprobs",
-           "prompt_positions", "replay_logprobs", "rollout_loop"]
+           "logprob_entropy", "prompt_positions", "replay_logprobs", "rollout_loop"]
 
 LogprobMethod = Literal["dense", "replay", "hybrid"]
 
@@ -84,9 +84,46 @@ def rollout_loop(ro: Rollout, cfg: ModelConfig, loop: LoopSpec | None = None) ->
     return own
 
 
-def _entropy(logits_xV: jax.Array, temperature: float) -> jax.Array:
-    lp = jax.nn.log_softmax(logits_xV.astype(jnp.float32) / temperature, axis=-1)
-    return -jnp.sum(jnp.exp(lp) * lp, axis=-1)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def logprob_entropy(logits_xV: jax.Array, tokens_x: jax.Array, temperature: float):
+    """(log-prob of `tokens_x`, entropy) of softmax(logits / temperature), f32, in one pass.
+
+    With s = logits / tau and lse = logsumexp(s): logp = s[token] - lse and
+    H = lse - sum_v p_v s_v. The gradient (`jax.custom_vjp`) is written out,
+
+        dL/dlogits = [g_logp (1[v = token] - p) - g_H p (s - E_p s)] / tau,
+
+    one elementwise pass over `[x, V]` where autodiff of `log_softmax` twice
+    (log-prob and entropy) and of the token gather takes several and scatters
+    into a zero `[x, V]` array. The dense learner's plain read-out; it equals
+    `token_logprobs` and the entropy of `log_softmax` up to f32 rounding
+    (tests/test_logprobs.py), and the sampler keeps `token_logprobs`.
+    """
+    return _logprob_entropy_fwd(logits_xV, tokens_x, temperature)[0]
+
+
+def _logprob_entropy_fwd(logits_xV, tokens_x, temperature):
+    s = logits_xV.astype(jnp.float32) / temperature
+    m = jax.lax.stop_gradient(jnp.max(s, axis=-1, keepdims=True))
+    e = jnp.exp(s - m)
+    total = jnp.sum(e, axis=-1, keepdims=True)
+    lse = m + jnp.log(total)
+    mean = jnp.sum(e * s, axis=-1, keepdims=True) / total  # E_p s
+    chosen = jnp.take_along_axis(s, tokens_x[..., None], axis=-1)
+    out = ((chosen - lse)[..., 0], (lse - mean)[..., 0])
+    return out, (s, tokens_x, lse, mean, jnp.zeros((), logits_xV.dtype))
+
+
+def _logprob_entropy_bwd(temperature, res, g):
+    s, tokens_x, lse, mean, like = res
+    g_lp, g_ent = g
+    p = jnp.exp(s - lse)
+    onehot = jax.lax.broadcasted_iota(jnp.int32, s.shape, s.ndim - 1) == tokens_x[..., None]
+    dz = (g_lp[..., None] * (onehot - p) - g_ent[..., None] * p * (s - mean)) / temperature
+    return dz.astype(like.dtype), None
+
+
+logprob_entropy.defvjp(_logprob_entropy_fwd, _logprob_entropy_bwd)
 
 
 def dense_logprobs(params: dict, cfg: ModelConfig, policy: Policy, ro: Rollout, *,
@@ -94,10 +131,12 @@ def dense_logprobs(params: dict, cfg: ModelConfig, policy: Policy, ro: Rollout, 
     """Teacher-forced log-probs and entropies [B, N] from one parallel forward (differentiable).
 
     The forward applies the rollout's recorded schedule in its compute mode
-    (`rollout_loop`; `loop`, if given, must match it). Where the policy selects
-    the fused kernel (`fused_readout`) the log-probs and entropies come from
-    the completion positions' hidden states by `kernels.fused_logprobs` (no
-    [B, T, V] logits; 0 off the completion mask); elsewhere from the logits.
+    (`rollout_loop`; `loop`, if given, must match it). Only the N positions
+    that predict the completion are read out: where the policy selects the
+    fused kernel (`fused_readout`) by `kernels.fused_logprobs` from their
+    hidden states (no [B, N, V] logits; 0 off the completion mask), elsewhere
+    by `logprob_entropy` of their logits [B, N, V] (one softmax pass, the
+    gradient written out).
     """
     loop = rollout_loop(ro, cfg, loop)
     b, p = ro.prompt_tokens.shape
@@ -115,18 +154,16 @@ def dense_logprobs(params: dict, cfg: ModelConfig, policy: Policy, ro: Rollout, 
         # (at position P+j-1) stopped where the step that produced token j did.
         depth = jax.lax.dynamic_update_slice(full, ro.exit_steps[:, 1:], (0, p))
         schedule = ExitSchedule(depth_BxT=depth, readout_BxT=readout)
-    fused = fused_readout(policy)
-    out, _, _ = forward(params, cfg, policy, tokens, positions, loop=loop if cfg.is_looped else None,
-                        schedule=schedule, remat=remat, hidden=fused)
-    out = out[:, p - 1:p - 1 + n]
+    h, _, _ = forward(params, cfg, policy, tokens, positions, loop=loop if cfg.is_looped else None,
+                      schedule=schedule, remat=remat, hidden=True)
+    h = h[:, p - 1:p - 1 + n]  # the lm head reads the positions that predict the completion
     t = ro.temperature
-    if fused:
-        lp, ent = fused_logprobs(out.reshape(b * n, -1), lm_head(params, cfg),
+    if fused_readout(policy):
+        lp, ent = fused_logprobs(h.reshape(b * n, -1), lm_head(params, cfg),
                                  ro.completion_tokens.reshape(-1), t, policy,
                                  mask_T=ro.completion_mask.reshape(-1))
         return lp.reshape(b, n), ent.reshape(b, n)
-    logits = out
-    return token_logprobs(logits, ro.completion_tokens, t), _entropy(logits, t)
+    return logprob_entropy(lm_logits(params, h, cfg, policy), ro.completion_tokens, t)
 
 
 def replay_logprobs(params: dict, cfg: ModelConfig, policy: Policy, ro: Rollout, *,
