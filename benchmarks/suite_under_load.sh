@@ -18,7 +18,7 @@ trap 'kill "${pids[@]}" 2>/dev/null || true' EXIT
 export JAX_COMPILATION_CACHE_DIR="$(mktemp -d /tmp/jaxrl_lp_cold_cache.XXXX)"
 start=$(date +%s)
 set +e
-"$PYTHON" -m pytest -x -q -p no:cacheprovider > "$LOG" 2>&1
+"$PYTHON" -m pytest -x -q -n 2 --dist worksteal -p no:cacheprovider > "$LOG" 2>&1
 status=$?
 set -e
 seconds=$(( $(date +%s) - start ))
