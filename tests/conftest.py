@@ -9,7 +9,10 @@ run three times: uninterrupted, killed, resumed); a compilation cache shared
 by the session and its subprocesses turns the repeats into cache hits.
 """
 
+import fcntl
+import json
 import os
+import shutil
 import tempfile
 
 if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
@@ -48,14 +51,29 @@ def finished_runs(tmp_path_factory):
 
     `plain`: no exporter; `fair`: Fair Cast (`helpers.FAIR_CAST`). Each is a
     `(run_dir, summary)` pair of `helpers.FINISHED` (8 steps).
+
+    Under `pytest -n` (xdist) the workers share them: the first to ask trains
+    them in the session's common temporary folder, under a file lock, and the
+    others wait and read them (`summary.json`, what `run_train` returned).
     """
     from helpers import FAIR_CAST, FINISHED
 
     from jaxrl_lp.train import apply_overrides, default_config, run_train
 
-    root = tmp_path_factory.mktemp("finished_runs")
+    base = tmp_path_factory.getbasetemp()
+    root = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "finished_runs"
+    root.mkdir(exist_ok=True)
     runs = {}
-    for name, extra in (("plain", []), ("fair", FAIR_CAST)):
-        cfg = apply_overrides(default_config(), [*FINISHED, f"run.out_dir={root / name}", *extra])
-        runs[name] = (root / name, run_train(cfg))
+    with open(root / ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        for name, extra in (("plain", []), ("fair", FAIR_CAST)):
+            run = root / name
+            done = root / f"{name}.finished"
+            if not done.exists():  # not trained, or cut off mid-way
+                shutil.rmtree(run, ignore_errors=True)
+                cfg = apply_overrides(default_config(),
+                                      [*FINISHED, f"run.out_dir={run}", *extra])
+                run_train(cfg)
+                done.touch()
+            runs[name] = (run, json.loads((run / "summary.json").read_text()))
     return runs
