@@ -104,7 +104,7 @@ def logprob_entropy(logits_xV: jax.Array, tokens_x: jax.Array, temperature: floa
 
 def _logprob_entropy_fwd(logits_xV, tokens_x, temperature):
     s = logits_xV.astype(jnp.float32) / temperature
-    m = jax.lax.stop_gradient(jnp.max(s, axis=-1, keepdims=True))
+    m = jnp.max(s, axis=-1, keepdims=True)
     e = jnp.exp(s - m)
     total = jnp.sum(e, axis=-1, keepdims=True)
     lse = m + jnp.log(total)
