@@ -14,6 +14,7 @@ def test_bench_learner_prints_one_json_object_with_both_methods(capsys):
                                                            "reason": "--no-tunix"}
     for m in ("dense", "hybrid"):
         assert res[m]["tokens_per_s"] > 0 and res[m]["mfu"] > 0
+        assert res[m]["compiled_flops"] > 0 and res[m]["compiled_temp_bytes"] > 0
     # The same update: hybrid's gradient is the dense forward's (only its value is the replay's).
     assert abs(res["hybrid"]["grad_norm_first"] - res["dense"]["grad_norm_first"]) < 1e-5
     assert "hybrid_over_dense_time<=1.5" in res["targets_met"]

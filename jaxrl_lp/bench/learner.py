@@ -24,7 +24,9 @@ layers' projections and the lm head, not the embedding gather) + 12 x L x
 PaLM's count, the causal half not discounted): a hybrid step's replay is
 overhead, not model FLOPs. The peak is the accelerator's dense bf16 figure
 (`plan.targets`, by device name) on GPU/TPU and SPEC section 11's f32 matmul
-rate (190 GFLOP/s) on CPU, or `--peak-tflops`.
+rate (190 GFLOP/s) on CPU, or `--peak-tflops`. For our steps the JSON adds
+XLA's own count of the compiled program: `compiled_flops` (its cost analysis)
+and `compiled_temp_bytes` (its temporaries, from the memory analysis).
 """
 
 from __future__ import annotations
@@ -127,7 +129,21 @@ def _ours(cfg, policy, params, ro, adv, optimizer, method):
         state["params"], state["opt"], m = step(state["params"], state["opt"], ro, adv,
                                                 ro.logprobs)
         return jax.block_until_ready({"loss": m["loss"], "grad_norm": m["grad_norm"]})
-    return _keep_first(call)
+    return _keep_first(call), lambda: _compiled_figures(
+        step.lower(state["params"], state["opt"], ro, adv, ro.logprobs).compile())
+
+
+def _compiled_figures(compiled) -> dict:
+    """XLA's count of the compiled step: FLOPs and temporary bytes (what the backend reports)."""
+    cost = compiled.cost_analysis()
+    cost = cost[0] if isinstance(cost, list | tuple) else cost  # a list on older jax
+    mem = compiled.memory_analysis()
+    out = {}
+    if cost and "flops" in cost:
+        out["compiled_flops"] = float(cost["flops"])
+    if mem is not None:
+        out["compiled_temp_bytes"] = int(mem.temp_size_in_bytes)
+    return out
 
 
 def _tunix(cfg, policy, params, ro, adv, optimizer, group, ckpt):
@@ -182,7 +198,8 @@ def run(args: argparse.Namespace) -> dict:
     ro, adv = grpo_batch(cfg, policy, params, batch=args.batch, prompt_len=args.prompt_len,
                          seq_len=args.seq_len, group=args.group, seed=args.seed)
     optimizer = optax.chain(optax.clip_by_global_norm(1.0), optax.adam(1e-6))
-    calls = {m: _ours(cfg, policy, params, ro, adv, optimizer, m) for m in methods}
+    ours = {m: _ours(cfg, policy, params, ro, adv, optimizer, m) for m in methods}
+    calls = {m: call for m, (call, _) in ours.items()}
     why_not = "--no-tunix" if args.no_tunix else tunix_ref.unavailable()
     info = {
         "target": "learner",
@@ -219,6 +236,8 @@ def run(args: argparse.Namespace) -> dict:
                   "grad_norm_first": float(fn.first["grad_norm"])}
         if peak:
             res[m]["mfu"] = round(flops / best / peak, 4)
+        if m in ours:
+            res[m].update(ours[m][1]())
     if "tunix" in res:  # one entry: whether and which Tunix ran, and its timing
         res["tunix"] = {**info.pop("tunix"), **res["tunix"]}
     ratios, checks = {}, {}
