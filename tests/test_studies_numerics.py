@@ -1,8 +1,8 @@
 """The numerics studies of SPEC section 7: rounding-location alignment and backward state.
 
-Fast versions at the quick size: the measurements on random weights (no
-training), one CLI run of the alignment study with two arms, and the errors
-for unknown arm names.
+Fast versions at the quick size: the alignment measurement on random weights
+(no training), one CLI run of each study with a few arms, and the errors for
+unknown arm names.
 """
 
 import json
@@ -75,19 +75,17 @@ def test_alignment_mismatch_per_region(quick_model):
             assert r["mean_abs_dlogp"] > 0.0, arm
 
 
-def test_backward_state_gradients(quick_model):
-    """No format: reuse and fresh gradients bit-equal; MX formats: different."""
-    cfg, plan, params, _ = quick_model
-    from jaxrl_lp.data.pipeline import sft_loader
-
-    task = plan.task
-    it = iter(sft_loader(task.train, task.sft_example, 8, 0, task.tokenizer.pad_id,
-                         seq_len=plan.seq_len))
-    batches = [(b.tokens_BxL, b.loss_mask_BxL) for b in (next(it) for _ in range(2))]
-    fns = {(f, b): backward_state.ArmStep(plan.model, backward_state.arm_policy(f, b),
-                                          plan.optimizers[0]).gradient
-           for f in ("none", "mxfp8", "mxfp4") for b in backward_state.BACKWARDS}
-    g = backward_state.gradient_figures(params, batches, fns, fns["none", "reuse"])
+def test_backward_state_cli_quick(tmp_path, capsys):
+    """`study backward-state` end to end. No format: reuse and fresh gradients bit-equal and
+    equal to f32; MX formats: different, biased, still pointing the same way."""
+    out = tmp_path / "bs"
+    rc = cli_main(["study", "backward-state", "--quick", "--out", str(out), "--arms",
+                   "none,mxfp8,mxfp4", "--steps", "2", "--sft-steps", "1",
+                   "--set", "run.eval_size=4"])
+    assert rc == 0
+    r = json.loads((out / "backward_state.json").read_text())
+    assert json.loads(capsys.readouterr().out)["study"] == "backward-state"
+    g = r["gradients"]
     assert g["none"]["bit_equal"] and g["none"]["rel_diff_reuse_fresh"] == 0.0
     for b in backward_state.BACKWARDS:
         # No quantization with f32 compute: the f32 gradient itself.
@@ -100,6 +98,12 @@ def test_backward_state_gradients(quick_model):
             assert np.isfinite(g[fmt][b]["bias_rel"]) and g[fmt][b]["cosine"] > 0.5, (fmt, b)
     # Four bits are coarser than eight.
     assert g["mxfp4"]["reuse"]["rel_error"] > g["mxfp8"]["reuse"]["rel_error"]
+    # The loss curves: f32, and each format's two backwards, 2 steps each.
+    assert r["curves"]["none-reuse"]["same_as"] == "f32"
+    for name in ("f32", "mxfp8-reuse", "mxfp8-fresh", "mxfp4-reuse", "mxfp4-fresh"):
+        assert len(r["curves"][name]["series"]["loss"]) == 2, name
+    for name in backward_state.OUTPUT_FILES:
+        assert (out / name).stat().st_size > 0, name
 
 
 def test_capture_gradient_passes_through():
