@@ -25,8 +25,10 @@ PaLM's count, the causal half not discounted): a hybrid step's replay is
 overhead, not model FLOPs. The peak is the accelerator's dense bf16 figure
 (`plan.targets`, by device name) on GPU/TPU and SPEC section 11's f32 matmul
 rate (190 GFLOP/s) on CPU, or `--peak-tflops`. For our steps the JSON adds
-XLA's own count of the compiled program: `compiled_flops` (its cost analysis)
-and `compiled_temp_bytes` (its temporaries, from the memory analysis).
+the compiled program's own figures: `compiled_flops` (its dots, each loop body
+times its trip count: `plan.hlo_cost`) and `compiled_temp_bytes` (its
+temporaries, `plan.roofline.memory_figures`). Taking them after the timed runs
+costs no compile (the program is in jit's cache).
 """
 
 from __future__ import annotations
@@ -48,6 +50,8 @@ from jaxrl_lp.models.config import ModelConfig, get_preset
 from jaxrl_lp.models.hf_io import save_hf_checkpoint
 from jaxrl_lp.models.model import init_params
 from jaxrl_lp.numerics.policy import Policy
+from jaxrl_lp.plan.hlo_cost import hlo_cost
+from jaxrl_lp.plan.roofline import memory_figures
 from jaxrl_lp.rl.advantages import group_advantages
 from jaxrl_lp.rl.logprobs import jit_learner_logprobs
 from jaxrl_lp.rl.loss import LossConfig
@@ -134,16 +138,9 @@ def _ours(cfg, policy, params, ro, adv, optimizer, method):
 
 
 def _compiled_figures(compiled) -> dict:
-    """XLA's count of the compiled step: FLOPs and temporary bytes (what the backend reports)."""
-    cost = compiled.cost_analysis()
-    cost = cost[0] if isinstance(cost, list | tuple) else cost  # a list on older jax
-    mem = compiled.memory_analysis()
-    out = {}
-    if cost and "flops" in cost:
-        out["compiled_flops"] = float(cost["flops"])
-    if mem is not None:
-        out["compiled_temp_bytes"] = int(mem.temp_size_in_bytes)
-    return out
+    """The compiled step's dot FLOPs (loop-aware, `plan.hlo_cost`) and temporary bytes."""
+    return {"compiled_flops": hlo_cost(compiled.as_text()).flops,
+            "compiled_temp_bytes": memory_figures(compiled)["temp"]}
 
 
 def _tunix(cfg, policy, params, ro, adv, optimizer, group, ckpt):
