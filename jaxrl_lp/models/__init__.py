@@ -8,6 +8,7 @@ from jaxrl_lp.models.hf_io import save_hf_checkpoint
 from jaxrl_lp.models.loop import ExitRule, ExitSchedule, LoopSpec, exit_distribution
 from jaxrl_lp.models.looped import LoopedOutput, looped_forward
 from jaxrl_lp.models.model import CausalLM, forward, init_params, param_shapes
+from jaxrl_lp.models.packing import Packing, make_packing, pack, unpack
 
 __all__ = [
     "PRESETS",
@@ -17,6 +18,7 @@ __all__ = [
     "LoopSpec",
     "LoopedOutput",
     "ModelConfig",
+    "Packing",
     "dense_forward",
     "exit_distribution",
     "forward",
@@ -25,9 +27,12 @@ __all__ = [
     "init_cache",
     "init_params",
     "looped_forward",
+    "make_packing",
+    "pack",
     "param_shapes",
     "save_hf_checkpoint",
     "unstack_cache",
+    "unpack",
     "unstack_layers",
 ]
 

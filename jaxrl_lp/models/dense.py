@@ -8,6 +8,7 @@ import jax.numpy as jnp
 from jaxrl_lp.models.blocks import (
     attend,
     embed,
+    kv_heads_first,
     lm_logits,
     mlp,
     over_layers,
@@ -16,7 +17,8 @@ from jaxrl_lp.models.blocks import (
 )
 from jaxrl_lp.models.cache import write_positions
 from jaxrl_lp.models.config import ModelConfig
-from jaxrl_lp.models.layers import rms_norm
+from jaxrl_lp.models.layers import attention, dot, rms_norm
+from jaxrl_lp.models.packing import Packing, pack, unpack
 from jaxrl_lp.numerics.policy import Policy
 
 __all__ = ["dense_forward", "default_positions"]
@@ -39,6 +41,7 @@ def dense_forward(
     *,
     remat: bool = False,
     hidden: bool = False,
+    packing: Packing | None = None,
 ) -> tuple[jax.Array, dict | None]:
     """Logits of a dense decoder, reading and writing an optional KV cache.
 
@@ -61,6 +64,12 @@ def dense_forward(
       hidden: return the final normed hidden state [B, T, D] (compute
         precision, what the lm head reads) instead of the logits, for the
         fused log-prob (`kernels.logprob`).
+      packing: compute only these slots (`models.packing`; no cache): the
+        embedding, projections, norms and MLP run on the M packed rows, and
+        attention on the [B, T] grid with zeros at the other slots, which no
+        packed query may see (the caller's promise: they are padding, masked
+        by position -1 or after the row's last packed token). The outputs are
+        then packed rows, [M, V] or [M, D].
 
     Returns:
       (logits [B, T, V] f32 or the hidden state, the updated cache or None).
@@ -68,6 +77,11 @@ def dense_forward(
     cache_index = jnp.asarray(cache_index, jnp.int32)
     if positions_BxT is None:
         positions_BxT = default_positions(tokens_BxT, cache_index)
+    if packing is not None:
+        if cache is not None:
+            raise ValueError("dense_forward: a packed forward has no KV cache")
+        return _packed_forward(params, cfg, policy, tokens_BxT, positions_BxT, packing,
+                               remat=remat, hidden=hidden), None
     h = embed(params, tokens_BxT, policy)
     if cache is not None:
         cache = write_positions(cache, positions_BxT, cache_index)
@@ -95,3 +109,30 @@ def dense_forward(
         cache = {**cache, "k": ck, "v": cv}
     h = rms_norm(h, params["final_norm"], cfg.rms_eps, policy)
     return (h if hidden else lm_logits(params, h, cfg, policy)), cache
+
+
+def _packed_forward(params, cfg: ModelConfig, policy: Policy, tokens_BxT, positions_BxT,
+                    packing: Packing, *, remat: bool, hidden: bool) -> jax.Array:
+    """`dense_forward` on the packed rows only (its `packing` argument): [M, V] or [M, D]."""
+    b, t = tokens_BxT.shape
+    pos_1xM = pack(positions_BxT, packing)[None]
+    h = embed(params, pack(tokens_BxT, packing)[None], policy)  # [1, M, D]
+
+    def layer(h, xs):
+        lp, _ = xs
+        x = rms_norm(h, lp["attn_norm"], cfg.rms_eps, policy)
+        q, k, v = (unpack(a[0], packing, b, t)
+                   for a in project_qkv(lp, x, pos_1xM, cfg, policy))
+        o = attention(q, kv_heads_first(k), kv_heads_first(v), positions_BxT,
+                      positions_BxT, policy)
+        a = policy.round(dot(pack(o, packing)[None], lp["o_proj"], policy))
+        h = residual_add(h, a, policy)
+        h = residual_add(h, mlp(lp, rms_norm(h, lp["mlp_norm"], cfg.rms_eps, policy), policy),
+                         policy)
+        return h, None
+
+    if remat:
+        layer = jax.checkpoint(layer)
+    h, _ = over_layers(layer, h, params["layers"])
+    h = rms_norm(h, params["final_norm"], cfg.rms_eps, policy)[0]
+    return h if hidden else lm_logits(params, h, cfg, policy)

@@ -23,6 +23,7 @@ from jaxrl_lp.models.config import ModelConfig
 from jaxrl_lp.models.dense import dense_forward
 from jaxrl_lp.models.loop import MODEL_DEFAULT, ExitRule, ExitSchedule, LoopSpec
 from jaxrl_lp.models.looped import LoopedOutput, looped_forward
+from jaxrl_lp.models.packing import Packing
 from jaxrl_lp.numerics.policy import Policy
 
 __all__ = ["CausalLM", "forward", "init_params", "param_shapes"]
@@ -74,7 +75,8 @@ def forward(params: dict, cfg: ModelConfig, policy: Policy | str, tokens_BxT: ja
             positions_BxT: jax.Array | None = None, cache: dict | None = None,
             cache_index: jax.Array | int = 0, *, loop: LoopSpec | None = None,
             schedule: ExitSchedule | None = None, readout: str = "exit",
-            early_stop: bool = False, remat: bool = False, hidden: bool = False):
+            early_stop: bool = False, remat: bool = False, hidden: bool = False,
+            packing: Packing | None = None):
     """Dispatches to `dense_forward` or `looped_forward`; returns (logits, cache, LoopedOutput|None).
 
     For looped models the third element is the full `LoopedOutput` (exit steps,
@@ -82,11 +84,14 @@ def forward(params: dict, cfg: ModelConfig, policy: Policy | str, tokens_BxT: ja
     `schedule`, `readout` and `early_stop` are the looped forward's (see
     `looped_forward`); a dense model ignores `loop` and refuses the others.
     With `hidden` the first element is the final normed hidden state [B, T, D]
-    that the lm head reads (the input of `kernels.fused_logprobs`).
+    that the lm head reads (the input of `kernels.fused_logprobs`). `packing`
+    (dense models only) computes the packed rows only (`dense_forward`).
     Not jitted itself; the options are Python values, static for the caller.
     """
     policy = Policy.parse(policy)
     if cfg.is_looped:
+        if packing is not None:
+            raise ValueError("a packed forward (packing=) is built for dense models only")
         out: LoopedOutput = looped_forward(
             params, cfg, policy, tokens_BxT, positions_BxT, cache, cache_index, loop=loop,
             schedule=schedule, readout=readout, early_stop=early_stop, remat=remat,
@@ -95,7 +100,7 @@ def forward(params: dict, cfg: ModelConfig, policy: Policy | str, tokens_BxT: ja
     if schedule is not None or readout != "exit" or early_stop:
         raise ValueError("schedule, readout='expected' and early_stop apply to looped models only")
     logits, cache = dense_forward(params, cfg, policy, tokens_BxT, positions_BxT, cache,
-                                  cache_index, remat=remat, hidden=hidden)
+                                  cache_index, remat=remat, hidden=hidden, packing=packing)
     return logits, cache, None
 
 

@@ -7,7 +7,12 @@ from jaxrl_lp.rl.advantages import (
     zero_variance_groups,
 )
 from jaxrl_lp.rl.corrections import correction_weights
-from jaxrl_lp.rl.logprobs import dense_logprobs, learner_logprobs, replay_logprobs
+from jaxrl_lp.rl.logprobs import (
+    dense_logprobs,
+    learner_logprobs,
+    packed_rows_of,
+    replay_logprobs,
+)
 from jaxrl_lp.rl.loss import LossConfig, kl_penalty, loss_denominator, policy_loss, select_anchor
 from jaxrl_lp.rl.metrics import mismatch_metrics
 from jaxrl_lp.rl.train_step import make_grpo_step, make_sft_step
@@ -24,6 +29,7 @@ __all__ = [
     "make_sft_step",
     "mismatch_metrics",
     "overlong_penalty",
+    "packed_rows_of",
     "policy_loss",
     "replay_logprobs",
     "select_anchor",

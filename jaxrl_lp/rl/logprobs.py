@@ -28,6 +28,7 @@ from typing import Literal
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import Mesh
 
 from jaxrl_lp.kernels.logprob import fused_logprobs
@@ -36,6 +37,7 @@ from jaxrl_lp.models.cache import init_cache, unstack_cache
 from jaxrl_lp.models.config import ModelConfig
 from jaxrl_lp.models.loop import MODEL_DEFAULT, ExitSchedule
 from jaxrl_lp.models.model import forward
+from jaxrl_lp.models.packing import bucket_rows, make_packing, take_rows, unpack
 from jaxrl_lp.numerics.policy import Policy
 from jaxrl_lp.parallel.context import use_mesh
 from jaxrl_lp.parallel.rules import DEFAULT_RULES, ShardingRules
@@ -44,9 +46,10 @@ from jaxrl_lp.rollout.speculative import replay_speculative
 from jaxrl_lp.rollout.step import LoopSpec, decode_step, fused_readout, prefill, step_logprobs
 
 __all__ = ["LogprobMethod", "dense_logprobs", "jit_learner_logprobs", "learner_logprobs",
-           "logprob_entropy", "prompt_positions", "replay_logprobs", "rollout_loop"]
+           "logprob_entropy", "packed_rows_of", "prompt_positions", "replay_logprobs", "rollout_loop"]
 
 LogprobMethod = Literal["dense", "replay", "hybrid"]
+PACK_BUCKETS = 16  # sizes a packed learner step compiles for, per grid (`packed_rows_of`)
 
 
 def prompt_positions(prompt_BxP: jax.Array, lengths_B: jax.Array) -> jax.Array:
@@ -127,7 +130,8 @@ logprob_entropy.defvjp(_logprob_entropy_fwd, _logprob_entropy_bwd)
 
 
 def dense_logprobs(params: dict, cfg: ModelConfig, policy: Policy, ro: Rollout, *,
-                   loop: LoopSpec | None = None, remat: bool = False):
+                   loop: LoopSpec | None = None, remat: bool = False,
+                   packed_rows: tuple[int, int] | None = None):
     """Teacher-forced log-probs and entropies [B, N] from one parallel forward (differentiable).
 
     The forward applies the rollout's recorded schedule in its compute mode
@@ -137,6 +141,14 @@ def dense_logprobs(params: dict, cfg: ModelConfig, policy: Policy, ro: Rollout, 
     hidden states (no [B, N, V] logits; 0 off the completion mask), elsewhere
     by `logprob_entropy` of their logits [B, N, V] (one softmax pass, the
     gradient written out).
+
+    With `packed_rows = (body, head)` (static; dense models only;
+    `packed_rows_of` computes them) the forward skips the padding
+    (`models.packing`): it runs on `body` packed rows holding the prompts'
+    and completions' real tokens, and the read-out on `head` rows holding the
+    completion-mask positions. Values off the completion mask are then 0. If
+    a count is larger than its rows every value is NaN (the step is skipped
+    as non-finite, never silently wrong).
     """
     loop = rollout_loop(ro, cfg, loop)
     b, p = ro.prompt_tokens.shape
@@ -145,6 +157,12 @@ def dense_logprobs(params: dict, cfg: ModelConfig, policy: Policy, ro: Rollout, 
     positions = jnp.concatenate(
         [prompt_positions(ro.prompt_tokens, ro.prompt_lengths),
          ro.prompt_lengths[:, None] + jnp.arange(n, dtype=jnp.int32)[None]], axis=1)
+    if packed_rows is not None:
+        if cfg.is_looped:
+            raise ValueError("packed_rows: the packed dense forward is built for dense models; "
+                             "pass packed_rows=None for a looped model")
+        return _packed_logprobs(params, cfg, policy, ro, tokens, positions, packed_rows,
+                                remat=remat)
     schedule = None
     if cfg.is_looped:
         full = jnp.full((b, p + n), cfg.loop_steps - 1, jnp.int32)
@@ -164,6 +182,58 @@ def dense_logprobs(params: dict, cfg: ModelConfig, policy: Policy, ro: Rollout, 
                                  mask_T=ro.completion_mask.reshape(-1))
         return lp.reshape(b, n), ent.reshape(b, n)
     return logprob_entropy(lm_logits(params, h, cfg, policy), ro.completion_tokens, t)
+
+
+def _packed_logprobs(params, cfg, policy, ro: Rollout, tokens_BxT, positions_BxT,
+                     packed_rows: tuple[int, int], *, remat: bool):
+    """`dense_logprobs` without the padding (its `packed_rows`): [B, N] twice."""
+    b, p = ro.prompt_tokens.shape
+    n = ro.completion_tokens.shape[1]
+    t = p + n
+    body_rows, head_rows = packed_rows
+    done = ro.completion_mask > 0
+    body, fits_body = make_packing(jnp.concatenate([positions_BxT[:, :p] >= 0, done], axis=1),
+                                   body_rows)
+    head, fits_head = make_packing(done, head_rows)
+    h, _, _ = forward(params, cfg, policy, tokens_BxT, positions_BxT, remat=remat, hidden=True,
+                      packing=body)
+    # Head row r reads completion slot (i, j) = divmod(head.index_M[r], N), predicted at grid
+    # slot (i, P - 1 + j): its packed body row. Distinct head rows read distinct body rows.
+    i, j = head.index_M // n, head.index_M % n
+    at = body.slot_S[i * t + p - 1 + j]
+    back = jnp.full((body_rows,), head_rows, jnp.int32).at[at].set(
+        jnp.arange(head_rows, dtype=jnp.int32), mode="drop")
+    h = take_rows(h, at, back)  # [head_rows, D]
+    toks = ro.completion_tokens.reshape(-1)[head.index_M]
+    if fused_readout(policy):
+        lp, ent = fused_logprobs(h, lm_head(params, cfg), toks, ro.temperature, policy,
+                                 mask_T=done.reshape(-1)[head.index_M])
+    else:
+        lp, ent = logprob_entropy(lm_logits(params, h, cfg, policy), toks, ro.temperature)
+    ok = fits_body & fits_head
+    out = lambda x: jnp.where(ok, jnp.where(done, unpack(x, head, b, n), 0.0), jnp.nan)
+    return out(lp), out(ent)
+
+
+def packed_rows_of(ro: Rollout, *, micro_batches: int = 1,
+                   buckets: int = PACK_BUCKETS) -> tuple[int, int]:
+    """The static `packed_rows` of `dense_logprobs` for `ro` (reads its masks on the host).
+
+    (body, head): the most real tokens (prompt and completion) and completion
+    tokens of any of the `micro_batches` row slices, each rounded up by
+    `models.packing.bucket_rows` to one of `buckets` sizes, so a run compiles
+    the step for a few shapes only.
+    """
+    mask = np.asarray(ro.completion_mask) > 0
+    b, n = mask.shape
+    p = ro.prompt_tokens.shape[1]
+    if b % micro_batches:
+        raise ValueError(f"packed_rows_of: {b} rows do not split into {micro_batches} slices")
+    per = b // micro_batches
+    done = mask.sum(axis=1).reshape(micro_batches, per).sum(axis=1)
+    real = done + np.asarray(ro.prompt_lengths).reshape(micro_batches, per).sum(axis=1)
+    return (bucket_rows(int(real.max()), per * (p + n), buckets),
+            bucket_rows(int(done.max()), per * n, buckets))
 
 
 def replay_logprobs(params: dict, cfg: ModelConfig, policy: Policy, ro: Rollout, *,
@@ -208,7 +278,7 @@ def replay_logprobs(params: dict, cfg: ModelConfig, policy: Policy, ro: Rollout,
 
 def learner_logprobs(params: dict, cfg: ModelConfig, policy: Policy, ro: Rollout,
                      method: LogprobMethod = "hybrid", *, loop: LoopSpec | None = None,
-                     remat: bool = False):
+                     remat: bool = False, packed_rows: tuple[int, int] | None = None):
     """Log-probs [B, N] (and entropies [B, N], from the dense forward; zeros for replay).
 
     Args:
@@ -218,11 +288,12 @@ def learner_logprobs(params: dict, cfg: ModelConfig, policy: Policy, ro: Rollout
       loop: the loop spec the caller expects the rollout to have (checked), or
         None to take the rollout's.
       remat: recompute layer activations in the dense backward.
+      packed_rows: the dense forward without the padding (`dense_logprobs`).
     """
     rollout_loop(ro, cfg, loop)  # refuses a rollout sampled otherwise than expected
     if method == "replay":
         return replay_logprobs(params, cfg, policy, ro), jnp.zeros(ro.logprobs.shape)
-    dense, entropy = dense_logprobs(params, cfg, policy, ro, remat=remat)
+    dense, entropy = dense_logprobs(params, cfg, policy, ro, remat=remat, packed_rows=packed_rows)
     if method == "dense":
         return dense, entropy
     if method != "hybrid":

@@ -28,7 +28,7 @@ from jaxrl_lp.parallel.context import constrain_params, use_mesh
 from jaxrl_lp.parallel.rules import DEFAULT_RULES, ShardingRules, param_shardings
 from jaxrl_lp.parallel.shard import batch_shardings, replicated, state_shardings
 from jaxrl_lp.rl.corrections import correction_weights
-from jaxrl_lp.rl.logprobs import learner_logprobs, rollout_loop
+from jaxrl_lp.rl.logprobs import PACK_BUCKETS, learner_logprobs, packed_rows_of, rollout_loop
 from jaxrl_lp.rl.loss import LossConfig, loss_denominator, policy_loss, select_anchor
 from jaxrl_lp.rollout.generate import Rollout, split_rows, take_rows
 from jaxrl_lp.rollout.step import LoopSpec
@@ -69,12 +69,15 @@ def make_grpo_step(cfg: ModelConfig, policy: Policy, loss_cfg: LossConfig,
                    optimizer: optax.GradientTransformation, *, loop: LoopSpec | None = None,
                    sampler_policy: Policy | str | None = None, method: str = "hybrid",
                    micro_batches: int = 1, remat: bool = False, mesh: Mesh | None = None,
-                   rules: ShardingRules = DEFAULT_RULES, weights=None):
+                   rules: ShardingRules = DEFAULT_RULES, weights=None,
+                   pack_buckets: int = PACK_BUCKETS):
     """Builds `step(params, opt_state, rollout, advantages_B, old_logp_BxN, ref_logp_BxN, served)`.
 
     The returned function is jitted; `params` and `opt_state` are donated. The
     rollout's static fields (policy, loop spec, temperature) are static: a
-    rollout sampled otherwise compiles anew (after the checks below). Called
+    rollout sampled otherwise compiles anew (after the checks below). A
+    packed step (`pack_buckets`) reads the rollout's masks on the host first
+    and its row counts are static too: one compilation per bucket. Called
     by the training program and the studies. One call is one optimizer update
     on one minibatch. Loss denominators, correction weights and the token
     count are computed on the whole minibatch, then gradients are accumulated
@@ -99,6 +102,10 @@ def make_grpo_step(cfg: ModelConfig, policy: Policy, loss_cfg: LossConfig,
         rules, rollout rows over the data shards, activations constrained.
       weights: a weight representation (`optim.weights`; module docstring), or
         None: `params` are the model's params. Not with `mesh`.
+      pack_buckets: for a dense model without `mesh`, the dense forward skips
+        the padding (`rl.logprobs.dense_logprobs`' `packed_rows`, rounded up
+        to one of this many sizes by `packed_rows_of`); 0 computes every slot.
+        The value and gradient are the unpacked ones up to matmul rounding.
 
     With `served` (the f32 values the sampler ran on) the loss is computed on
     the served copy with a straight-through gradient to the master (Fair Cast):
@@ -111,12 +118,13 @@ def make_grpo_step(cfg: ModelConfig, policy: Policy, loss_cfg: LossConfig,
         raise ValueError("make_grpo_step: a weight representation (weights=) runs on one "
                          "device; drop mesh")
 
-    def mb_loss(params, mb, adv, anchor, keep, weights_, denom, ref, num_tokens, served):
+    def mb_loss(params, mb, adv, anchor, keep, weights_, denom, ref, num_tokens, served, rows):
         if weights is not None:  # the float view of the train tree -> the model's params
             params = weights.model_params(params)
         if served is not None:
             params = straight_through_served(params, served)
-        logp, ent = learner_logprobs(params, cfg, policy, mb, method, remat=remat)
+        logp, ent = learner_logprobs(params, cfg, policy, mb, method, remat=remat,
+                                     packed_rows=rows)
         loss, m = policy_loss(logp, anchor, adv, keep, weights_, denom, loss_cfg, ref,
                               num_tokens=num_tokens)
         m = dict(m, entropy=jnp.sum(ent * keep) / num_tokens)
@@ -124,9 +132,11 @@ def make_grpo_step(cfg: ModelConfig, policy: Policy, loss_cfg: LossConfig,
 
     grad_fn = jax.value_and_grad(mb_loss, has_aux=True)
     want_policy = str(Policy.parse(policy if sampler_policy is None else sampler_policy))
+    packs = (pack_buckets > 0 and mesh is None and not cfg.is_looped
+             and method in ("dense", "hybrid"))
 
     def step(params, opt_state, ro: Rollout, adv_B, old_logp_BxN, ref_logp_BxN=None,
-             served=None):
+             served=None, packed_rows=None):
         train = params
         if weights is not None:  # gradients w.r.t. f32 codes (int8 has none)
             params = weights.differentiable(params)
@@ -148,11 +158,12 @@ def make_grpo_step(cfg: ModelConfig, policy: Policy, loss_cfg: LossConfig,
               rows(denom), rows(ref_logp_BxN))
 
         def accumulate(acc, x):
-            (loss, metrics), g = grad_fn(params, *x, num_tokens, served)
+            (loss, metrics), g = grad_fn(params, *x, num_tokens, served, packed_rows)
             return jax.tree.map(jnp.add, acc, (loss, metrics, g)), None
 
-        (loss0, m0), g0 = jax.eval_shape(grad_fn, params, *jax.tree.map(lambda a: a[0], xs),
-                                         num_tokens, served)
+        (loss0, m0), g0 = jax.eval_shape(
+            lambda *a: grad_fn(*a, packed_rows), params, *jax.tree.map(lambda a: a[0], xs),
+            num_tokens, served)
         zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), (loss0, m0, g0))
         # On a mesh the accumulated gradient is sharded like the parameters.
         zeros = (*zeros[:2], constrain_params(zeros[2]))
@@ -167,9 +178,31 @@ def make_grpo_step(cfg: ModelConfig, policy: Policy, loss_cfg: LossConfig,
         return new, opt_state, metrics
 
     if mesh is None:
-        return jax.jit(step, donate_argnums=(0, 1))
+        jitted = jax.jit(step, donate_argnums=(0, 1), static_argnames=("packed_rows",))
+        return _PackedStep(jitted, micro_batches, pack_buckets) if packs else jitted
     return MeshStep(step, cfg, mesh, rules, ("params", "state", "batch", "batch", "batch", "batch",
                                              "params"))
+
+
+class _PackedStep:
+    """A jitted GRPO step called with the static `packed_rows` of each rollout.
+
+    `packed_rows_of` reads the rollout's masks on the host (waiting for the
+    sampler) and picks the bucket; the jitted step compiles once per bucket.
+    `lower(...)` lowers for the rollout's bucket (what `bench learner` reads).
+    """
+
+    def __init__(self, jitted, micro_batches: int, buckets: int):
+        self.jitted, self.micro_batches, self.buckets = jitted, micro_batches, buckets
+
+    def _rows(self, ro: Rollout) -> tuple[int, int]:
+        return packed_rows_of(ro, micro_batches=self.micro_batches, buckets=self.buckets)
+
+    def __call__(self, params, opt_state, ro, *args):
+        return self.jitted(params, opt_state, ro, *args, packed_rows=self._rows(ro))
+
+    def lower(self, params, opt_state, ro, *args):
+        return self.jitted.lower(params, opt_state, ro, *args, packed_rows=self._rows(ro))
 
 
 def make_sft_step(cfg: ModelConfig, policy: Policy, optimizer: optax.GradientTransformation,
