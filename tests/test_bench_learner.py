@@ -18,3 +18,7 @@ def test_bench_learner_prints_one_json_object_with_both_methods(capsys):
     # The same update: hybrid's gradient is the dense forward's (only its value is the replay's).
     assert abs(res["hybrid"]["grad_norm_first"] - res["dense"]["grad_norm_first"]) < 1e-5
     assert "hybrid_over_dense_time<=1.5" in res["targets_met"]
+    # Our step skipped padding: fewer packed rows than the grid's B x T and B x N slots.
+    body, head = res["packed_rows"]
+    assert res["pack_buckets"] == 16 and body < 4 * 24 and head < 4 * 16
+    assert body >= res["completion_tokens"] + 4 * 8 and head >= res["completion_tokens"]

@@ -10,7 +10,11 @@ these weights. Timed, alternately after a warm-up so a change in load falls
 on all (`bench.sampler._race`, the fastest run reported):
 
 - `dense`, `hybrid`: our jitted step (`make_grpo_step`, PPO-clip epsilon 0.2,
-  `seq_mean_token_mean`, one micro-batch) under `--policy`;
+  `seq_mean_token_mean`, one micro-batch) under `--policy`. It skips the
+  padding (`models.packing`: the real tokens in `--pack-buckets` sizes of
+  packed rows; `packed_rows` in the JSON); `--pack-buckets 0` computes every
+  slot, as Tunix does, and `dense-unpacked` / `hybrid-unpacked` in
+  `--methods` race that step beside the packed one;
 - `tunix`: Tunix's GRPO update on the same checkpoint, tokens, masks,
   advantages and old log-probs (`bench.tunix_ref`: its Qwen3 loader, its RL
   trainer's jitted step, its `grpo` loss), when `google-tunix` imports (the
@@ -53,7 +57,7 @@ from jaxrl_lp.numerics.policy import Policy
 from jaxrl_lp.plan.hlo_cost import hlo_cost
 from jaxrl_lp.plan.roofline import memory_figures
 from jaxrl_lp.rl.advantages import group_advantages
-from jaxrl_lp.rl.logprobs import jit_learner_logprobs
+from jaxrl_lp.rl.logprobs import jit_learner_logprobs, packed_rows_of
 from jaxrl_lp.rl.loss import LossConfig
 from jaxrl_lp.rl.train_step import make_grpo_step
 from jaxrl_lp.rollout.generate import Rollout
@@ -125,8 +129,8 @@ def _keep_first(fn):
     return call
 
 
-def _ours(cfg, policy, params, ro, adv, optimizer, method):
-    step = make_grpo_step(cfg, policy, LOSS, optimizer, method=method)
+def _ours(cfg, policy, params, ro, adv, optimizer, method, pack_buckets):
+    step = make_grpo_step(cfg, policy, LOSS, optimizer, method=method, pack_buckets=pack_buckets)
     state = {"params": jax.tree.map(jnp.copy, params), "opt": optimizer.init(params)}
 
     def call():
@@ -168,11 +172,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--group", type=int, default=4, help="GRPO group size G (divides B)")
     parser.add_argument("--policy", default="fp32",
                         help="precision policy of our step; Tunix gets its compute dtype")
-    parser.add_argument("--methods", default="dense,hybrid", help="our log-prob methods to time")
+    parser.add_argument("--methods", default="dense,hybrid",
+                        help="our steps to time: dense, hybrid, and either with '-unpacked' "
+                             "(every slot computed, as with --pack-buckets 0)")
     parser.add_argument("--repeats", type=int, default=5,
                         help="timed runs of each after warm-up (at least; see --min-time)")
     parser.add_argument("--min-time", type=float, default=3.0,
                         help="keep alternating until each took about this many seconds")
+    parser.add_argument("--pack-buckets", type=int, default=16,
+                        help="our step skips the padding, in this many packed sizes "
+                             "(make_grpo_step's pack_buckets); 0 computes every slot")
     parser.add_argument("--no-tunix", action="store_true", help="skip the Tunix reference")
     parser.add_argument("--peak-tflops", type=float, default=None,
                         help="peak FLOP/s for the MFU (default: by device, module docstring)")
@@ -188,14 +197,19 @@ def run(args: argparse.Namespace) -> dict:
     if args.batch % args.group or args.group < 2:
         raise ValueError("--group must be >= 2 and divide --batch")
     methods = [m for m in args.methods.split(",") if m]
-    if bad := [m for m in methods if m not in ("dense", "hybrid")]:
-        raise ValueError(f"--methods: unknown {bad}; allowed: dense, hybrid")
+    allowed = ("dense", "hybrid", "dense-unpacked", "hybrid-unpacked")
+    if bad := [m for m in methods if m not in allowed]:
+        raise ValueError(f"--methods: unknown {bad}; allowed: {', '.join(allowed)}")
     cfg, policy = get_preset(SIZES[args.size]), Policy.parse(args.policy)
     params = init_params(cfg, jax.random.PRNGKey(args.seed))
     ro, adv = grpo_batch(cfg, policy, params, batch=args.batch, prompt_len=args.prompt_len,
                          seq_len=args.seq_len, group=args.group, seed=args.seed)
     optimizer = optax.chain(optax.clip_by_global_norm(1.0), optax.adam(1e-6))
-    ours = {m: _ours(cfg, policy, params, ro, adv, optimizer, m) for m in methods}
+    if args.pack_buckets < 0:
+        raise ValueError("--pack-buckets must be >= 0 (0: no packing)")
+    ours = {m: _ours(cfg, policy, params, ro, adv, optimizer, m.removesuffix("-unpacked"),
+                     0 if m.endswith("-unpacked") else args.pack_buckets)
+            for m in methods}
     calls = {m: call for m, (call, _) in ours.items()}
     why_not = "--no-tunix" if args.no_tunix else tunix_ref.unavailable()
     info = {
@@ -206,6 +220,10 @@ def run(args: argparse.Namespace) -> dict:
         "preset": SIZES[args.size], "params": cfg.param_count(), "policy": str(policy),
         "batch": args.batch, "seq_len": args.seq_len, "prompt_len": args.prompt_len,
         "completion_tokens": int(ro.completion_mask.sum()), "group": args.group,
+        "pack_buckets": args.pack_buckets,
+        # (body rows of B x T, head rows of B x N) our packed step computes
+        "packed_rows": list(packed_rows_of(ro, buckets=args.pack_buckets))
+        if args.pack_buckets else None,
         "loss": {"epsilon": LOSS.epsilon, "aggregation": LOSS.aggregation, "kl_beta": 0.0},
         "optimizer": "clip_by_global_norm(1.0) + adam(1e-6)",
         "tunix": {"available": why_not is None},
@@ -251,6 +269,10 @@ def run(args: argparse.Namespace) -> dict:
         ratios["hybrid_over_dense_time"] = round(res["hybrid"]["step_s"] / res["dense"]["step_s"], 3)
         checks[f"hybrid_over_dense_time<={TARGET_HYBRID_OVER_DENSE}"] = (
             ratios["hybrid_over_dense_time"] <= TARGET_HYBRID_OVER_DENSE)
+    for m in ("dense", "hybrid"):  # what skipping the padding saves, raced in this run
+        if m in res and f"{m}-unpacked" in res:
+            ratios[f"{m}_packing_speedup"] = round(res[f"{m}-unpacked"]["step_s"]
+                                                   / res[m]["step_s"], 3)
     info.update(model_flops_per_step=flops, peak_flops=peak, peak_source=peak_src,
                 loadavg_end=round(os.getloadavg()[0], 2))
     return {**info, **ratios, "targets_met": checks, **res}
