@@ -18,7 +18,7 @@ import optax
 import pytest
 
 from jaxrl_lp.bench.exactness import exactness_model, exactness_rollout
-from jaxrl_lp.models.packing import bucket_rows, make_packing, pack, take_rows, unpack
+from jaxrl_lp.models.packing import bucket_rows, gather_rows, make_packing, pack, unpack
 from jaxrl_lp.numerics.policy import Policy
 from jaxrl_lp.rl import LossConfig, make_grpo_step
 from jaxrl_lp.rl.logprobs import dense_logprobs, packed_rows_of
@@ -31,16 +31,16 @@ def batch(pol):
     return cfg, params, policy, exactness_rollout(params, cfg, policy, loop)
 
 
-def test_take_rows_gradient_is_the_transpose_without_a_scatter():
+def test_gather_rows_gradient_is_the_transpose_without_a_scatter():
     x = jax.random.normal(jax.random.PRNGKey(0), (6, 3))
     index = jnp.array([4, 0, 6, 2], jnp.int32)  # 6: a zero row
     inverse = jnp.array([1, 4, 3, 4, 0, 4], jnp.int32)  # 4 (= M): not taken
-    y, vjp = jax.vjp(lambda a: take_rows(a, index, inverse), x)
+    y, vjp = jax.vjp(lambda a: gather_rows(a, index, inverse), x)
     y_ref, vjp_ref = jax.vjp(lambda a: jnp.take(a, index, axis=0, mode="fill", fill_value=0), x)
     g = jax.random.normal(jax.random.PRNGKey(1), y.shape)
     np.testing.assert_array_equal(y, y_ref)
     np.testing.assert_array_equal(vjp(g)[0], vjp_ref(g)[0])
-    assert "scatter" not in jax.jit(jax.grad(lambda a: jnp.sum(take_rows(a, index, inverse) * g))
+    assert "scatter" not in jax.jit(jax.grad(lambda a: jnp.sum(gather_rows(a, index, inverse) * g))
                                     ).lower(x).as_text()
 
 

@@ -11,7 +11,7 @@ padding is masked, or lies after the row's last real token).
 count up to one of a few buckets (`bucket_rows`): the rows past the real
 tokens are padding slots, computed and never read.
 
-Both moves are gathers, and so are their gradients (`take_rows`): each row
+Both moves are gathers, and so are their gradients (`gather_rows`): each row
 is taken at most once, so the transpose of "take row `index[m]`" is "take
 back row `inverse[i]`", with no scatter (which XLA on CPU runs one element
 at a time).
@@ -25,7 +25,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-__all__ = ["Packing", "bucket_rows", "make_packing", "pack", "take_rows", "unpack"]
+__all__ = ["Packing", "bucket_rows", "gather_rows", "make_packing", "pack", "unpack"]
 
 
 class Packing(NamedTuple):
@@ -74,35 +74,35 @@ def make_packing(real_BxT: jax.Array, rows: int) -> tuple[Packing, jax.Array]:
 
 
 @jax.custom_vjp
-def take_rows(x_NxF: jax.Array, index_M: jax.Array, inverse_N: jax.Array) -> jax.Array:
+def gather_rows(x_NxF: jax.Array, index_M: jax.Array, inverse_N: jax.Array) -> jax.Array:
     """Rows `index_M` of `x_NxF` ([M, ...]; an index of N or more gives a zero row).
 
     No row of `x` may be taken twice; `inverse_N[i]` is the output row that
     took row i (M or more if none). The gradient is then the same kind of
-    gather, `take_rows(g_MxF, inverse_N, index_M)`, exactly the transpose.
+    gather, `gather_rows(g_MxF, inverse_N, index_M)`, exactly the transpose.
     """
     return jnp.take(x_NxF, index_M, axis=0, mode="fill", fill_value=0)
 
 
-def _take_rows_fwd(x_NxF, index_M, inverse_N):
-    return take_rows(x_NxF, index_M, inverse_N), (index_M, inverse_N)
+def _gather_rows_fwd(x_NxF, index_M, inverse_N):
+    return gather_rows(x_NxF, index_M, inverse_N), (index_M, inverse_N)
 
 
-def _take_rows_bwd(res, g_MxF):
+def _gather_rows_bwd(res, g_MxF):
     index_M, inverse_N = res
     return jnp.take(g_MxF, inverse_N, axis=0, mode="fill", fill_value=0), None, None
 
 
-take_rows.defvjp(_take_rows_fwd, _take_rows_bwd)
+gather_rows.defvjp(_gather_rows_fwd, _gather_rows_bwd)
 
 
 def pack(x_BxTx: jax.Array, packing: Packing) -> jax.Array:
     """The packed rows of a `[B, T, ...]` array: `[M, ...]`."""
     b, t = x_BxTx.shape[:2]
-    return take_rows(x_BxTx.reshape(b * t, *x_BxTx.shape[2:]), packing.index_M, packing.slot_S)
+    return gather_rows(x_BxTx.reshape(b * t, *x_BxTx.shape[2:]), packing.index_M, packing.slot_S)
 
 
 def unpack(x_Mx: jax.Array, packing: Packing, b: int, t: int) -> jax.Array:
     """Packed rows back on the `[B, T, ...]` grid, zeros at the slots not packed."""
-    out = take_rows(x_Mx, packing.slot_S, packing.index_M)
+    out = gather_rows(x_Mx, packing.slot_S, packing.index_M)
     return out.reshape(b, t, *x_Mx.shape[1:])

@@ -37,7 +37,7 @@ from jaxrl_lp.models.cache import init_cache, unstack_cache
 from jaxrl_lp.models.config import ModelConfig
 from jaxrl_lp.models.loop import MODEL_DEFAULT, ExitSchedule
 from jaxrl_lp.models.model import forward
-from jaxrl_lp.models.packing import bucket_rows, make_packing, take_rows, unpack
+from jaxrl_lp.models.packing import bucket_rows, gather_rows, make_packing, unpack
 from jaxrl_lp.numerics.policy import Policy
 from jaxrl_lp.parallel.context import use_mesh
 from jaxrl_lp.parallel.rules import DEFAULT_RULES, ShardingRules
@@ -203,7 +203,7 @@ def _packed_logprobs(params, cfg, policy, ro: Rollout, tokens_BxT, positions_BxT
     at = body.slot_S[i * t + p - 1 + j]
     back = jnp.full((body_rows,), head_rows, jnp.int32).at[at].set(
         jnp.arange(head_rows, dtype=jnp.int32), mode="drop")
-    h = take_rows(h, at, back)  # [head_rows, D]
+    h = gather_rows(h, at, back)  # [head_rows, D]
     toks = ro.completion_tokens.reshape(-1)[head.index_M]
     if fused_readout(policy):
         lp, ent = fused_logprobs(h, lm_head(params, cfg), toks, ro.temperature, policy,
