@@ -145,10 +145,11 @@ def dense_logprobs(params: dict, cfg: ModelConfig, policy: Policy, ro: Rollout, 
     With `packed_rows = (body, head)` (static; dense models only;
     `packed_rows_of` computes them) the forward skips the padding
     (`models.packing`): it runs on `body` packed rows holding the prompts'
-    and completions' real tokens, and the read-out on `head` rows holding the
-    completion-mask positions. Values off the completion mask are then 0. If
-    a count is larger than its rows every value is NaN (the step is skipped
-    as non-finite, never silently wrong).
+    real tokens and each completion up to its last masked token, and the
+    read-out on `head` rows holding the completion-mask positions. Values
+    off the completion mask are then 0. If a count is larger than its rows
+    every value is NaN (the step is skipped as non-finite, never silently
+    wrong).
     """
     loop = rollout_loop(ro, cfg, loop)
     b, p = ro.prompt_tokens.shape
@@ -192,7 +193,10 @@ def _packed_logprobs(params, cfg, policy, ro: Rollout, tokens_BxT, positions_BxT
     t = p + n
     body_rows, head_rows = packed_rows
     done = ro.completion_mask > 0
-    body, fits_body = make_packing(jnp.concatenate([positions_BxT[:, :p] >= 0, done], axis=1),
+    # Every completion token up to a row's last masked one is context (a mask with holes
+    # keeps them); the read-out takes the masked ones.
+    context = jnp.flip(jnp.cumsum(jnp.flip(done, axis=1), axis=1), axis=1) > 0
+    body, fits_body = make_packing(jnp.concatenate([positions_BxT[:, :p] >= 0, context], axis=1),
                                    body_rows)
     head, fits_head = make_packing(done, head_rows)
     h, _, _ = forward(params, cfg, policy, tokens_BxT, positions_BxT, remat=remat, hidden=True,
@@ -219,8 +223,9 @@ def packed_rows_of(ro: Rollout, *, micro_batches: int = 1,
                    buckets: int = PACK_BUCKETS) -> tuple[int, int]:
     """The static `packed_rows` of `dense_logprobs` for `ro` (reads its masks on the host).
 
-    (body, head): the most real tokens (prompt and completion) and completion
-    tokens of any of the `micro_batches` row slices, each rounded up by
+    (body, head): the most real tokens (prompt, and completion up to the last
+    masked token) and masked completion tokens of any of the
+    `micro_batches` row slices, each rounded up by
     `models.packing.bucket_rows` to one of `buckets` sizes, so a run compiles
     the step for a few shapes only.
     """
@@ -231,7 +236,8 @@ def packed_rows_of(ro: Rollout, *, micro_batches: int = 1,
         raise ValueError(f"packed_rows_of: {b} rows do not split into {micro_batches} slices")
     per = b // micro_batches
     done = mask.sum(axis=1).reshape(micro_batches, per).sum(axis=1)
-    real = done + np.asarray(ro.prompt_lengths).reshape(micro_batches, per).sum(axis=1)
+    context = np.where(mask.any(axis=1), n - np.argmax(mask[:, ::-1], axis=1), 0)  # to the last
+    real = (context + np.asarray(ro.prompt_lengths)).reshape(micro_batches, per).sum(axis=1)
     return (bucket_rows(int(real.max()), per * (p + n), buckets),
             bucket_rows(int(done.max()), per * n, buckets))
 
