@@ -104,9 +104,15 @@ def test_packed_grpo_step_equals_the_unpacked_step():
     opt = optax.sgd(0.1)
     adv = jnp.linspace(-1.0, 1.0, ro.logprobs.shape[0])
     out = {}
-    for buckets in (0, 16):
+    # Packed: two micro-batches (each packed to the larger one's bucket), recomputed layers.
+    for buckets, mbs in ((0, 1), (16, 2)):
         step = make_grpo_step(cfg, policy, LossConfig(), opt, method="hybrid",
-                              pack_buckets=buckets)
+                              pack_buckets=buckets, micro_batches=mbs, remat=buckets > 0)
+        if buckets:  # the layers run on the packed rows of a micro-batch
+            body, _ = packed_rows_of(ro, micro_batches=2)
+            assert body < ro.logprobs.shape[0] // 2 * (ro.prompt_tokens.shape[1] + ro.logprobs.shape[1])
+            text = step.lower(params, opt.init(params), ro, adv, ro.logprobs).as_text()
+            assert f"tensor<1x{body}x{cfg.hidden_size}xf32>" in text
         out[buckets] = step(jax.tree.map(jnp.copy, params), opt.init(params), ro, adv,
                             ro.logprobs)
     (p0, _, m0), (p1, _, m1) = out[0], out[16]
