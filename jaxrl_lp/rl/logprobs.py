@@ -151,6 +151,9 @@ def dense_logprobs(params: dict, cfg: ModelConfig, policy: Policy, ro: Rollout, 
     every value is NaN (the step is skipped as non-finite, never silently
     wrong).
     """
+    if packed_rows is not None and cfg.is_looped:
+        raise ValueError("packed_rows: the packed dense forward is built for dense models; "
+                         "pass packed_rows=None for a looped model")
     loop = rollout_loop(ro, cfg, loop)
     b, p = ro.prompt_tokens.shape
     n = ro.completion_tokens.shape[1]
@@ -159,9 +162,6 @@ def dense_logprobs(params: dict, cfg: ModelConfig, policy: Policy, ro: Rollout, 
         [prompt_positions(ro.prompt_tokens, ro.prompt_lengths),
          ro.prompt_lengths[:, None] + jnp.arange(n, dtype=jnp.int32)[None]], axis=1)
     if packed_rows is not None:
-        if cfg.is_looped:
-            raise ValueError("packed_rows: the packed dense forward is built for dense models; "
-                             "pass packed_rows=None for a looped model")
         return _packed_logprobs(params, cfg, policy, ro, tokens, positions, packed_rows,
                                 remat=remat)
     schedule = None
