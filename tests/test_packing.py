@@ -141,3 +141,31 @@ def test_packing_refuses_looped_models_and_caches():
     with pytest.raises(ValueError, match="packed forward has no KV cache"):
         forward(dparams, dcfg, "fp32", jnp.ones((1, 4), jnp.int32),
                 cache=init_cache(dcfg, Policy.parse("fp32"), 1, 4), packing=packing)
+
+
+def test_packed_sft_step_equals_the_unpacked_step():
+    """The SFT step skips the tokens after each row's last target (the fused read-out of the
+    same packed rows is checked above)."""
+    from jaxrl_lp.data.pipeline import sft_batch
+    from jaxrl_lp.rl import make_sft_step
+    from jaxrl_lp.rl.logprobs import packed_rows_for
+
+    cfg, params, policy, _ = batch("fp32")
+    rs = np.random.RandomState(0)
+    examples = [(list(rs.randint(3, 50, p)), list(rs.randint(3, 50, c)))
+                for p, c in ((1, 4), (5, 9), (3, 2), (2, 13))]
+    b = sft_batch(examples, pad_id=0, seq_len=20)
+    rows = packed_rows_for(np.ones(4), b.loss_mask_BxL[:, 1:], 1)
+    assert rows[0] < 4 * 20 and rows[1] < 4 * 19
+    opt = optax.sgd(0.1)
+    out = {}
+    for buckets in (0, 16):
+        step = make_sft_step(cfg, policy, opt, pack_buckets=buckets)
+        out[buckets] = step(jax.tree.map(jnp.copy, params), opt.init(params),
+                            jnp.asarray(b.tokens_BxL), jnp.asarray(b.loss_mask_BxL))
+    (p0, _, m0), (p1, _, m1) = out[0], out[16]
+    assert float(m1["skipped"]) == 0.0
+    np.testing.assert_allclose(m1["loss"], m0["loss"], rtol=1e-6)
+    np.testing.assert_allclose(m1["grad_norm"], m0["grad_norm"], rtol=1e-5)
+    for a, c in zip(jax.tree.leaves(p0), jax.tree.leaves(p1), strict=True):
+        np.testing.assert_allclose(c, a, atol=1e-6)

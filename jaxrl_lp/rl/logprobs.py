@@ -46,7 +46,8 @@ from jaxrl_lp.rollout.speculative import replay_speculative
 from jaxrl_lp.rollout.step import LoopSpec, decode_step, fused_readout, prefill, step_logprobs
 
 __all__ = ["LogprobMethod", "dense_logprobs", "jit_learner_logprobs", "learner_logprobs",
-           "logprob_entropy", "packed_rows_of", "prompt_positions", "replay_logprobs", "rollout_loop"]
+           "logprob_entropy", "packed_logprobs", "packed_rows_for", "packed_rows_of",
+           "prompt_positions", "replay_logprobs", "rollout_loop"]
 
 LogprobMethod = Literal["dense", "replay", "hybrid"]
 PACK_BUCKETS = 16  # sizes a packed learner step compiles for, per grid (`packed_rows_of`)
@@ -162,8 +163,8 @@ def dense_logprobs(params: dict, cfg: ModelConfig, policy: Policy, ro: Rollout, 
         [prompt_positions(ro.prompt_tokens, ro.prompt_lengths),
          ro.prompt_lengths[:, None] + jnp.arange(n, dtype=jnp.int32)[None]], axis=1)
     if packed_rows is not None:
-        return _packed_logprobs(params, cfg, policy, ro, tokens, positions, packed_rows,
-                                remat=remat)
+        return packed_logprobs(params, cfg, policy, tokens, positions, positions[:, :p] >= 0,
+                               ro.completion_mask, packed_rows, ro.temperature, remat=remat)
     schedule = None
     if cfg.is_looped:
         full = jnp.full((b, p + n), cfg.loop_steps - 1, jnp.int32)
@@ -185,61 +186,76 @@ def dense_logprobs(params: dict, cfg: ModelConfig, policy: Policy, ro: Rollout, 
     return logprob_entropy(lm_logits(params, h, cfg, policy), ro.completion_tokens, t)
 
 
-def _packed_logprobs(params, cfg, policy, ro: Rollout, tokens_BxT, positions_BxT,
-                     packed_rows: tuple[int, int], *, remat: bool):
-    """`dense_logprobs` without the padding (its `packed_rows`): [B, N] twice."""
-    b, p = ro.prompt_tokens.shape
-    n = ro.completion_tokens.shape[1]
+def packed_logprobs(params: dict, cfg: ModelConfig, policy: Policy, tokens_BxT: jax.Array,
+                    positions_BxT: jax.Array, lead_real_BxP: jax.Array, mask_BxN: jax.Array,
+                    packed_rows: tuple[int, int], temperature: float = 1.0, *,
+                    remat: bool = False):
+    """Log-probs and entropies [B, N] of a dense model's targets from a packed forward.
+
+    The grid `tokens_BxT` is P lead slots (real where `lead_real_BxP`), then N
+    target slots: target j is token P + j, read out at slot P - 1 + j where
+    `mask_BxN` is set. Every target slot up to a row's last masked one is
+    context (a mask with holes keeps them); the rest and the unreal lead slots
+    are not computed (`models.packing`). `packed_rows = (body, head)` (static)
+    bounds the computed slots and read-outs (`packed_rows_for`). Values off the
+    mask are 0; if a count is larger than its rows every value is NaN. Used by
+    `dense_logprobs` (lead: the prompt) and the SFT step (lead: the first token).
+    """
+    b, p = lead_real_BxP.shape
+    n = mask_BxN.shape[1]
     t = p + n
     body_rows, head_rows = packed_rows
-    done = ro.completion_mask > 0
-    # Every completion token up to a row's last masked one is context (a mask with holes
-    # keeps them); the read-out takes the masked ones.
+    done = mask_BxN > 0
     context = jnp.flip(jnp.cumsum(jnp.flip(done, axis=1), axis=1), axis=1) > 0
-    body, fits_body = make_packing(jnp.concatenate([positions_BxT[:, :p] >= 0, context], axis=1),
-                                   body_rows)
+    body, fits_body = make_packing(jnp.concatenate([lead_real_BxP, context], axis=1), body_rows)
     head, fits_head = make_packing(done, head_rows)
     h, _, _ = forward(params, cfg, policy, tokens_BxT, positions_BxT, remat=remat, hidden=True,
                       packing=body)
-    # Head row r reads completion slot (i, j) = divmod(head.index_M[r], N), predicted at grid
-    # slot (i, P - 1 + j): its packed body row. Distinct head rows read distinct body rows.
+    # Head row r reads target (i, j) = divmod(head.index_M[r], N), predicted at grid slot
+    # (i, P - 1 + j): its packed body row. Distinct head rows read distinct body rows.
     i, j = head.index_M // n, head.index_M % n
     at = body.slot_S[i * t + p - 1 + j]
     back = jnp.full((body_rows,), head_rows, jnp.int32).at[at].set(
         jnp.arange(head_rows, dtype=jnp.int32), mode="drop")
     h = gather_rows(h, at, back)  # [head_rows, D]
-    toks = ro.completion_tokens.reshape(-1)[head.index_M]
+    toks = tokens_BxT[:, p:].reshape(-1)[head.index_M]
     if fused_readout(policy):
-        lp, ent = fused_logprobs(h, lm_head(params, cfg), toks, ro.temperature, policy,
+        lp, ent = fused_logprobs(h, lm_head(params, cfg), toks, temperature, policy,
                                  mask_T=done.reshape(-1)[head.index_M])
     else:
-        lp, ent = logprob_entropy(lm_logits(params, h, cfg, policy), toks, ro.temperature)
+        lp, ent = logprob_entropy(lm_logits(params, h, cfg, policy), toks, temperature)
     ok = fits_body & fits_head
     out = lambda x: jnp.where(ok, jnp.where(done, unpack(x, head, b, n), 0.0), jnp.nan)
     return out(lp), out(ent)
 
 
-def packed_rows_of(ro: Rollout, *, micro_batches: int = 1,
-                   buckets: int = PACK_BUCKETS) -> tuple[int, int]:
-    """The static `packed_rows` of `dense_logprobs` for `ro` (reads its masks on the host).
+def packed_rows_for(lead_lengths_B, mask_BxN, lead_width: int, *, micro_batches: int = 1,
+                    buckets: int = PACK_BUCKETS) -> tuple[int, int]:
+    """The static `packed_rows` of `packed_logprobs` for host arrays (numpy).
 
-    (body, head): the most real tokens (prompt, and completion up to the last
-    masked token) and masked completion tokens of any of the
-    `micro_batches` row slices, each rounded up by
-    `models.packing.bucket_rows` to one of `buckets` sizes, so a run compiles
-    the step for a few shapes only.
+    (body, head): the most real slots (lead tokens, and targets up to the last
+    masked one) and masked targets of any of the `micro_batches` row slices,
+    each rounded up by `models.packing.bucket_rows` to one of `buckets`
+    sizes, so a run compiles for a few shapes only.
     """
-    mask = np.asarray(ro.completion_mask) > 0
+    mask = np.asarray(mask_BxN) > 0
     b, n = mask.shape
-    p = ro.prompt_tokens.shape[1]
     if b % micro_batches:
-        raise ValueError(f"packed_rows_of: {b} rows do not split into {micro_batches} slices")
+        raise ValueError(f"packed rows: {b} rows do not split into {micro_batches} slices")
     per = b // micro_batches
     done = mask.sum(axis=1).reshape(micro_batches, per).sum(axis=1)
     context = np.where(mask.any(axis=1), n - np.argmax(mask[:, ::-1], axis=1), 0)  # to the last
-    real = (context + np.asarray(ro.prompt_lengths)).reshape(micro_batches, per).sum(axis=1)
-    return (bucket_rows(int(real.max()), per * (p + n), buckets),
+    real = (context + np.asarray(lead_lengths_B)).reshape(micro_batches, per).sum(axis=1)
+    return (bucket_rows(int(real.max()), per * (lead_width + n), buckets),
             bucket_rows(int(done.max()), per * n, buckets))
+
+
+def packed_rows_of(ro: Rollout, *, micro_batches: int = 1,
+                   buckets: int = PACK_BUCKETS) -> tuple[int, int]:
+    """The static `packed_rows` of `dense_logprobs` for `ro` (`packed_rows_for`; reads its
+    masks on the host)."""
+    return packed_rows_for(ro.prompt_lengths, ro.completion_mask, ro.prompt_tokens.shape[1],
+                           micro_batches=micro_batches, buckets=buckets)
 
 
 def replay_logprobs(params: dict, cfg: ModelConfig, policy: Policy, ro: Rollout, *,

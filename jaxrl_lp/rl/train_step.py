@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from jax.sharding import Mesh
 
@@ -28,7 +29,14 @@ from jaxrl_lp.parallel.context import constrain_params, use_mesh
 from jaxrl_lp.parallel.rules import DEFAULT_RULES, ShardingRules, param_shardings
 from jaxrl_lp.parallel.shard import batch_shardings, replicated, state_shardings
 from jaxrl_lp.rl.corrections import correction_weights
-from jaxrl_lp.rl.logprobs import PACK_BUCKETS, learner_logprobs, packed_rows_of, rollout_loop
+from jaxrl_lp.rl.logprobs import (
+    PACK_BUCKETS,
+    learner_logprobs,
+    packed_logprobs,
+    packed_rows_for,
+    packed_rows_of,
+    rollout_loop,
+)
 from jaxrl_lp.rl.loss import LossConfig, loss_denominator, policy_loss, select_anchor
 from jaxrl_lp.rollout.generate import Rollout, split_rows, take_rows
 from jaxrl_lp.rollout.step import LoopSpec
@@ -179,35 +187,36 @@ def make_grpo_step(cfg: ModelConfig, policy: Policy, loss_cfg: LossConfig,
 
     if mesh is None:
         jitted = jax.jit(step, donate_argnums=(0, 1), static_argnames=("packed_rows",))
-        return _PackedStep(jitted, micro_batches, pack_buckets) if packs else jitted
+        rows_of = lambda ro, *_: packed_rows_of(ro, micro_batches=micro_batches,
+                                                buckets=pack_buckets)
+        return _PackedStep(jitted, rows_of) if packs else jitted
     return MeshStep(step, cfg, mesh, rules, ("params", "state", "batch", "batch", "batch", "batch",
                                              "params"))
 
 
 class _PackedStep:
-    """A jitted GRPO step called with the static `packed_rows` of each rollout.
+    """A jitted train step called with the static `packed_rows` of its batch.
 
-    `packed_rows_of` reads the rollout's masks on the host (waiting for the
-    sampler) and picks the bucket; the jitted step compiles once per bucket.
-    `lower(...)` lowers for the rollout's bucket (what `bench learner` reads).
+    `rows_of(*batch)` (the arguments after `params` and `opt_state`) reads
+    the batch's masks on the host (for a rollout, waiting for the sampler)
+    and picks the bucket; the jitted step compiles once per bucket.
+    `lower(...)` lowers for the batch's bucket (what `bench learner` reads).
     """
 
-    def __init__(self, jitted, micro_batches: int, buckets: int):
-        self.jitted, self.micro_batches, self.buckets = jitted, micro_batches, buckets
+    def __init__(self, jitted, rows_of):
+        self.jitted, self.rows_of = jitted, rows_of
 
-    def _rows(self, ro: Rollout) -> tuple[int, int]:
-        return packed_rows_of(ro, micro_batches=self.micro_batches, buckets=self.buckets)
+    def __call__(self, params, opt_state, *batch):
+        return self.jitted(params, opt_state, *batch, packed_rows=self.rows_of(*batch))
 
-    def __call__(self, params, opt_state, ro, *args):
-        return self.jitted(params, opt_state, ro, *args, packed_rows=self._rows(ro))
-
-    def lower(self, params, opt_state, ro, *args):
-        return self.jitted.lower(params, opt_state, ro, *args, packed_rows=self._rows(ro))
+    def lower(self, params, opt_state, *batch):
+        return self.jitted.lower(params, opt_state, *batch, packed_rows=self.rows_of(*batch))
 
 
 def make_sft_step(cfg: ModelConfig, policy: Policy, optimizer: optax.GradientTransformation,
                   *, remat: bool = False, mesh: Mesh | None = None,
-                  rules: ShardingRules = DEFAULT_RULES, weights=None):
+                  rules: ShardingRules = DEFAULT_RULES, weights=None,
+                  pack_buckets: int = PACK_BUCKETS):
     """Builds the jitted supervised step `step(params, opt_state, tokens_BxL, mask_BxL)`.
 
     `params` and `opt_state` are donated; with `mesh` it runs sharded like the
@@ -221,8 +230,22 @@ def make_sft_step(cfg: ModelConfig, policy: Policy, optimizer: optax.GradientTra
     model's loss reads the hidden states through `kernels.fused_logprobs` (no
     [B, L, V] logits); the looped expected read-out, a mixture of every loop
     step's logits, has no single hidden state and keeps the plain path.
+
+    A dense model without `mesh` skips the padding, as the GRPO step does
+    (`pack_buckets`; `rl.logprobs.packed_logprobs` with the first token as
+    the lead and `mask_BxL[:, 1:]` as the targets): tokens after a row's last
+    target are not computed. The mask is read on the host (`packed_rows_for`)
+    and the row counts are static: one compilation per bucket.
     """
     fused = fused_readout(policy) and not cfg.is_looped
+    packs = pack_buckets > 0 and mesh is None and not cfg.is_looped
+
+    def packed_nll(params, tokens, mask, rows):
+        b, l = tokens.shape
+        positions = jnp.broadcast_to(jnp.arange(l, dtype=jnp.int32)[None], (b, l))
+        lp, _ = packed_logprobs(params, cfg, policy, tokens, positions, jnp.ones((b, 1), bool),
+                                mask[:, 1:], rows, remat=remat)
+        return -lp
 
     def fused_nll(params, tokens, mask):
         h, _, _ = forward(params, cfg, policy, tokens, remat=remat, hidden=True)
@@ -232,8 +255,10 @@ def make_sft_step(cfg: ModelConfig, policy: Policy, optimizer: optax.GradientTra
                                mask_T=mask[:, 1:].reshape(-1))
         return -lp.reshape(b, l - 1)
 
-    def loss_fn(params, tokens, mask):
-        if fused:
+    def loss_fn(params, tokens, mask, rows=None):
+        if rows is not None:
+            nll = packed_nll(params, tokens, mask, rows)
+        elif fused:
             nll = fused_nll(params, tokens, mask)
         else:
             kwargs = {"readout": "expected"} if cfg.is_looped else {}
@@ -243,18 +268,18 @@ def make_sft_step(cfg: ModelConfig, policy: Policy, optimizer: optax.GradientTra
         w = mask[:, 1:].astype(jnp.float32)
         return jnp.sum(nll * w) / jnp.maximum(jnp.sum(w), 1.0)
 
-    def step(params, opt_state, tokens, mask):
-        loss, grads = jax.value_and_grad(loss_fn)(params, tokens, mask)
+    def step(params, opt_state, tokens, mask, packed_rows=None):
+        loss, grads = jax.value_and_grad(loss_fn)(params, tokens, mask, packed_rows)
         grads = constrain_params(grads)
         grad_norm = optax.tree.norm(grads)
         params, opt_state, ok = _apply_if_finite(optimizer, grads, opt_state, params, loss)
         return params, opt_state, {"loss": loss, "grad_norm": grad_norm,
                                    "skipped": 1.0 - ok.astype(jnp.float32)}
 
-    def coded_step(train, opt_state, tokens, mask):
+    def coded_step(train, opt_state, tokens, mask, packed_rows=None):
         # Gradients w.r.t. the float view (codes as f32): int8 codes have none.
         loss, grads = jax.value_and_grad(
-            lambda d: loss_fn(weights.model_params(d), tokens, mask))(
+            lambda d: loss_fn(weights.model_params(d), tokens, mask, packed_rows))(
                 weights.differentiable(train))
         grad_norm = optax.tree.norm(grads)
         new, opt_state, ok = _apply_if_finite(optimizer, grads, opt_state, train, loss)
@@ -262,14 +287,18 @@ def make_sft_step(cfg: ModelConfig, policy: Policy, optimizer: optax.GradientTra
                                 "skipped": 1.0 - ok.astype(jnp.float32),
                                 "flip_rate": weights.flip_rate(train, new)}
 
+    def rows_of(tokens, mask):
+        return packed_rows_for(np.ones(len(mask)), np.asarray(mask)[:, 1:], 1,
+                               buckets=pack_buckets)
+
     if weights is not None:
         if mesh is not None:
             raise ValueError("make_sft_step: a weight representation (weights=) runs on one "
                              "device; drop mesh")
-        return jax.jit(coded_step, donate_argnums=(0, 1))
-
+        step = coded_step
     if mesh is None:
-        return jax.jit(step, donate_argnums=(0, 1))
+        jitted = jax.jit(step, donate_argnums=(0, 1), static_argnames=("packed_rows",))
+        return _PackedStep(jitted, rows_of) if packs else jitted
     return MeshStep(step, cfg, mesh, rules, ("params", "state", "batch", "batch"))
 
 
