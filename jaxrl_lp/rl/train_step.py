@@ -48,6 +48,25 @@ def _finite(tree) -> jax.Array:
     return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)]))
 
 
+def _select_if_finite(optimizer, grads, opt_state, params, loss):
+    """`_apply_if_finite`'s rule by selection: the update, then `jnp.where` old or new.
+
+    The SFT step's skip. It takes a second pass over the parameters and
+    optimizer state, but its update's bits are what they were: under
+    `lax.cond` XLA computes a learning-rate schedule in another fusion, which
+    moves the last bits of an AdamW-cosine update (27k of the default model's
+    132k parameters differ after 5 steps), and the default warm-start's escape
+    from its loss plateau hangs on such bits (49.6% held-out accuracy before,
+    7.4% with the `lax.cond` form in the warm-start).
+    """
+    safe = jax.tree.map(lambda g: jnp.where(jnp.isfinite(g), g, 0.0), grads)
+    updates, new_opt = optimizer.update(safe, opt_state, params)
+    new_params = optax.apply_updates(params, updates)
+    ok = jnp.isfinite(loss) & _finite(grads) & _finite(new_params)
+    keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(ok, a, b), new, old)
+    return keep(new_params, params), keep(new_opt, opt_state), ok
+
+
 def _apply_if_finite(optimizer, grads, opt_state, params, loss):
     """The optimizer's update when the loss, the gradients and the new parameters are finite.
 
@@ -56,10 +75,10 @@ def _apply_if_finite(optimizer, grads, opt_state, params, loss):
     The update is computed twice: once only to reduce the new parameters to
     "all finite" (XLA fuses that into one read pass, nothing is written), then
     under `lax.cond` for real, so the kept update writes its results once (in
-    place when donated). Selecting between the old and new parameters and
-    Adam moments with `jnp.where` cost 0.42 s a step on the small preset
-    against 0.22 s this way (docs/design.md, "Learner step time on CPU").
-    Returns (params, opt_state, ok).
+    place when donated). The GRPO step's skip: selecting between the old and
+    new parameters and Adam moments (`_select_if_finite`) costs a second pass
+    (`benchmarks/nonfinite_skip.py`; docs/design.md, "Learner step time on
+    CPU"). Returns (params, opt_state, ok).
     """
     updates, _ = optimizer.update(grads, opt_state, params)
     ok = (jnp.isfinite(loss) & _finite(grads)
@@ -272,7 +291,7 @@ def make_sft_step(cfg: ModelConfig, policy: Policy, optimizer: optax.GradientTra
         loss, grads = jax.value_and_grad(loss_fn)(params, tokens, mask, packed_rows)
         grads = constrain_params(grads)
         grad_norm = optax.tree.norm(grads)
-        params, opt_state, ok = _apply_if_finite(optimizer, grads, opt_state, params, loss)
+        params, opt_state, ok = _select_if_finite(optimizer, grads, opt_state, params, loss)
         return params, opt_state, {"loss": loss, "grad_norm": grad_norm,
                                    "skipped": 1.0 - ok.astype(jnp.float32)}
 
@@ -282,7 +301,7 @@ def make_sft_step(cfg: ModelConfig, policy: Policy, optimizer: optax.GradientTra
             lambda d: loss_fn(weights.model_params(d), tokens, mask, packed_rows))(
                 weights.differentiable(train))
         grad_norm = optax.tree.norm(grads)
-        new, opt_state, ok = _apply_if_finite(optimizer, grads, opt_state, train, loss)
+        new, opt_state, ok = _select_if_finite(optimizer, grads, opt_state, train, loss)
         return new, opt_state, {"loss": loss, "grad_norm": grad_norm,
                                 "skipped": 1.0 - ok.astype(jnp.float32),
                                 "flip_rate": weights.flip_rate(train, new)}
