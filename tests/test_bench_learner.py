@@ -22,3 +22,11 @@ def test_bench_learner_prints_one_json_object_with_both_methods(capsys):
     body, head = res["packed_rows"]
     assert res["pack_buckets"] == 16 and body < 4 * 24 and head < 4 * 16
     assert body >= res["completion_tokens"] + 4 * 8 and head >= res["completion_tokens"]
+
+
+def test_bench_learner_refuses_bad_packing_and_methods(capsys):
+    assert main(["bench", "learner", "--size", "tiny", "--pack-buckets", "-1", "--no-tunix"]) == 2
+    assert "--pack-buckets must be >= 0 (0: no packing); got -1" in capsys.readouterr().err
+    assert main(["bench", "learner", "--size", "tiny", "--methods", "dense,sparse",
+                 "--no-tunix"]) == 2
+    assert "allowed: dense, hybrid, dense-unpacked, hybrid-unpacked" in capsys.readouterr().err

@@ -196,6 +196,8 @@ def run(args: argparse.Namespace) -> dict:
         raise ValueError("--prompt-len must be in [1, --seq-len)")
     if args.batch % args.group or args.group < 2:
         raise ValueError("--group must be >= 2 and divide --batch")
+    if args.pack_buckets < 0:
+        raise ValueError(f"--pack-buckets must be >= 0 (0: no packing); got {args.pack_buckets}")
     methods = [m for m in args.methods.split(",") if m]
     allowed = ("dense", "hybrid", "dense-unpacked", "hybrid-unpacked")
     if bad := [m for m in methods if m not in allowed]:
@@ -205,8 +207,6 @@ def run(args: argparse.Namespace) -> dict:
     ro, adv = grpo_batch(cfg, policy, params, batch=args.batch, prompt_len=args.prompt_len,
                          seq_len=args.seq_len, group=args.group, seed=args.seed)
     optimizer = optax.chain(optax.clip_by_global_norm(1.0), optax.adam(1e-6))
-    if args.pack_buckets < 0:
-        raise ValueError("--pack-buckets must be >= 0 (0: no packing)")
     ours = {m: _ours(cfg, policy, params, ro, adv, optimizer, m.removesuffix("-unpacked"),
                      0 if m.endswith("-unpacked") else args.pack_buckets)
             for m in methods}
