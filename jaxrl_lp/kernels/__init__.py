@@ -1,5 +1,6 @@
-"""Pallas kernels for the hot paths, each beside its plain-jnp reference (`dispatch`)."""
+"""Pallas kernels for the hot paths, each beside its plain-jnp reference, dispatched by the
+platform a program is lowered for (`dispatch`), with tile budgets per target (`targets`)."""
 
-from jaxrl_lp.kernels.dispatch import Choice, KernelUnavailableError, choose, kernel_backend
+from jaxrl_lp.kernels.dispatch import KERNEL_PLATFORMS, KernelUnavailableError, Version, by_platform
 
-__all__ = ["Choice", "KernelUnavailableError", "choose", "kernel_backend"]
+__all__ = ["KERNEL_PLATFORMS", "KernelUnavailableError", "Version", "by_platform"]

@@ -1,70 +1,180 @@
-"""Which implementation of a hot path runs: the Pallas kernel, the kernel interpreted, or the
-plain-jnp reference, decided by the policy's `kernels` field and the backend.
+"""Which implementation of a hot path runs, resolved for the platform a program is lowered for.
 
-| `Policy.kernels` | GPU / TPU | CPU |
-|---|---|---|
-| `auto` | kernel | reference |
-| `on` | kernel | error (Pallas compiles for GPU and TPU only) |
-| `off` | reference | reference |
-| `interpret` | kernel, interpreted | kernel, interpreted (what the CPU tests check) |
+A kernel module hands `by_platform` its plain-jnp reference and one `Version`
+per platform it has a Pallas kernel for (`cuda`: Triton, `tpu`: Mosaic TPU).
+What runs is decided by the policy's `kernels` field and, under `auto` and
+`on`, by the platform the jitted program is lowered for: one traced program
+carries every alternative in a `jax.lax.platform_dependent`, and lowering for
+`cpu`, `cuda` or `tpu` keeps only that platform's (JAX drops the other
+branches before they are lowered). The host's default backend plays no part,
+so a CPU machine can lower, and CI can check, the exact program a GPU or a
+TPU compiles.
 
-Every kernel module exposes one entry point that takes the policy and calls
-`choose(policy, name)`; the sampler and the learner hold equal policies when
-matched, so they take the same implementation and stay bit-equal.
+| `Policy.kernels` | lowered for `cpu` | `cuda` | `tpu` |
+|---|---|---|---|
+| `auto` | reference | Triton kernel, or the reference where its tile does not fit | Mosaic TPU kernel, or the reference |
+| `on` | error | Triton kernel; error where it does not fit | Mosaic TPU kernel; error where it does not fit |
+| `off` | reference | reference | reference |
+| `interpret` | the GPU version, interpreted | same | same |
+| `interpret-tpu` | the TPU version, interpreted | same | same |
+
+(`rocm` and any other platform take the reference under `auto` and are an
+error under `on`: no version of ours is tested there.) The errors of `on` are
+raised when the program is lowered for that platform (or at once, when the
+call runs eagerly there), never while it is traced, so the same traced
+program still lowers for the platforms that have the kernel. Interpreted
+versions take any shape (Pallas interpret mode checks the maths, not the
+tile rules), and run wherever the program is lowered: what the CPU tests
+check.
+
+The sampler and the learner hold equal policies when matched and trace the
+same functions at the same shapes, so on each platform they take the same
+implementation and the replay stays bit-equal to the sampler.
 """
 
 from __future__ import annotations
 
-from typing import Literal
+from collections.abc import Callable
+from typing import Any, NamedTuple, TypeVar
 
 import jax
+from jax.extend.core import Primitive
+from jax.interpreters import ad, batching, mlir
 
-from jaxrl_lp.numerics.policy import Policy
+from jaxrl_lp.numerics.policy import KERNEL_MODES, Policy
 
-__all__ = ["Choice", "KernelUnavailableError", "choose", "kernel_backend", "pow2_misfit",
-           "within_limits"]
+__all__ = ["KERNEL_PLATFORMS", "KernelUnavailableError", "Version", "by_platform", "interpreting",
+           "pow2_misfit", "refuse"]
 
-Choice = Literal["kernel", "interpret", "reference"]
+T = TypeVar("T")
+
+# The platforms a kernel of ours has a compiled version for, and the Pallas backend of each.
+KERNEL_PLATFORMS: dict[str, str] = {"cuda": "triton", "tpu": "mosaic_tpu"}
 
 
 class KernelUnavailableError(ValueError):
-    """`kernels=on` on a backend that cannot compile the Pallas kernel."""
+    """`kernels=on` where the kernel has no version, or its tile does not fit the target."""
 
 
-def kernel_backend() -> str | None:
-    """The backend Pallas compiles for here (`gpu`, `tpu`), or None."""
-    backend = jax.default_backend()
-    if backend in ("gpu", "cuda", "rocm"):
-        return "gpu"
-    return "tpu" if backend == "tpu" else None
+class Version(NamedTuple):
+    """A kernel's version for one platform.
+
+    `run(interpret)` traces it (`interpret`: Pallas interpret mode, for CPU
+    checks). `misfit` says why the compiled kernel cannot take these shapes on
+    the platform's target (a tile over its shared memory or VMEM, a block shape
+    its compiler refuses), None when it can; an interpreted version runs anyway.
+    """
+
+    run: Callable[[bool], Any]
+    misfit: str | None = None
 
 
-def choose(policy: Policy | str, name: str) -> Choice:
-    """The implementation of kernel `name` under `policy` on this backend (module table).
+# ----------------------------------------------------------------- the refusal: an error at lowering
+_refusal_p = Primitive("jaxrl_lp_kernel_refusal")
+_refusal_p.multiple_results = True
+
+
+def _refusal_raise(*_, message: str, **__):
+    raise KernelUnavailableError(message)
+
+
+_refusal_p.def_impl(_refusal_raise)
+_refusal_p.def_abstract_eval(lambda *avals, message: list(avals))
+mlir.register_lowering(_refusal_p, _refusal_raise)
+batching.primitive_batchers[_refusal_p] = (
+    lambda args, dims, *, message: (_refusal_p.bind(*args, message=message), dims))
+
+
+def _refusal_jvp(primals, tangents, *, message):
+    tangents = [ad.instantiate_zeros(t) for t in tangents]
+    return _refusal_p.bind(*primals, message=message), tangents
+
+
+ad.primitive_jvps[_refusal_p] = _refusal_jvp
+
+
+def refuse(message: str, value: T) -> T:
+    """`value` unchanged, through an identity that raises `KernelUnavailableError(message)`
+    when the program holding it is lowered (or when it runs eagerly).
+
+    The branch of a platform a kernel cannot serve under `kernels=on` computes
+    the reference and passes it through here: tracing succeeds (the other
+    platforms' branches stay lowerable), lowering for this platform fails with
+    one message naming the kernel, the platform and why.
+    """
+    leaves, tree = jax.tree.flatten(value)
+    return jax.tree.unflatten(tree, _refusal_p.bind(*leaves, message=message))
+
+
+# ----------------------------------------------------------------- the dispatch
+def interpreting(policy: Policy | str) -> str | None:
+    """The platform whose version `policy` (or a kernels mode) interprets (`cuda` for `interpret`, `tpu` for
+    `interpret-tpu`), or None when it interprets none."""
+    mode = policy if policy in KERNEL_MODES else Policy.parse(policy).kernels
+    return {"interpret": "cuda", "interpret-tpu": "tpu"}.get(mode)
+
+
+def by_platform(name: str, policy: Policy | str, reference: Callable[[], T], *,
+                cuda: Version | None = None, tpu: Version | None = None) -> T:
+    """The value of kernel `name` under `policy` (module table), traced for every platform.
+
+    Not jitted itself: called while a program is traced. Every branch is
+    traced (so each must trace on any shapes it is given); lowering keeps one.
+
+    Args:
+      name: the kernel's name, for errors.
+      policy: its `kernels` field picks the row of the module table.
+      reference: the plain-jnp computation (no arguments: a closure).
+      cuda, tpu: the kernel's `Version` for that platform, or None where it
+        has none.
+
+    Returns:
+      What the chosen implementation returns (every branch returns the same
+      pytree of shapes and dtypes).
 
     Raises:
-      KernelUnavailableError: `kernels=on` where no Pallas backend is.
+      KernelUnavailableError: `interpret` / `interpret-tpu` of a kernel with no
+        version to interpret (at once); `kernels=on` lowered for a platform
+        with no version or with a misfit (at lowering, naming both).
     """
     mode = Policy.parse(policy).kernels
+    versions = {"cuda": cuda, "tpu": tpu}
     if mode == "off":
-        return "reference"
-    if mode == "interpret":
-        return "interpret"
-    if kernel_backend() is not None:
-        return "kernel"
-    if mode == "on":
-        raise KernelUnavailableError(
-            f"kernel {name!r}: the policy asks for it (kernels=on) but the {jax.default_backend()} "
-            "backend cannot compile Pallas kernels (GPU and TPU can); use kernels=auto to run "
-            "the jnp reference here, or kernels=interpret to check the kernel on CPU")
-    return "reference"
+        return reference()
+    interpreted = interpreting(mode)
+    if interpreted is not None:
+        version = versions[interpreted]
+        if version is None:
+            raise KernelUnavailableError(
+                f"kernel {name!r}: kernels={mode} interprets its {interpreted} version, and it "
+                f"has none; use kernels=off or interpret the other platform's")
+        return version.run(True)
+
+    def branch(platform: str):
+        version = versions.get(platform)
+        if version is not None and version.misfit is None:
+            return lambda: version.run(False)
+        if mode == "auto":
+            return reference
+        if version is None:
+            why = (f"kernel {name!r} (kernels=on) has no version for {platform}: ours compile "
+                   f"for {' and '.join(p for p, v in versions.items() if v is not None) or 'no platform'}"
+                   " (Pallas on CPU only interprets); use kernels=auto to run the jnp reference "
+                   "there, or kernels=interpret to check the kernel on CPU")
+        else:
+            why = (f"kernel {name!r} (kernels=on) does not fit {platform}: {version.misfit}; use "
+                   "kernels=auto to run the jnp reference for these shapes, or smaller tiles")
+        return lambda: refuse(why, reference())
+
+    return jax.lax.platform_dependent(cpu=branch("cpu"), cuda=branch("cuda"), tpu=branch("tpu"),
+                                      default=branch("rocm or another platform"))
 
 
 def pow2_misfit(minimum: int = 16, **dims: int) -> str | None:
-    """The first of `dims` that the GPU (Triton) lowering cannot take, or None.
+    """The first of `dims` that a Triton block cannot take, or None.
 
     Triton blocks are powers of two, and a `dot` needs every operand dimension
-    >= 16 (the default `minimum`); a compiled kernel's block shapes are
+    >= 16 (the default `minimum`); a compiled GPU kernel's block shapes are
     checked with this.
     """
     for dim_name, n in dims.items():
@@ -73,19 +183,16 @@ def pow2_misfit(minimum: int = 16, **dims: int) -> str | None:
     return None
 
 
-def within_limits(choice: Choice, policy: Policy | str, name: str, misfit: str | None) -> Choice:
-    """`choice`, or the reference where a compiled kernel cannot take these shapes.
-
-    `misfit` is why the compiled kernel does not fit (e.g. `pow2_misfit`'s
-    answer), None when it does. Under `kernels=auto` a misfit runs the
-    reference (the same maths; sampler and learner see the same shapes and so
-    make the same choice); under `kernels=on` it is an error naming the shape.
-    Interpreted kernels take any shape.
-    """
-    if choice != "kernel" or misfit is None:
-        return choice
-    if Policy.parse(policy).kernels == "on":
-        raise KernelUnavailableError(
-            f"kernel {name!r} (kernels=on) cannot compile for these shapes: {misfit}; use "
-            "kernels=auto to run the jnp reference for them")
+def choose(policy, name):  # TEMPORARY: removed once every kernel dispatches by platform
+    mode = Policy.parse(policy).kernels
+    if mode == "off":
+        return "reference"
+    if mode.startswith("interpret"):
+        return "interpret"
+    if mode == "on":
+        raise KernelUnavailableError(f"kernel {name!r}: kernels=on")
     return "reference"
+
+
+def within_limits(choice, policy, name, misfit):  # TEMPORARY, as `choose`
+    return choice

@@ -48,11 +48,12 @@ Region = Literal["rope", "swiglu", "norm", "residual", "softmax"]
 # The non-matmul regions a policy may keep in f32 (`f32=rope+norm+...`).
 ALL_REGIONS: tuple[str, ...] = ("rope", "swiglu", "norm", "residual", "softmax")
 BACKWARD_MODES: tuple[str, ...] = ("reuse", "fresh")
-# Where the Pallas kernels of `jaxrl_lp.kernels` run (`kernels.dispatch`): `auto`
-# (the kernel where the backend compiles it, the jnp reference elsewhere), `on`
-# (the kernel, an error where it cannot run), `off` (the reference), `interpret`
-# (the kernel in Pallas interpret mode: for checking kernels on CPU).
-KERNEL_MODES: tuple[str, ...] = ("auto", "on", "off", "interpret")
+# Where the Pallas kernels of `jaxrl_lp.kernels` run (`kernels.dispatch`, resolved for
+# the platform a program is lowered for): `auto` (the kernel where that platform
+# compiles it, the jnp reference elsewhere), `on` (the kernel, an error where it
+# cannot run), `off` (the reference), `interpret` / `interpret-tpu` (the GPU / TPU
+# version in Pallas interpret mode: for checking kernels on CPU).
+KERNEL_MODES: tuple[str, ...] = ("auto", "on", "off", "interpret", "interpret-tpu")
 # Number formats a policy may apply to matmul operands (SPEC section 4).
 MATMUL_FORMATS: tuple[str, ...] = (
     "fp8",  # per-tensor E4M3
@@ -204,7 +205,7 @@ class Policy:
         Keys: `p` (param dtype), `c` (compute), `a` (accum), `l` (logits),
         `mm` (matmul format or `none`), `bwd` (`reuse`/`fresh`), `f32`
         (regions joined by `+`, or `none`), `k` (kernels: `auto`, `on`, `off`,
-        `interpret`). Unnamed keys take their defaults. A preset name may be
+        `interpret`, `interpret-tpu`). Unnamed keys take their defaults. A preset name may be
         followed by overrides: `bf16,k=interpret`.
         """
         if isinstance(spec, Policy):
