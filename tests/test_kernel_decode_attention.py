@@ -1,24 +1,41 @@
 """The flash-decoding kernel (`kernels.decode_attention`) against `models.layers.attention`.
 
-Interpret mode on CPU. Tolerances: fp32 1e-6 absolute (the same f32 maths,
-another summation order); bf16 one bf16 ulp of the output's scale (2e-2
-absolute on values of order 1: the kernel rounds the unnormalized weights, the
-reference the normalized ones, as `kernels.decode_attention` states). The
-sampler and the replay both run the kernel, so they stay bit-equal
-(tests/test_kernels_logprob.py's exactness cells run with `k=interpret`).
+Both versions run in Pallas interpret mode on CPU: `k=interpret` (cuda) and
+`k=interpret-tpu` (tpu), with ragged last chunks, GQA and padding slots and
+queries. Tolerances: fp32 1e-6 absolute (the same f32 maths, another
+summation order); bf16 one bf16 ulp of the output's scale (2e-2 absolute on
+values of order 1: the kernel rounds the unnormalized weights, the reference
+the normalized ones, as `kernels.decode_attention` states). Gradients: the
+kernel's backward is the reference's VJP recomputed, so a gradient through
+the kernel equals the reference's within 1e-6 absolute in f32 (the cotangent
+reaching the kernel is the same; only XLA's fusion of the recomputed
+reference may differ). The sampler and the replay both run the kernel, so
+they stay bit-equal (tests/test_kernels_logprob.py's exactness cells run with
+`k=interpret`). A slow test runs the tpu version under Pallas's TPU
+interpreter with NaN in uninitialized memory (a ragged chunk's padding).
+
+Lowering (what a device compiler gets) is checked on abstract bf16 inputs at
+the preset shapes for `cuda` and `tpu`, with Triton's dialect verifier run on
+the kernel (`_verified_triton`).
 """
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax._src.pallas.triton import pallas_call_registration as _triton_registration
 from pallas_helpers import pallas_kernels
 
-from jaxrl_lp.kernels import KernelUnavailableError, kernel_backend
-from jaxrl_lp.kernels.decode_attention import chunk_slots, decode_attention
-from jaxrl_lp.kernels.dispatch import pow2_misfit, within_limits
+from jaxrl_lp.kernels import KernelUnavailableError
+from jaxrl_lp.kernels.decode_attention import chunk_slots, decode_attention, plan_chunk
+from jaxrl_lp.kernels.dispatch import pow2_misfit
+from jaxrl_lp.kernels.lowering import kernel_calls, lower_for, trace_for
 from jaxrl_lp.models.layers import attention
 from jaxrl_lp.numerics.policy import Policy
+
+MODES = ("interpret", "interpret-tpu")
+# (B, H, K, S, Dh) lowered: the decode preset, and Qwen3-4B's heads.
+LOWERED = {"preset": (8, 16, 8, 1024, 128), "qwen3_4b": (8, 32, 8, 1024, 128)}
 
 
 def _case(b=3, t=1, h=4, kh=2, s=40, dh=16, seed=0, dtype=jnp.float32):
@@ -33,60 +50,193 @@ def _case(b=3, t=1, h=4, kh=2, s=40, dh=16, seed=0, dtype=jnp.float32):
     return q, ck, cv, q_pos, k_pos
 
 
+def _abstract(b, h, kh, s, dh, dtype=jnp.bfloat16):
+    sds = jax.ShapeDtypeStruct
+    return [sds((b, 1, h, dh), dtype), sds((b, kh, s, dh), dtype), sds((b, kh, s, dh), dtype),
+            sds((b, 1), jnp.int32), sds((b, s), jnp.int32)]
+
+
+@pytest.fixture
+def _verified_triton(monkeypatch):
+    """Runs Triton's dialect verifier on every kernel lowered for cuda (JAX's lowering does not)."""
+    lower = _triton_registration.lowering.lower_jaxpr_to_triton_module
+
+    def verified(*args, **kwargs):
+        result = lower(*args, **kwargs)
+        result.module.operation.verify()
+        return result
+
+    monkeypatch.setattr(_triton_registration.lowering, "lower_jaxpr_to_triton_module", verified)
+
+
+# ---------------------------------------------------------------- both versions against the reference
+@pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("shape,chunk", [
-    (dict(), None), (dict(h=6, kh=2, s=37), 16), (dict(t=3, h=2, kh=2, s=64), 32)])
-def test_fp32_kernel_matches_the_reference(shape, chunk):
+    (dict(), None),  # one chunk (cuda 16 slots: 3 chunks, the last ragged)
+    (dict(h=6, kh=2, s=37), 16),  # GQA 3, ragged last chunk
+    (dict(t=3, h=2, kh=2, s=64), 32),  # three query tokens
+    (dict(h=8, kh=2, s=300), None)])  # the tpu plan: chunks of 128, the last 44 slots
+def test_fp32_kernel_matches_the_reference(shape, chunk, mode):
     q, ck, cv, q_pos, k_pos = _case(**shape)
     ref = attention(q, ck, cv, q_pos, k_pos, Policy.parse("fp32"))
-    out = decode_attention(q, ck, cv, q_pos, k_pos, "fp32,k=interpret", chunk=chunk)
+    out = jax.jit(lambda *a: decode_attention(*a, f"fp32,k={mode}", chunk=chunk))(
+        q, ck, cv, q_pos, k_pos)
     assert out.shape == ref.shape and out.dtype == ref.dtype
     np.testing.assert_allclose(out, ref, atol=1e-6, rtol=0)
     assert float(jnp.abs(ref).max()) > 0.5
 
 
-def test_bf16_kernel_is_within_one_ulp_of_the_reference_and_deterministic():
-    q, ck, cv, q_pos, k_pos = _case(s=48, dtype=jnp.bfloat16)
-    pol = Policy.parse("bf16,k=interpret")
+@pytest.fixture
+def _tpu_interpreter(monkeypatch):
+    """Interprets the tpu version with Pallas's TPU interpreter, uninitialized memory NaN: what a
+    ragged chunk's padding may hold on a TPU (the default interpreter pads otherwise)."""
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import tpu as pltpu
+
+    call = pl.pallas_call
+
+    def tpu_interpreted(*args, **kwargs):
+        if kwargs.get("interpret") is True and isinstance(kwargs.get("compiler_params"),
+                                                          pltpu.CompilerParams):
+            kwargs["interpret"] = pltpu.InterpretParams(uninitialized_memory="nan")
+        return call(*args, **kwargs)
+
+    monkeypatch.setattr(pl, "pallas_call", tpu_interpreted)
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("_tpu_interpreter")
+@pytest.mark.parametrize("shape", [dict(h=8, kh=2, s=300), dict(h=6, kh=2, s=37)])
+def test_tpu_version_under_the_tpu_interpreter(shape):
+    q, ck, cv, q_pos, k_pos = _case(**shape)
+    ref = attention(q, ck, cv, q_pos, k_pos, Policy.parse("fp32"))
+    out = jax.jit(lambda *a: decode_attention(*a, "fp32,k=interpret-tpu"))(q, ck, cv, q_pos, k_pos)
+    np.testing.assert_allclose(out, ref, atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_bf16_kernel_is_within_one_ulp_of_the_reference_and_deterministic(mode, monkeypatch):
+    monkeypatch.setenv("JAXRL_LP_NATIVE_LOW_PRECISION", "1")  # bf16 arrays, as on a device
+    q, ck, cv, q_pos, k_pos = _case(s=300, dtype=jnp.bfloat16)
+    pol = Policy.parse(f"bf16,k={mode}")
     ref = attention(q, ck, cv, q_pos, k_pos, Policy.parse("bf16"))
-    out = decode_attention(q, ck, cv, q_pos, k_pos, pol, chunk=16)
-    assert out.dtype == ref.dtype
+    run = jax.jit(lambda *a: decode_attention(*a, pol))
+    out = run(q, ck, cv, q_pos, k_pos)
+    assert out.dtype == ref.dtype == jnp.bfloat16
     np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(ref, np.float32),
                                atol=2e-2, rtol=0)
-    again = decode_attention(q, ck, cv, q_pos, k_pos, pol, chunk=16)
-    np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(again, np.float32))
+    np.testing.assert_array_equal(np.asarray(out, np.float32),
+                                  np.asarray(run(q, ck, cv, q_pos, k_pos), np.float32))
+
+
+@pytest.mark.parametrize("mode", ["auto", *MODES])
+def test_the_gradient_is_the_references(mode):
+    q, ck, cv, q_pos, k_pos = _case(h=6, kh=2, s=37)
+    w = jax.random.normal(jax.random.PRNGKey(5), (3, 1, 6 * 16))  # a linear loss: same cotangent
+
+    def grads(fn):
+        loss = lambda q, k, v: jnp.sum(w * fn(q, k, v))
+        return jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(q, ck, cv)
+
+    want = grads(lambda q, k, v: attention(q, k, v, q_pos, k_pos, Policy.parse("fp32")))
+    got = grads(lambda q, k, v: decode_attention(q, k, v, q_pos, k_pos, f"fp32,k={mode}", chunk=16))
+    for a, b in zip(got, want, strict=True):
+        np.testing.assert_allclose(a, b, atol=1e-6, rtol=0)
+        assert float(jnp.abs(b).max()) > 0.1
 
 
 def test_the_policy_picks_the_kernel_in_the_decode_step_only():
-    """`attend` runs the kernel for a one-token chunk under k=interpret, never under k=off."""
+    """The traced program holds the kernel under k=interpret, never under k=off; under auto
+    the cuda and tpu branches hold it and lowering for cpu keeps the reference."""
     q, ck, cv, q_pos, k_pos = _case()
-    for pol, want in (("fp32,k=interpret", ["decode_attention"]), ("fp32,k=off", []),
-                      ("fp32", [] if kernel_backend() is None else ["decode_attention"])):
-        got = pallas_kernels(lambda *a, pol=pol: decode_attention(*a, pol), q, ck, cv, q_pos,
-                             k_pos)
-        assert got == want, pol
+    names = lambda pol: pallas_kernels(lambda *a: decode_attention(*a, pol), q, ck, cv, q_pos, k_pos)
+    assert names("fp32,k=interpret") == names("fp32,k=interpret-tpu") == ["decode_attention"]
+    assert names("fp32,k=off") == []
+    assert names("fp32") == ["decode_attention"] * 2
+    traced = trace_for(lambda *a: decode_attention(*a, "fp32"), [q, ck, cv, q_pos, k_pos])
+    assert "custom_call" not in lower_for(traced, "cpu")
 
 
-def test_differentiating_the_kernel_is_an_explicit_error():
-    q, ck, cv, q_pos, k_pos = _case()
-    f = lambda q: jnp.sum(decode_attention(q, ck, cv, q_pos, k_pos, "fp32,k=interpret"))
-    with pytest.raises(NotImplementedError, match="no gradient"):
-        jax.grad(f)(q)
+# ---------------------------------------------------------------- lowering at the preset shapes
+@pytest.mark.usefixtures("_verified_triton")
+@pytest.mark.parametrize("case", list(LOWERED))
+def test_kernel_lowers_for_cuda_and_tpu_at_preset_shapes(case, monkeypatch):
+    """bf16 q, k, v (native low precision) under `on`: one trace lowers for cuda (h100) and tpu
+    (v5p) with the kernel call, and so does its gradient; `auto` lowered for cpu calls none."""
+    monkeypatch.setenv("JAXRL_LP_NATIVE_LOW_PRECISION", "1")
+    args = _abstract(*LOWERED[case])
+    attend = lambda pol: lambda *a: decode_attention(*a, pol)
+    traced = trace_for(attend("bf16,k=on"), args, targets=["h100", "tpu-v5p"])
+    assert kernel_calls(lower_for(traced, "cuda", "h100"), "cuda") == ["decode_attention"]
+    assert kernel_calls(lower_for(traced, "tpu", "tpu-v5p"), "tpu") == ["decode_attention"]
+    on_cpu = lower_for(trace_for(attend("bf16"), args), "cpu")
+    assert kernel_calls(on_cpu, "cuda") == kernel_calls(on_cpu, "tpu") == []
+    # The backward is the reference's VJP: a gradient program lowers on every platform.
+    loss = lambda pol: lambda q, k, v, qp, kp: jnp.sum(attend(pol)(q, k, v, qp, kp).astype(jnp.float32))
+    grad = lambda pol: jax.grad(loss(pol), argnums=(0, 1, 2))
+    assert "custom_call" not in lower_for(trace_for(grad("bf16"), args), "cpu")
+    assert kernel_calls(lower_for(trace_for(grad("bf16,k=on"), args), "cuda"), "cuda") == [
+        "decode_attention"]
 
 
-def test_chunking_rule_and_compiled_shape_limits():
+def test_chunking_rule_and_the_plans_of_both_versions():
     assert [chunk_slots(s) for s in (1, 40, 130, 4096, 100_000)] == [16, 16, 32, 512, 512]
     assert pow2_misfit(head_dim=128, chunk=16) is None
     assert "head_dim=96" in pow2_misfit(head_dim=96, chunk=16)
-    assert pow2_misfit(1, tile=4) is None and "tile=5" in pow2_misfit(1, tile=5)
-    # auto falls back to the reference where a compiled kernel cannot take the shape; on refuses
-    assert within_limits("kernel", "fp32", "x", "head_dim=96 ...") == "reference"
-    assert within_limits("interpret", "fp32,k=interpret", "x", "head_dim=96 ...") == "interpret"
-    with pytest.raises(KernelUnavailableError, match="head_dim=96"):
-        within_limits("kernel", "fp32,k=on", "x", "head_dim=96 is not a power of two")
+    # cuda: the largest power of two that fits 227 KiB (Mp 16, Dh 128: 144 KiB at 128 slots).
+    assert plan_chunk("cuda", 1024, 16, 128, jnp.bfloat16) == (128, None)
+    assert plan_chunk("cuda", 100_000, 16, 128, jnp.bfloat16) == (128, None)
+    assert plan_chunk("cuda", 40, 16, 16, jnp.float32) == (16, None)
+    # tpu: multiples of 128, or the whole cache.
+    assert plan_chunk("tpu", 1024, 16, 128, jnp.bfloat16) == (128, None)
+    assert plan_chunk("tpu", 4096, 16, 128, jnp.bfloat16) == (512, None)
+    assert plan_chunk("tpu", 40, 16, 16, jnp.float32) == (40, None)
+    assert "chunk=16 is neither S=300 nor a multiple of 128" in plan_chunk(
+        "tpu", 300, 16, 16, jnp.float32, 16)[1]
 
 
-@pytest.mark.skipif(kernel_backend() is not None, reason="a Pallas backend is present")
-def test_kernels_on_without_pallas_backend_is_one_clear_error():
+# ---------------------------------------------------------------- bad input: one clear error each
+def test_kernels_on_where_the_platform_has_no_kernel_is_an_error():
     q, ck, cv, q_pos, k_pos = _case()
-    with pytest.raises(KernelUnavailableError, match="kernels=interpret"):
+    with pytest.raises(KernelUnavailableError, match=r"'decode_attention' \(kernels=on\) has no "
+                                                     r"version for cpu.*kernels=interpret"):
         decode_attention(q, ck, cv, q_pos, k_pos, "fp32,k=on")
+    traced = trace_for(lambda *a: decode_attention(*a, "fp32,k=on"), [q, ck, cv, q_pos, k_pos])
+    with pytest.raises(KernelUnavailableError, match="'decode_attention'.*has no version for cpu"):
+        lower_for(traced, "cpu")
+    assert kernel_calls(lower_for(traced, "cuda"), "cuda") == ["decode_attention"]
+
+
+@pytest.mark.usefixtures("_verified_triton")
+def test_shapes_the_cuda_kernel_cannot_take_are_an_error_there_only():
+    """Head width 96 (not a power of two) and 512-slot chunks at Dh 128 (552 KiB of shared
+    memory): `on` raises when lowered for cuda, naming the shape or tile; the same trace lowers
+    for tpu; `auto` lowers the reference for cuda (and the kernel for tpu)."""
+    for shape, chunk, msg in (
+            ((2, 16, 8, 1024, 96), None, r"head_dim=96 is not a power of two >= 16 .*the tile "
+                                         r"\[16, 96\] queries x \[128, 96\] keys and values"),
+            ((2, 16, 8, 1024, 128), 512, r"the tile \[16, 128\] queries x \[512, 128\] keys and "
+                                         r"values needs 552.0 KiB of shared memory .*227.0 KiB")):
+        args = _abstract(*shape)
+        attend = lambda pol, chunk=chunk: lambda *a: decode_attention(*a, pol, chunk=chunk)
+        traced = trace_for(attend("bf16,k=on"), args, targets=["h100"])
+        with pytest.raises(KernelUnavailableError, match=r"'decode_attention' \(kernels=on\) does "
+                                                         r"not fit cuda: " + msg):
+            lower_for(traced, "cuda")
+        assert kernel_calls(lower_for(traced, "tpu"), "tpu") == ["decode_attention"]
+        auto = trace_for(attend("bf16"), args, targets=["h100"])
+        assert kernel_calls(lower_for(auto, "cuda"), "cuda") == ([] if chunk is None
+                                                                 else ["decode_attention"])
+        assert kernel_calls(lower_for(auto, "tpu"), "tpu") == ["decode_attention"]
+    # Under auto head width 96 runs the reference (here, where it runs: the same values).
+    q, ck, cv, q_pos, k_pos = _case(dh=96)
+    np.testing.assert_array_equal(decode_attention(q, ck, cv, q_pos, k_pos, "fp32"),
+                                  attention(q, ck, cv, q_pos, k_pos, Policy.parse("fp32")))
+
+
+def test_bad_shapes_and_chunks_are_one_clear_error():
+    q, ck, cv, q_pos, k_pos = _case()
+    with pytest.raises(ValueError, match=r"needs k and v \[B, K, S, Dh\] with K dividing H"):
+        decode_attention(q, ck[:, :, :, :8], cv, q_pos, k_pos, "fp32,k=interpret")
+    with pytest.raises(ValueError, match="chunk must be >= 1; got 0"):
+        decode_attention(q, ck, cv, q_pos, k_pos, "fp32,k=interpret", chunk=0)

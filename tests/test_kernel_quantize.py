@@ -1,12 +1,28 @@
 """The MX block quantize/dequantize Pallas kernels against the numerics reference: bit for bit.
 
-Every kernel runs in Pallas interpret mode on CPU (`kernels="interpret"`) with
-a small tile (`TILES`: 16 rows, 4 scale blocks, 16 columns) so that every axis
-of the `[P, N, Q]` view ends in a ragged tile (33 rows, 5 or 10 blocks, 33 or
-40 columns). Inputs span 60 binades and hold zero blocks, f32 subnormals,
-values near the f32 maximum, NaN and +-inf. Tolerance: none (bit-equal codes,
-scales, tensor scales and dequantized values; gradients through the
-fake-quant matmul bit-equal too).
+Both versions run in Pallas interpret mode on CPU: `kernels="interpret"` (the
+cuda version) with a small tile (`TILES`: 16 rows, 4 scale blocks, 16
+columns) so that every axis of the `[P, N, Q]` view ends in a ragged tile (33
+rows, 5 or 10 blocks, 33 or 40 columns), and `kernels="interpret-tpu"` (the
+tpu version) with its default tiles on shapes (`TPU_CASES`) where those end
+ragged too (40 rows of 32; 160 or 320 blocks of 128; 40 or 80 blocks of 32;
+200 columns of 128). Inputs span 60 binades and hold zero blocks, f32
+subnormals, values near the f32 maximum, NaN and +-inf. Tolerance: none
+(bit-equal codes, scales, tensor scales and dequantized values; gradients
+through the fake-quant matmul bit-equal too), with one exception: a NaN
+compares equal to a NaN of the other sign. The sign of a NaN made by an
+invalid operation is not defined, and XLA on this CPU gives either sign for
+the same `inf / inf` (an NVFP4 block holding inf in a tensor whose scale is
+inf) depending on how it fuses the program. The integer codecs the kernels
+round with are checked against XLA's conversions on their own (every code,
+every midpoint and its neighbours). A slow test runs the tpu version under
+Pallas's TPU interpreter with NaN in uninitialized memory (a ragged block's
+padding on a device).
+
+Lowering (what a device compiler gets) is checked on abstract inputs at the
+preset shapes for `cuda` and `tpu`, with Triton's dialect verifier run on
+every kernel (`_verified_triton`: the check that refuses float4 and E8M0
+tensors, which JAX's lowering alone lets through).
 """
 
 import functools
@@ -16,10 +32,24 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
+from jax._src.pallas.triton import pallas_call_registration as _triton_registration
 from pallas_helpers import pallas_kernels
 
-from jaxrl_lp.kernels import KernelUnavailableError, kernel_backend
-from jaxrl_lp.kernels.quantize import QuantTiles, dequantize, quantize
+from jaxrl_lp.kernels import KernelUnavailableError
+from jaxrl_lp.kernels.lowering import kernel_calls, lower_for, trace_for
+from jaxrl_lp.kernels.quantize import (
+    _E2M1,
+    _E4M3,
+    TPU_TILES,
+    QuantTiles,
+    _decode,
+    _encode,
+    _from_bits,
+    _to_bits,
+    _tpu_misfit,
+    dequantize,
+    quantize,
+)
 from jaxrl_lp.models.config import get_preset
 from jaxrl_lp.models.layers import dot
 from jaxrl_lp.models.model import param_shapes
@@ -36,11 +66,18 @@ CASES = {
     "weight_axis0": ((160, 40), 0, ()),  # [1, N, Q]
     "stacked_batch0": ((3, 160, 33), 1, (0,)),  # per-layer NVFP4 tensor scales
 }
+TPU_CASES = {
+    "rows40_last_axis": ((40, 5120), 1, ()),  # [P, N]: 32 + 8 rows, 128 + 32 (MX) blocks
+    "weight_axis0": ((1280, 200), 0, ()),  # [1, N, Q]: 32 + 8 (MX) blocks, 128 + 72 cols
+    "stacked_batch0": ((2, 1280, 200), 1, (0,)),
+}
 SLOW_CASES = {
     "vector": ((64,), 0, ()),
     "four_axes": ((2, 3, 96, 5), 2, (0,)),
     "leading_axis_rows": ((96, 3, 33), 0, (1,)),
 }
+# The preset shapes lowered for cuda and tpu: a weight [in, out] along axis 0, activations [T, D].
+LOWERED = {"weight": ((2560, 9728), 0), "activations": ((4096, 2560), 1)}
 
 
 def _input(shape, seed=0, dtype=np.float32):
@@ -61,14 +98,20 @@ def _bits(a) -> np.ndarray:
     return a.view({1: np.uint8, 2: np.uint16, 4: np.uint32}[a.dtype.itemsize])
 
 
+def _assert_same_bits(got, want):
+    """Bit-equal arrays of one dtype and shape, a NaN equal to a NaN of either sign (docstring)."""
+    got, want = np.asarray(got), np.asarray(want)
+    assert got.dtype == want.dtype and got.shape == want.shape
+    nan = np.isnan(want.astype(np.float32))
+    np.testing.assert_array_equal(np.isnan(got.astype(np.float32)), nan)
+    np.testing.assert_array_equal(_bits(got)[~nan], _bits(want)[~nan])
+
+
 def _assert_qarrays_bit_equal(got, want):
     assert (got.format, got.axis, got.batch_axes) == (want.format, want.axis, want.batch_axes)
-    for a, b in ((got.codes, want.codes), (got.scales, want.scales)):
-        assert a.dtype == b.dtype and a.shape == b.shape
-        np.testing.assert_array_equal(_bits(a), _bits(b))
-    assert (got.tensor_scale is None) == (want.tensor_scale is None)
-    if want.tensor_scale is not None:
-        np.testing.assert_array_equal(_bits(got.tensor_scale), _bits(want.tensor_scale))
+    assert jax.tree.structure(got) == jax.tree.structure(want)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        _assert_same_bits(a, b)
 
 
 @functools.partial(jax.jit, static_argnums=(1, 2, 3, 4))
@@ -81,32 +124,90 @@ def _dequantize(q, kernels):
     return dequantize(q, kernels=kernels, tiles=TILES)
 
 
-def _check_case(fmt, shape, axis, batch, dtype=np.float32):
+def _check_case(fmt, shape, axis, batch, mode="interpret", dtype=np.float32):
     x = _input(shape, dtype=dtype)
     want = _quantize(x, fmt, axis, batch, "off")
-    _assert_qarrays_bit_equal(_quantize(x, fmt, axis, batch, "interpret"), want)
-    np.testing.assert_array_equal(_bits(_dequantize(want, "interpret")),
-                                  _bits(_dequantize(want, "off")))
+    _assert_qarrays_bit_equal(_quantize(x, fmt, axis, batch, mode), want)
+    _assert_same_bits(_dequantize(want, mode), _dequantize(want, "off"))
 
 
 @pytest.mark.parametrize("case", list(CASES))
 @pytest.mark.parametrize("fmt", BLOCK_FORMATS)
-def test_kernel_quantize_and_dequantize_are_bit_equal_to_the_reference(fmt, case):
+def test_cuda_version_is_bit_equal_to_the_reference(fmt, case):
     _check_case(fmt, *CASES[case])
 
 
+@pytest.mark.parametrize("case", list(TPU_CASES))
+@pytest.mark.parametrize("fmt", BLOCK_FORMATS)
+def test_tpu_version_is_bit_equal_to_the_reference(fmt, case):
+    shape, axis, _ = TPU_CASES[case]
+    view = (int(np.prod(shape[:axis])), shape[axis], int(np.prod(shape[axis + 1:])))
+    view = view[:2] if view[2] == 1 else view
+    bs = formats.FORMATS[fmt].block_size
+    assert _tpu_misfit(view, bs, TPU_TILES[len(view)], np.dtype(np.float32)) is None  # its real plan
+    _check_case(fmt, *TPU_CASES[case], mode="interpret-tpu", dtype=ml_dtypes.bfloat16)
+
+
+@pytest.fixture
+def _tpu_interpreter(monkeypatch):
+    """Interprets the tpu version with Pallas's TPU interpreter, uninitialized memory NaN: what a
+    ragged block's padding may hold on a TPU (the default interpreter pads otherwise)."""
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import tpu as pltpu
+
+    call = pl.pallas_call
+
+    def tpu_interpreted(*args, **kwargs):
+        if kwargs.get("interpret") is True and isinstance(kwargs.get("compiler_params"),
+                                                          pltpu.CompilerParams):
+            kwargs["interpret"] = pltpu.InterpretParams(uninitialized_memory="nan")
+        return call(*args, **kwargs)
+
+    monkeypatch.setattr(pl, "pallas_call", tpu_interpreted)
+
+
 @pytest.mark.slow
+@pytest.mark.usefixtures("_tpu_interpreter")
+@pytest.mark.parametrize("case", list(TPU_CASES))
+@pytest.mark.parametrize("fmt", BLOCK_FORMATS)
+def test_tpu_version_under_the_tpu_interpreter(fmt, case):
+    _check_case(fmt, *TPU_CASES[case], mode="interpret-tpu")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["interpret", "interpret-tpu"])
 @pytest.mark.parametrize("dtype", [np.float32, ml_dtypes.bfloat16])
 @pytest.mark.parametrize("case", list(SLOW_CASES))
 @pytest.mark.parametrize("fmt", BLOCK_FORMATS)
-def test_kernel_quantize_sweep(fmt, case, dtype):
-    _check_case(fmt, *SLOW_CASES[case], dtype=dtype)
+def test_kernel_quantize_sweep(fmt, case, dtype, mode):
+    _check_case(fmt, *SLOW_CASES[case], mode=mode, dtype=dtype)
+
+
+@pytest.mark.parametrize("dtype", [ml_dtypes.float8_e4m3fn, ml_dtypes.float4_e2m1fn])
+def test_the_kernels_bit_codecs_are_xlas_conversions(dtype):
+    """`_encode` (RNE in integer arithmetic) on every value of the format, every midpoint between
+    two and their f32 neighbours, f32 subnormals, +-0 and NaN; `_decode` on every code."""
+    f, top = {ml_dtypes.float8_e4m3fn: (_E4M3, 448.0), ml_dtypes.float4_e2m1fn: (_E2M1, 6.0)}[dtype]
+    n = 1 << (1 + f.exp_bits + f.man_bits)
+    codes = jnp.arange(n, dtype=jnp.int32)
+    values = np.asarray(jax.jit(lambda c: _from_bits(c.astype(jnp.uint8), dtype))(codes), np.float32)
+    grid = np.unique(values[np.abs(values) <= top])
+    mids = ((grid[1:].astype(np.float64) + grid[:-1]) / 2).astype(np.float32)
+    rng = np.random.default_rng(0)
+    tiny = rng.standard_normal(4096) * np.exp2(rng.integers(-149, -5, 4096))
+    x = np.concatenate([grid, mids, np.nextafter(mids, np.inf), np.nextafter(mids, -np.inf),
+                        np.clip(tiny, -top, top), [0.0, -0.0, 1e-45, np.nan, -np.nan]])
+    x = jnp.asarray(x.astype(np.float32))
+    np.testing.assert_array_equal(jax.jit(lambda x: _encode(x, f))(x),
+                                  jax.jit(lambda x: _to_bits(x.astype(dtype)))(x))
+    np.testing.assert_array_equal(_bits(jax.jit(lambda c: _decode(c, f))(codes)), _bits(values))
 
 
 def test_default_tiles_and_per_tensor_formats():
     x = _input((33, 96))
-    _assert_qarrays_bit_equal(quantize(x, "mxfp8", 1, kernels="interpret"),
-                              formats.quantize(x, "mxfp8", 1))
+    for mode in ("interpret", "interpret-tpu"):
+        _assert_qarrays_bit_equal(quantize(x, "mxfp8", 1, kernels=mode),
+                                  formats.quantize(x, "mxfp8", 1))
     # Per-tensor formats have no kernel: the reference runs, whatever the mode.
     assert pallas_kernels(lambda x: quantize(x, "fp8", 1, kernels="interpret").codes, x) == []
     _assert_qarrays_bit_equal(quantize(x, "fp8", 1, kernels="interpret"),
@@ -129,9 +230,10 @@ def test_quantized_matmul_values_and_gradients_are_bit_equal(fmt, backward):
     w = jnp.asarray(rng.standard_normal((64, 48)) * 0.1, jnp.float32)
     g = jnp.asarray(rng.standard_normal((2, 9, 48)), jnp.float32)
     want = _qmm_vjp(x, w, g, fmt, backward, "off")
-    got = _qmm_vjp(x, w, g, fmt, backward, "interpret")
-    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
-        np.testing.assert_array_equal(_bits(a), _bits(b))
+    for mode in ("auto", "interpret"):
+        got = _qmm_vjp(x, w, g, fmt, backward, mode)
+        for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+            np.testing.assert_array_equal(_bits(a), _bits(b))
     grad = jax.grad(lambda x: fake_quant(x, fmt, 1, kernels="interpret").sum())(x[0])
     np.testing.assert_array_equal(grad, np.ones_like(x[0]))  # straight-through
 
@@ -139,9 +241,14 @@ def test_quantized_matmul_values_and_gradients_are_bit_equal(fmt, backward):
 def test_policy_kernels_field_picks_the_kernel_in_the_model_matmul():
     x, w = jnp.ones((2, 3, 64)), jnp.ones((64, 32))
     names = lambda pol: pallas_kernels(lambda x, w: dot(x, w, Policy.parse(pol)), x, w)
-    assert names("mxfp8") == []  # auto on CPU: the reference, the recorded program
     assert names("mxfp8,k=off") == []
     assert sorted(names("mxfp8,k=interpret")) == ["mxfp8_dequantize"] * 2 + ["mxfp8_quantize"] * 2
+    # auto: the kernels where the program is lowered for a device, the reference for cpu.
+    traced = trace_for(lambda x, w: dot(x, w, Policy.parse("mxfp8")), [x, w])
+    assert kernel_calls(lower_for(traced, "cpu"), "cuda") == []
+    assert "custom_call" not in lower_for(traced, "cpu")
+    assert sorted(kernel_calls(lower_for(traced, "cuda"), "cuda")) == (
+        ["mxfp8_dequantize"] * 2 + ["mxfp8_quantize"] * 2)
 
 
 # ------------------------------------------------------------------------------ the exporter
@@ -161,21 +268,89 @@ def test_exporter_with_kernels_serves_the_same_bits(master, fmt):
     got, _ = jax.jit(kernel.apply)(master, kernel.init(master))
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
         np.testing.assert_array_equal(_bits(a), _bits(b))
-    assert pallas_kernels(lambda p: default.apply(p, ())[0], master) == []
+    assert "custom_call" not in lower_for((lambda p: default.apply(p, ())[0], [master]), "cpu")
     assert f"{fmt}_quantize" in pallas_kernels(lambda p: kernel.apply(p, ())[0], master)
 
 
+# ------------------------------------------------------------------------------ lowering
+@pytest.fixture
+def _verified_triton(monkeypatch):
+    """Runs Triton's dialect verifier on every kernel lowered for cuda (JAX's lowering does not)."""
+    lower = _triton_registration.lowering.lower_jaxpr_to_triton_module
+
+    def verified(*args, **kwargs):
+        result = lower(*args, **kwargs)
+        result.module.operation.verify()  # raises on a type Triton has no tensors of
+        return result
+
+    monkeypatch.setattr(_triton_registration.lowering, "lower_jaxpr_to_triton_module", verified)
+
+
+@pytest.mark.usefixtures("_verified_triton")
+@pytest.mark.parametrize("case", list(LOWERED))
+@pytest.mark.parametrize("fmt", BLOCK_FORMATS)
+def test_kernels_lower_for_cuda_and_tpu_at_preset_shapes(fmt, case):
+    """bf16 weights [2560, 9728] along axis 0 and activations [4096, 2560] along axis 1: one
+    trace lowers under `on` for cuda (h100) and tpu (v5p), kernel calls included; under `auto`
+    the same program lowered for cpu calls no kernel."""
+    shape, axis = LOWERED[case]
+    args = [jax.ShapeDtypeStruct(shape, jnp.bfloat16)]
+    fake = lambda mode: lambda x: dequantize(quantize(x, fmt, axis, kernels=mode), kernels=mode)
+    traced = trace_for(fake("on"), args, targets=["h100", "tpu-v5p"])
+    want = [f"{fmt}_quantize", f"{fmt}_dequantize"]
+    assert kernel_calls(lower_for(traced, "cuda", "h100"), "cuda") == want
+    assert kernel_calls(lower_for(traced, "tpu", "tpu-v5p"), "tpu") == want
+    on_cpu = lower_for(trace_for(fake("auto"), args), "cpu")
+    assert kernel_calls(on_cpu, "cuda") == kernel_calls(on_cpu, "tpu") == []
+
+
 # ------------------------------------------------------------------------------ bad input
-@pytest.mark.skipif(kernel_backend() is not None, reason="a Pallas backend is present")
 def test_kernels_on_where_pallas_cannot_run_is_one_clear_error(master):
     x = jnp.ones((4, 64))
-    msg = r"kernel 'quantize'.*kernels=on.*cpu backend cannot compile Pallas"
+    msg = r"kernel 'mxfp8_quantize' \(kernels=on\) has no version for cpu"
     with pytest.raises(KernelUnavailableError, match=msg):
         quantize(x, "mxfp8", 1, kernels="on")
     with pytest.raises(KernelUnavailableError, match=msg):
-        dot(x, jnp.ones((64, 8)), Policy.parse("mxfp8,k=on"))
+        lower_for((lambda x: quantize(x, "mxfp8", 1, kernels="on").codes, [x]), "cpu")
+    with pytest.raises(KernelUnavailableError, match="has no version for cpu"):
+        jax.jit(lambda x: dot(x, jnp.ones((64, 8)), Policy.parse("mxfp8,k=on")))(x)
     with pytest.raises(KernelUnavailableError, match=msg):
         quantize_exporter("mxfp8", kernels="on").apply(master, ())
+
+
+@pytest.mark.usefixtures("_verified_triton")
+def test_shapes_and_tiles_a_compiled_kernel_cannot_take():
+    """`on` raises when lowered for the platform that cannot take them, naming the tile; the
+    same trace lowers for the other; `auto` lowers the reference there."""
+    # Activations [33, 160] along axis 1: N = 160 lanes is not a multiple of 128 (tpu only).
+    x = [jax.ShapeDtypeStruct((33, 160), jnp.float32)]
+    codes = lambda mode: lambda x: quantize(x, "mxfp8", 1, kernels=mode).codes
+    traced = trace_for(codes("on"), x)
+    with pytest.raises(KernelUnavailableError, match=r"'mxfp8_quantize' \(kernels=on\) does not fit "
+                       r"tpu: the tile \[32, 160\] \(5 blocks of 32\).*N=160 is not a multiple "
+                       r"of the 128 lanes"):
+        lower_for(traced, "tpu")
+    assert kernel_calls(lower_for(traced, "cuda"), "cuda") == ["mxfp8_quantize"]
+    assert kernel_calls(lower_for(trace_for(codes("auto"), x), "tpu"), "tpu") == []
+    # A cuda tile over H100's shared memory: 512 x 8192 values (4 x 16 MiB in f32).
+    big = QuantTiles(rows=512, blocks=256)
+    x = [jax.ShapeDtypeStruct((4096, 8192), jnp.bfloat16)]
+    codes = lambda mode: lambda x: quantize(x, "mxfp8", 1, kernels=mode, tiles=big).codes
+    traced = trace_for(codes("on"), x, targets=["h100"])
+    with pytest.raises(KernelUnavailableError, match=r"does not fit cuda: the tile \[512, 8192\] "
+                       r"\(256 blocks of 32\).*needs 16.5 MiB of shared memory.*227.0 KiB"):
+        lower_for(traced, "cuda")
+    assert kernel_calls(lower_for(traced, "tpu"), "tpu") == ["mxfp8_quantize"]
+    # auto replaces the caller's tile by the default plan, which fits.
+    assert kernel_calls(lower_for(trace_for(codes("auto"), x, ["h100"]), "cuda"), "cuda") == [
+        "mxfp8_quantize"]
+    # Interpreted, any tile runs; a non-power-of-two tile is a cuda misfit compiled.
+    odd = QuantTiles(rows=24, blocks=3)
+    y = _input((33, 160))
+    _assert_qarrays_bit_equal(quantize(y, "mxfp8", 1, kernels="interpret", tiles=odd),
+                              formats.quantize(y, "mxfp8", 1))
+    with pytest.raises(KernelUnavailableError, match=r"rows=24 is not a power of two"):
+        lower_for((lambda x: quantize(x, "mxfp8", 1, kernels="on", tiles=odd).codes, [y]), "cuda")
 
 
 def test_block_size_not_dividing_the_reduction_axis_is_one_clear_error(master):

@@ -6,7 +6,10 @@ logits; gradients (d/dh, d/dW of a weighted sum of both outputs) within 1e-5
 absolute + 1e-4 relative of autodiff through it. With bf16 logits rounding the
 rounded logits and the rounded cotangent are compared the same way, looser
 (3e-5 on values, 2e-3 absolute on gradients: a cotangent one bf16 ulp apart).
-The kernel runs in Pallas interpret mode (`k=interpret`), on tiny shapes.
+The kernels run in Pallas interpret mode (`k=interpret`: the GPU version,
+`k=interpret-tpu`: the TPU version), on tiny shapes; `k=off` is the reference
+scan. Lowering for `cuda` and `tpu` (what a device compiler gets) is checked
+on abstract inputs, with the errors of `kernels=on`.
 """
 
 import functools
@@ -19,7 +22,9 @@ import pytest
 
 from jaxrl_lp.bench.exactness import KINDS, exactness_model, exactness_rollout, masked_max_abs_diff
 from jaxrl_lp.kernels.dispatch import KernelUnavailableError
-from jaxrl_lp.kernels.logprob import check_blocks, fused_logprobs, fused_readout
+from jaxrl_lp.kernels.logprob import fused_logprobs, fused_readout
+from jaxrl_lp.kernels.logprob_gpu import GpuTiles, check_gpu_tiles
+from jaxrl_lp.kernels.lowering import kernel_calls, lower_for, trace_for
 from jaxrl_lp.numerics.policy import Policy
 from jaxrl_lp.rl.logprobs import learner_logprobs
 
@@ -60,9 +65,12 @@ def _value_and_grads(fn, h, w, g):
 SHAPES = [(13, 32, 100, 32, 16), (7, 16, 40, 64, 16), (9, 32, 96, 32, 32)]
 
 
+IMPLS = ("off", "interpret", "interpret-tpu")
+
+
 @pytest.mark.parametrize("shape,impl,logits", [
-    *((s, impl, "f32") for s in SHAPES for impl in ("off", "interpret")),
-    *((SHAPES[0], impl, "bf16") for impl in ("off", "interpret"))])
+    *((s, impl, "f32") for s in SHAPES for impl in IMPLS),
+    *((SHAPES[0], impl, "bf16") for impl in IMPLS)])
 def test_matches_log_softmax_in_values_and_gradients(shape, impl, logits):
     t, d, v, bv, bd = shape
     h, w, tokens, mask, g = _inputs(t, d, v)
@@ -88,29 +96,59 @@ def test_kernel_equals_reference_and_keeps_dtypes():
     h, w, tokens, mask, g = _inputs(13, 32, 100, seed=3)
     h = h.astype(jnp.bfloat16)
     outs = {}
-    for impl in ("off", "interpret"):
+    for impl in IMPLS:
         fn = lambda h, w, impl=impl: fused_logprobs(h, w, tokens, TAU, f"fp32,k={impl}",
                                                     mask_T=mask, block_v=32, block_t=8)
         outs[impl] = _value_and_grads(fn, h, w, g)
     (lp_r, ent_r), (dh_r, dw_r) = outs["off"]
-    (lp_k, ent_k), (dh_k, dw_k) = outs["interpret"]
-    assert dh_k.dtype == jnp.bfloat16 and dw_k.dtype == jnp.float32
-    np.testing.assert_allclose(lp_k, lp_r, atol=1e-5, rtol=1e-6)
-    np.testing.assert_allclose(ent_k, ent_r, atol=1e-5, rtol=1e-6)
-    np.testing.assert_allclose(dh_k.astype(jnp.float32), dh_r.astype(jnp.float32), atol=2e-2)
-    np.testing.assert_allclose(dw_k, dw_r, atol=1e-5, rtol=1e-4)
+    for impl in IMPLS[1:]:
+        (lp_k, ent_k), (dh_k, dw_k) = outs[impl]
+        assert dh_k.dtype == jnp.bfloat16 and dw_k.dtype == jnp.float32, impl
+        np.testing.assert_allclose(lp_k, lp_r, atol=1e-5, rtol=1e-6)
+        np.testing.assert_allclose(ent_k, ent_r, atol=1e-5, rtol=1e-6)
+        np.testing.assert_allclose(dh_k.astype(jnp.float32), dh_r.astype(jnp.float32), atol=2e-2)
+        np.testing.assert_allclose(dw_k, dw_r, atol=1e-5, rtol=1e-4)
+
+
+# ---------------------------------------------------------------- lowering for cuda and tpu
+def _abstract(t, d, v, dtype):
+    s = jax.ShapeDtypeStruct
+    return s((t, d), dtype), s((d, v), dtype), s((t,), jnp.int32)
+
+
+def _loss(policy, **tiles):
+    def f(h, w, tokens):
+        lp, ent = fused_logprobs(h, w, tokens, 1.0, policy, **tiles)
+        return jnp.sum(lp) + jnp.sum(ent)
+    return jax.grad(f, (0, 1))
+
+
+def test_one_traced_program_carries_each_platforms_kernels():
+    """`auto`: the reference on cpu, the Triton kernels on cuda, the Mosaic kernels on tpu
+    (forward and both backward kernels), from one trace at Qwen3-0.6B's read-out shape."""
+    traced = trace_for(_loss("fp32"), _abstract(4096, 1024, 151936, jnp.bfloat16))
+    assert kernel_calls(lower_for(traced, "cpu"), "cuda") == []
+    assert "pallas" not in lower_for(traced, "cpu")
+    assert sorted(kernel_calls(lower_for(traced, "cuda"), "cuda")) == [
+        "logprob_dh_gpu", "logprob_dw_gpu", "logprob_fwd_gpu"]
+    assert sorted(kernel_calls(lower_for(traced, "tpu", "tpu-v5p"), "tpu")) == [
+        "logprob_dh_tpu", "logprob_dw_tpu", "logprob_fwd_tpu"]
 
 
 # ---------------------------------------------------------------- bad input: one clear error each
-def test_kernels_on_where_pallas_cannot_compile_is_an_error():
-    if jax.default_backend() != "cpu":
-        pytest.skip("checks the CPU refusal")
+def test_kernels_on_where_the_platform_has_no_kernel_is_an_error():
     h, w, tokens, _, _ = _inputs(4, 16, 40)
-    with pytest.raises(KernelUnavailableError, match="kernels=on.*cannot compile Pallas"):
+    # Eagerly on this CPU, and when a program holding it is lowered for cpu ...
+    with pytest.raises(KernelUnavailableError, match="'logprob' .*has no version for cpu"):
         fused_logprobs(h, w, tokens, 1.0, "fp32,k=on")
-    with pytest.raises(KernelUnavailableError, match="kernels=on"):
-        fused_readout("bf16,k=on")
-    assert not fused_readout("fp32") and fused_readout("fp32,k=interpret")
+    traced = trace_for(_loss("fp32,k=on"), _abstract(64, 128, 1024, jnp.float32))
+    with pytest.raises(KernelUnavailableError, match="has no version for cpu"):
+        lower_for(traced, "cpu")
+    # ... while the same trace lowers for the platforms that have it.
+    assert len(kernel_calls(lower_for(traced, "cuda"), "cuda")) == 3
+    assert len(kernel_calls(lower_for(traced, "tpu"), "tpu")) == 3
+    assert fused_readout("bf16,k=on") and fused_readout("fp32") and fused_readout("fp32,k=interpret")
+    assert not fused_readout("fp32,k=off")
     assert not fused_readout("fp32,k=interpret,mm=mxfp8")  # the lm head's quantized matmul
 
 
@@ -126,13 +164,26 @@ def test_tiles_that_do_not_fit_are_one_clear_error():
     with pytest.raises(ValueError, match="quantizes matmuls"):
         fused_logprobs(h, w, tokens, 1.0, "fp32,mm=mxfp8,k=interpret")
     # What a compiled (GPU) kernel needs on top: lane-wide, power-of-two tiles.
-    with pytest.raises(ValueError, match="block_v=192 is not a power of two"):
-        check_blocks(1024, 151936, 16, 192, 256, compiled=True)
-    with pytest.raises(ValueError, match="block_v=64 is not a multiple of the 128-wide lane"):
-        check_blocks(1024, 151936, 16, 64, 256, compiled=True)
-    with pytest.raises(ValueError, match="last vocabulary tile .*= 384"):
-        check_blocks(1024, 151936, 16, 512, 256, compiled=True)
-    check_blocks(1024, 151936, 16, 256, 256, compiled=True)  # Qwen3's vocab: fits
+    assert "block_v=192 is not a power of two" in check_gpu_tiles(1024, 151936, GpuTiles(16, 192, 64))
+    assert "multiple of the 128-wide lane" in check_gpu_tiles(1024, 151936, GpuTiles(16, 64, 64))
+    assert "= 384) is not a power of two" in check_gpu_tiles(1024, 151936, GpuTiles(16, 512, 64))
+    assert check_gpu_tiles(1024, 151936, GpuTiles(16, 256, 64)) is None  # Qwen3's vocab: fits
+
+
+def test_a_tile_over_the_shared_memory_is_an_error_under_on_and_replanned_under_auto():
+    """block_t 64, block_v 512, block_d 128 in f32 needs about 1 MiB of shared memory: over
+    H100's 227 KiB. `on` names the tile, the need and the limit when lowered for cuda (the trace
+    still lowers for tpu); `auto` re-plans it to a tile that fits and keeps the kernel."""
+    args = _abstract(256, 1024, 4096, jnp.float32)
+    big = dict(block_t=64, block_v=512, block_d=128)
+    traced = trace_for(_loss("fp32,k=on", **big), args, targets=["h100"])
+    with pytest.raises(KernelUnavailableError,
+                       match=r"does not fit cuda: the tile \(block_t=64, block_v=512, block_d=128\)"
+                             r".*needs 1.*MiB of shared memory .*over h100's limit of 227.0 KiB"):
+        lower_for(traced, "cuda")
+    assert len(kernel_calls(lower_for(traced, "tpu"), "tpu")) == 3
+    replanned = lower_for(trace_for(_loss("fp32", **big), args, targets=["h100"]), "cuda")
+    assert len(kernel_calls(replanned, "cuda")) == 3
 
 
 # ---------------------------------------------------------------- memory: no [tokens, vocab] in f32
@@ -173,14 +224,14 @@ PROMPTS = ((1, 5, 7), (2, 9, 4, 11, 3, 8), (6,))
 def _cell(pol, kind):
     """(cfg, params, policy, loop, rollout) sampled with the fused log-prob (interpret mode)."""
     cfg, params, loop = exactness_model(kind, loop_steps=4)
-    policy = Policy.parse(f"{pol},k=interpret")
+    policy = Policy.parse(pol if "k=" in pol else f"{pol},k=interpret")
     ro = exactness_rollout(params, cfg, policy, loop, prompts=PROMPTS, num_samples=2,
                            max_new_tokens=8)
     return cfg, params, policy, loop, ro
 
 
 @pytest.mark.parametrize("pol,kind", [
-    ("fp32", "dense"), ("fp32", "looped_deferred"),
+    ("fp32", "dense"), ("fp32", "looped_deferred"), ("fp32,k=interpret-tpu", "dense"),
     *(pytest.param(p, k, marks=pytest.mark.slow) for p in ("fp32", "bf16") for k in KINDS
       if (p, k) not in (("fp32", "dense"), ("fp32", "looped_deferred")))])
 def test_replay_and_hybrid_stay_exact_with_the_kernel_on(pol, kind):
@@ -202,7 +253,7 @@ def test_replay_and_hybrid_stay_exact_with_the_kernel_on(pol, kind):
     mask = ro.completion_mask
     assert masked_max_abs_diff(replay, ro.logprobs, mask) == 0.0
     assert masked_max_abs_diff(hybrid, ro.logprobs, mask) == 0.0
-    assert masked_max_abs_diff(dense, ro.logprobs, mask) < {"fp32": 1e-4, "bf16": 0.1}[pol]
+    assert masked_max_abs_diff(dense, ro.logprobs, mask) < {"fp32": 1e-4, "bf16": 0.1}[pol[:4]]
     for a, b in zip(jax.tree.leaves(g_hybrid), jax.tree.leaves(g_dense), strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     assert max(float(jnp.abs(a).max()) for a in jax.tree.leaves(g_hybrid)) > 0.0

@@ -45,7 +45,7 @@ from jaxrl_lp.bench.sampler import _race  # the one alternating race of the benc
 from jaxrl_lp.kernels import KernelUnavailableError, kernel_backend
 from jaxrl_lp.kernels import quantize as kq
 from jaxrl_lp.kernels.decode_attention import chunk_slots, decode_attention
-from jaxrl_lp.kernels.logprob import BLOCK_T, BLOCK_V, fused_logprobs
+from jaxrl_lp.kernels.logprob import BLOCK_V, fused_logprobs
 from jaxrl_lp.models.layers import attention
 from jaxrl_lp.numerics.policy import Policy
 from jaxrl_lp.plan.roofline import memory_figures
@@ -74,12 +74,15 @@ SUMMARY_KEYS = ("time_s", "max_rel_diff", "tokens_per_s", "roofline_tokens_per_s
 
 def device_peaks(hbm_gbps: float | None = None, peak_tflops: float | None = None) -> dict:
     """HBM bandwidth and dense bf16 peak of the default device, with where they come from."""
+    from jaxrl_lp.kernels.targets import host_target
     from jaxrl_lp.plan.targets import TARGETS
 
     kind = jax.devices()[0].device_kind
     key = kind.lower().replace("-", " ")
     known = {n: (t.hbm_bandwidth, t.peak_flops) for n, t in TARGETS.items()} | EXTRA_PEAKS
-    name = next((n for n in known if n.replace("-", " ") in key), None)
+    host = host_target()  # the kernel targets know JAX's spellings ("TPU v5 lite" is v5e)
+    name = host.name if host is not None and host.name in known else next(
+        (n for n in known if n.replace("-", " ") in key), None)
     bw, flops = known[name] if name else (None, None)
     src = f"peaks of {name!r} for {kind}" if name else f"no peaks known for {kind}"
     if hbm_gbps:
@@ -118,9 +121,9 @@ def _logprob_case(t, d, v, policy: Policy, mode: str):
         ent = -jnp.sum(jnp.exp(lp) * lp, axis=-1)
         return jnp.where(mask, chosen, 0.0), jnp.where(mask, ent, 0.0)
 
-    # Compiled (`k=on`), `fused_logprobs` picks the first vocabulary tile that fits, as under
-    # `k=auto`; interpreted, any tile runs.
-    tiles = dict(block_t=BLOCK_T) if mode == "on" else dict(block_t=BLOCK_T, block_v=BLOCK_V)
+    # Compiled (`k=on`), `fused_logprobs` plans the platform's tile (`logprob_gpu.plan_tiles`,
+    # `logprob_tpu.tpu_tiles`), as under `k=auto`; interpreted, any tile runs.
+    tiles = {} if mode == "on" else dict(block_t=16, block_v=BLOCK_V)
     fused = lambda pol, **kw: (lambda h, w, tokens, mask: fused_logprobs(
         h, w, tokens, TEMPERATURE, pol, mask_T=mask, **kw))
     fns = {"plain": grads(plain), "reference": grads(fused(policy.replace(kernels="off"))),
@@ -284,6 +287,8 @@ def run(args: argparse.Namespace) -> dict:
         raise ValueError(f"--shapes: unknown {bad}; allowed: {list(SHAPES)}")
     if args.repeats < 1 or (args.inner is not None and args.inner < 1):
         raise ValueError("--repeats and --inner must be >= 1")
+    # Whether this host runs compiled kernels: a question about the machine the benchmark
+    # times on (the programs themselves choose by the platform they are lowered for).
     compiles = kernel_backend() is not None
     policy = Policy.parse(("bf16" if compiles else "fp32") if args.policy == "auto" else args.policy)
     if policy.matmul_format is not None:

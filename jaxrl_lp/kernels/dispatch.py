@@ -12,12 +12,14 @@ TPU compiles.
 
 | `Policy.kernels` | lowered for `cpu` | `cuda` | `tpu` |
 |---|---|---|---|
-| `auto` | reference | Triton kernel, or the reference where its tile does not fit | Mosaic TPU kernel, or the reference |
-| `on` | error | Triton kernel; error where it does not fit | Mosaic TPU kernel; error where it does not fit |
+| `auto` | reference | Triton kernel (1) | Mosaic TPU kernel (1) |
+| `on` | error | Triton kernel (2) | Mosaic TPU kernel (2) |
 | `off` | reference | reference | reference |
-| `interpret` | the GPU version, interpreted | same | same |
-| `interpret-tpu` | the TPU version, interpreted | same | same |
+| `interpret` | GPU version, interpreted | same | same |
+| `interpret-tpu` | TPU version, interpreted | same | same |
 
+(1) or the reference where the kernel's tile does not fit; (2) an error where
+it does not fit.
 (`rocm` and any other platform take the reference under `auto` and are an
 error under `on`: no version of ours is tested there.) The errors of `on` are
 raised when the program is lowered for that platform (or at once, when the
@@ -34,6 +36,7 @@ implementation and the replay stays bit-equal to the sampler.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any, NamedTuple, TypeVar
 
@@ -44,7 +47,7 @@ from jax.interpreters import ad, batching, mlir
 from jaxrl_lp.numerics.policy import KERNEL_MODES, Policy
 
 __all__ = ["KERNEL_PLATFORMS", "KernelUnavailableError", "Version", "by_platform", "interpreting",
-           "pow2_misfit", "refuse"]
+           "kernel_backend", "once_per_shape", "per_shard", "pow2_misfit", "refuse", "shard_count"]
 
 T = TypeVar("T")
 
@@ -85,12 +88,20 @@ batching.primitive_batchers[_refusal_p] = (
     lambda args, dims, *, message: (_refusal_p.bind(*args, message=message), dims))
 
 
+# Linear (an identity): its tangents and cotangents pass through it too, so a gradient
+# that never reads the primal value still meets the refusal when it is lowered.
 def _refusal_jvp(primals, tangents, *, message):
     tangents = [ad.instantiate_zeros(t) for t in tangents]
-    return _refusal_p.bind(*primals, message=message), tangents
+    return _refusal_p.bind(*primals, message=message), _refusal_p.bind(*tangents, message=message)
+
+
+def _refusal_transpose(cts, *args, message):
+    cts = [ad.instantiate_zeros(ct) for ct in cts]
+    return _refusal_p.bind(*cts, message=message)
 
 
 ad.primitive_jvps[_refusal_p] = _refusal_jvp
+ad.primitive_transposes[_refusal_p] = _refusal_transpose
 
 
 def refuse(message: str, value: T) -> T:
@@ -104,6 +115,19 @@ def refuse(message: str, value: T) -> T:
     """
     leaves, tree = jax.tree.flatten(value)
     return jax.tree.unflatten(tree, _refusal_p.bind(*leaves, message=message))
+
+
+def kernel_backend() -> str | None:
+    """This host's own Pallas backend (`gpu`, `tpu`), or None on CPU.
+
+    For benchmarks and tests that *run* compiled kernels on this machine (and
+    so must know whether it can); never for choosing an implementation inside
+    a program, which `by_platform` resolves for the platform lowered for.
+    """
+    backend = jax.default_backend()
+    if backend in ("gpu", "cuda", "rocm"):
+        return "gpu"
+    return "tpu" if backend == "tpu" else None
 
 
 # ----------------------------------------------------------------- the dispatch
@@ -170,6 +194,83 @@ def by_platform(name: str, policy: Policy | str, reference: Callable[[], T], *,
                                       default=branch("rocm or another platform"))
 
 
+def per_shard(fn: Callable, in_axes: tuple, out_axes: Any) -> Callable:
+    """`fn` run on each device's shard of its operands under the active mesh, else `fn`.
+
+    A Pallas kernel is one custom call that XLA's SPMD partitioner cannot split:
+    on TPU a kernel in a sharded program must sit in a `shard_map` (Mosaic
+    refuses automatic partitioning), and on GPU the partitioner would gather
+    every operand onto every device and run the whole kernel there. Under
+    `parallel.context.use_mesh` each kernel version is therefore wrapped in
+    `jax.shard_map` with the specs its operands' logical axes give
+    (`parallel.rules.spec_for`; None: whole on every device). Gradients of a
+    replicated operand are summed over the devices by `shard_map`'s transpose,
+    so a kernel's custom VJP stays per shard.
+
+    Args:
+      fn: the kernel version, a function of the operands.
+      in_axes: per operand, a tuple of logical axis names (or None entries), or
+        None for an operand whole on every device.
+      out_axes: the same for the outputs (a pytree of tuples, like `fn`'s).
+    """
+    from jaxrl_lp.parallel.context import current_mesh
+    from jaxrl_lp.parallel.rules import spec_for
+
+    active = current_mesh()
+    if active is None:
+        return fn
+    mesh, rules = active
+    spec = lambda axes: jax.sharding.PartitionSpec() if axes is None else spec_for(axes, rules, mesh)
+    is_axes = lambda x: x is None or (isinstance(x, tuple) and all(
+        a is None or isinstance(a, str) for a in x))
+    return jax.shard_map(fn, mesh=mesh, in_specs=tuple(spec(a) for a in in_axes),
+                         out_specs=jax.tree.map(spec, out_axes, is_leaf=is_axes), check_vma=False)
+
+
+def _trace_context() -> tuple:
+    """What a kernel's trace reads besides its arguments: the active mesh and rules
+    (`per_shard`) and the kernel targets its tiles are planned for (`kernels.targets`)."""
+    from jaxrl_lp.kernels.targets import current_target
+    from jaxrl_lp.parallel.context import current_mesh
+
+    return current_mesh(), current_target("cuda").name, current_target("tpu").name
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1, 2))
+def _traced_once(fn, static: tuple, context: tuple, *arrays):
+    del context  # a cache key only: read again by `fn` while it is traced
+    return fn(*arrays, **dict(static))
+
+
+def once_per_shape(fn: Callable, *arrays, **static):
+    """`fn(*arrays, **static)` as a nested `jax.jit`, cached by `fn`, the static arguments,
+    the arrays' shapes and dtypes, and the trace context (mesh, kernel targets).
+
+    A kernel called once per layer (a quantized matmul, a decode step's attention) is
+    then traced once per distinct shape and lowered once per platform (JAX lowers a
+    repeated nested jit once and calls it), instead of once per call site with every
+    platform's version each time: what kept a 28-layer decode step's MXFP8 lowering at
+    tens of seconds. `fn` is module-level and the static values hashable. XLA inlines
+    the call, so the compiled program is the same.
+    """
+    return _traced_once(fn, tuple(sorted(static.items())), _trace_context(), *arrays)
+
+
+def shard_count(logical: str) -> int:
+    """How many shards the active mesh splits logical axis `logical` into (1 without a mesh):
+    a kernel under `per_shard` plans its tiles for its own shard's size."""
+    from jaxrl_lp.parallel.context import current_mesh
+
+    active = current_mesh()
+    if active is None:
+        return 1
+    mesh, rules = active
+    n = 1
+    for axis in rules.mesh_axes(logical):
+        n *= mesh.shape[axis]
+    return n
+
+
 def pow2_misfit(minimum: int = 16, **dims: int) -> str | None:
     """The first of `dims` that a Triton block cannot take, or None.
 
@@ -181,18 +282,3 @@ def pow2_misfit(minimum: int = 16, **dims: int) -> str | None:
         if n < minimum or n & (n - 1):
             return f"{dim_name}={n} is not a power of two >= {minimum}"
     return None
-
-
-def choose(policy, name):  # TEMPORARY: removed once every kernel dispatches by platform
-    mode = Policy.parse(policy).kernels
-    if mode == "off":
-        return "reference"
-    if mode.startswith("interpret"):
-        return "interpret"
-    if mode == "on":
-        raise KernelUnavailableError(f"kernel {name!r}: kernels=on")
-    return "reference"
-
-
-def within_limits(choice, policy, name, misfit):  # TEMPORARY, as `choose`
-    return choice

@@ -21,15 +21,27 @@ does), then `dh = sum_tiles dz W_tile^T` and `dW_tile = h^T dz`. The entropy
 gradient is exact, not stopped. No `[T, V]` array exists: the largest
 temporaries are `[T, block_v]` (reference) or `[block_t, block_v]` (kernel).
 
-Implementations, by `kernels.dispatch.choose(policy, "logprob")`: the Pallas
-kernel (`kernels.logprob_pallas`), the same kernel interpreted, or the jnp
-reference here (a `lax.scan` over vocabulary tiles). Tolerances, checked by
-tests/test_kernels_logprob.py in f32: every implementation's log-probs and
-entropies within 1e-5 absolute + 1e-6 relative of `jax.nn.log_softmax` over
-materialized logits, gradients within 1e-5 absolute + 1e-4 relative of
-autodiff through it. Policies with a `matmul_format` are refused: the lm
-head's quantized matmul (and its straight-through backward) stays on the
-plain path (`fused_readout` is False for them).
+Implementations, chosen for the platform a program is lowered for
+(`kernels.dispatch.by_platform`, name `logprob`): the Pallas Triton kernels on
+`cuda` (`kernels.logprob_gpu`), the Mosaic TPU kernels on `tpu`
+(`kernels.logprob_tpu`: the vocabulary a sequential grid axis, one W tile in
+VMEM at a time), or the jnp reference here (a `lax.scan` over vocabulary
+tiles) on `cpu`; `interpret` / `interpret-tpu` run the GPU / TPU kernels in
+Pallas interpret mode anywhere. Each platform's tile plan is checked against
+its target's shared memory or VMEM (`kernels.targets`). Tolerances, checked
+by tests/test_kernels_logprob.py and tests/test_kernel_logprob_tpu.py in f32:
+every implementation's log-probs and entropies within 1e-5 absolute + 1e-6
+relative of `jax.nn.log_softmax` over materialized logits, gradients within
+1e-5 absolute + 1e-4 relative of autodiff through it. Policies with a
+`matmul_format` are refused: the lm head's quantized matmul (and its
+straight-through backward) stays on the plain path (`fused_readout` is False
+for them).
+
+Two entry points: `fused_logprobs` (this algorithm everywhere: the reference
+scan where no kernel runs) and `readout_logprobs` (what the models' read-out
+calls: the kernel where one runs, else the caller's plain path, logits then
+`log_softmax`, so a CPU program computes exactly what it did before kernels
+existed).
 """
 
 from __future__ import annotations
@@ -41,15 +53,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxrl_lp.kernels.dispatch import choose
+from jaxrl_lp.kernels.dispatch import Version, by_platform, per_shard, shard_count
 from jaxrl_lp.numerics.policy import Policy
 
-__all__ = ["BLOCK_T", "BLOCK_V", "LogprobPlan", "check_blocks", "fused_logprobs", "fused_readout",
+__all__ = ["BLOCK_V", "LogprobPlan", "fused_logprobs", "fused_readout", "readout_logprobs",
            "reference_backward", "reference_forward"]
 
-BLOCK_T = 16  # rows per kernel program (Triton dots need >= 16)
-BLOCK_V = 512  # vocabulary columns per tile
-LANES = 128  # the lane width a compiled tile's vocabulary axis is a multiple of
+BLOCK_V = 512  # vocabulary columns per tile of the reference scan
 _NEG = -1e30  # the running max before any tile: finite, so (m - m') * 0 is 0, not NaN
 
 
@@ -58,51 +68,25 @@ class LogprobPlan(NamedTuple):
 
     temperature: float
     logits_dtype: np.dtype  # z is rounded to it (and dz, as autodiff of the rounding does)
-    block_t: int  # rows per kernel program
-    block_v: int  # vocabulary columns per tile
-    block_d: int  # hidden columns per matmul chunk (divides D)
-    impl: str  # `kernels.dispatch.Choice`
+    block_t: int  # rows per GPU kernel program
+    block_v: int  # vocabulary columns per tile (the reference scan's and the GPU kernel's)
+    block_d: int  # hidden columns per GPU matmul chunk (divides D)
+    impl: str  # `reference`, `cuda` (the Triton kernels) or `tpu` (the Mosaic TPU kernels)
+    interpret: bool = False  # the kernel in Pallas interpret mode
+    tpu: tuple | None = None  # the TPU kernels' `logprob_tpu.TpuLogprobTiles` (impl `tpu`)
 
 
 def fused_readout(policy: Policy | str) -> bool:
-    """Whether log-probs are read out through `fused_logprobs` from the hidden state.
+    """Whether a model's log-probs are read out from the hidden state by `readout_logprobs`.
 
-    True where the policy selects the kernel (`choose` is `kernel` or
-    `interpret`) and has no `matmul_format`; False keeps the plain path
-    (logits, then `log_softmax`), bit for bit what it was. Raises
-    `KernelUnavailableError` for `kernels=on` where no kernel runs.
+    True unless the policy turns the kernels off or quantizes matmuls (the lm
+    head's quantized matmul and its straight-through backward stay on the
+    plain path): then the steps return logits, bit for bit what they did.
+    Which implementation a fused read-out runs is decided per platform when
+    the program is lowered (`readout_logprobs`).
     """
     policy = Policy.parse(policy)
-    return choose(policy, "logprob") != "reference" and policy.matmul_format is None
-
-
-def check_blocks(d: int, v: int, block_t: int, block_v: int, block_d: int, *,
-                 compiled: bool) -> None:
-    """Raises one ValueError naming the first tile size that does not fit.
-
-    Every size must be a positive int and `block_d` must divide the matmul's
-    reduction axis `D`. A compiled kernel (GPU) also needs power-of-two tiles,
-    `block_v` a multiple of the 128-wide lane, and a last vocabulary tile
-    (`V % block_v`) that is 0 or a power of two >= 16 (Triton's block shapes).
-    """
-    for name, b in (("block_t", block_t), ("block_v", block_v), ("block_d", block_d)):
-        if not isinstance(b, int | np.integer) or isinstance(b, bool) or b < 1:
-            raise ValueError(f"fused_logprobs: {name} must be a positive int; got {b!r}")
-    if d % block_d:
-        raise ValueError(f"fused_logprobs: block_d={block_d} does not divide the reduction axis "
-                         f"D={d}; pass a divisor of D")
-    if not compiled:
-        return
-    pow2 = lambda n: n >= 16 and n & (n - 1) == 0
-    bad = [f"{n}={b} is not a power of two >= 16" for n, b in
-           (("block_t", block_t), ("block_v", block_v), ("block_d", block_d)) if not pow2(b)]
-    if block_v % LANES:
-        bad.append(f"block_v={block_v} is not a multiple of the {LANES}-wide lane")
-    if v % block_v and not pow2(v % block_v):
-        bad.append(f"the last vocabulary tile (V={v} % block_v={block_v} = {v % block_v}) is "
-                   "not a power of two >= 16")
-    if bad:
-        raise ValueError(f"fused_logprobs: tile does not fit the compiled kernel: {bad[0]}")
+    return policy.kernels != "off" and policy.matmul_format is None
 
 
 # ----------------------------------------------------------------- tile maths (reference and kernel)
@@ -156,26 +140,6 @@ def tile_dlogits(s_TxW, v0, tokens_T, lse_T, mean_T, g_lp_T, g_ent_T, plan: Logp
     return (ds / plan.temperature).astype(plan.logits_dtype).astype(jnp.float32)
 
 
-def _compiled_tiles(d: int, v: int, block_t: int, block_v: int, block_d: int | None):
-    """(impl, block_v, block_d) for `kernels=auto` on a device: the compiled kernel
-    with the first tiles that fit (`block_v` halved down to 128, the largest
-    power-of-two `block_d` <= 512 dividing D), else the reference scan.
-
-    Qwen3's V = 151936 leaves a last tile of 384 at `block_v=512`, so it runs
-    at 256. The choice depends on D and V only, so the sampler and the learner
-    (same model, same policy) make the same one.
-    """
-    pow2_d = [b for b in (512, 256, 128, 64, 32, 16) if d % b == 0]
-    for bv in dict.fromkeys((block_v, 256, 128)):
-        for bd in ([block_d] if block_d is not None else pow2_d[:1]):
-            try:
-                check_blocks(d, v, block_t, bv, bd, compiled=True)
-            except ValueError:
-                continue
-            return "kernel", bv, bd
-    return "reference", block_v, block_d
-
-
 # ----------------------------------------------------------------- the jnp reference
 def _mm(a, b, spec):
     return jnp.einsum(spec, a, b, preferred_element_type=jnp.float32,
@@ -220,13 +184,18 @@ def reference_backward(h_TxD, w_DxV, tokens_T, lse_T, mean_T, g_lp_T, g_ent_T,
     return dh.astype(h_TxD.dtype), dw.astype(w_DxV.dtype)
 
 
-# ----------------------------------------------------------------- custom_vjp and the entry point
+# ----------------------------------------------------------------- custom_vjp and the entry points
 def _forward(h, w, tokens, mask, plan: LogprobPlan):
-    if plan.impl == "reference":
-        return reference_forward(h, w, tokens, mask, plan)
-    from jaxrl_lp.kernels import logprob_pallas  # the kernel module imports the tile maths above
+    # The kernel modules import the tile maths above.
+    if plan.impl == "cuda":
+        from jaxrl_lp.kernels import logprob_gpu
 
-    return logprob_pallas.kernel_forward(h, w, tokens, mask, plan)
+        return logprob_gpu.kernel_forward(h, w, tokens, mask, plan)
+    if plan.impl == "tpu":
+        from jaxrl_lp.kernels import logprob_tpu
+
+        return logprob_tpu.tpu_forward(h, w, tokens, mask, plan, plan.tpu, plan.interpret)
+    return reference_forward(h, w, tokens, mask, plan)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
@@ -242,58 +211,24 @@ def _fused_fwd(h, w, tokens, mask, plan):
 def _fused_bwd(plan, res, g):
     h, w, tokens, mask, lse, mean = res
     g_lp, g_ent = (jnp.where(mask, x, 0.0) for x in g)
-    if plan.impl == "reference":
-        dh, dw = reference_backward(h, w, tokens, lse, mean, g_lp, g_ent, plan)
-    else:
-        from jaxrl_lp.kernels import logprob_pallas
+    if plan.impl == "cuda":
+        from jaxrl_lp.kernels import logprob_gpu
 
-        dh, dw = logprob_pallas.kernel_backward(h, w, tokens, lse, mean, g_lp, g_ent, plan)
+        dh, dw = logprob_gpu.kernel_backward(h, w, tokens, lse, mean, g_lp, g_ent, plan)
+    elif plan.impl == "tpu":
+        from jaxrl_lp.kernels import logprob_tpu
+
+        dh, dw = logprob_tpu.tpu_backward(h, w, tokens, lse, mean, g_lp, g_ent, plan, plan.tpu,
+                                          plan.interpret)
+    else:
+        dh, dw = reference_backward(h, w, tokens, lse, mean, g_lp, g_ent, plan)
     return dh, dw, None, None
 
 
 _fused.defvjp(_fused_fwd, _fused_bwd)
 
 
-def fused_logprobs(h_TxD: jax.Array, w_DxV: jax.Array, tokens_T: jax.Array, temperature: float,
-                   policy: Policy | str, *, mask_T: jax.Array | None = None,
-                   block_v: int | None = None, block_t: int = BLOCK_T, block_d: int | None = None):
-    """Log-prob of the chosen tokens and entropy of `softmax(round_logits(h @ W) / tau)`, f32.
-
-    Differentiable in `h` and `W` (both outputs; own backward, module
-    docstring). Not jitted itself; traced inside the sampler's and the
-    learner's programs. The implementation is `choose(policy, "logprob")`'s.
-
-    Args:
-      h_TxD: final normed hidden states (rows flattened), compute precision.
-      w_DxV: the output matrix (rounded here by `policy.round_params`, as `dot` does).
-      tokens_T: int chosen tokens in `[0, V)`.
-      temperature: Python float > 0 (static).
-      policy: rounds the weight and the logits; its `kernels` field picks the implementation.
-      mask_T: rows to compute (nonzero); the others give 0 and get no gradient. Default all.
-      block_v: vocabulary columns per tile (the last tile may be ragged).
-        Default `BLOCK_V`, or for a compiled kernel the first of `BLOCK_V`,
-        256, 128 that fits (`_compiled_tiles`).
-      block_t: rows per kernel program (rows are padded to a multiple of it).
-      block_d: hidden columns per matmul chunk in the kernel; must divide D.
-        Default: D, or the largest of 512, 256, ... that divides it.
-        Compiled under `kernels=auto`, tiles that do not fit the kernel
-        (`check_blocks`) are replaced by ones that do, or the reference scan
-        runs (`_compiled_tiles`); under `kernels=on` tiles passed explicitly
-        that do not fit are an error.
-
-    Returns:
-      (logp [T] f32, entropy [T] f32).
-
-    Raises:
-      KernelUnavailableError: `kernels=on` where Pallas cannot compile.
-      ValueError: a tile that does not fit (`check_blocks`), a policy with a
-        `matmul_format`, mismatched shapes or a temperature <= 0.
-
-    Example:
-      >>> lp, ent = fused_logprobs(h, params["lm_head"], tokens, 1.0, "fp32", block_v=256)
-    """
-    policy = Policy.parse(policy)
-    impl = choose(policy, "logprob")
+def _check(h_TxD, w_DxV, tokens_T, temperature, policy: Policy, block_v, block_t, block_d):
     if policy.matmul_format is not None:
         raise ValueError(f"fused_logprobs: policy {policy} quantizes matmuls "
                          f"({policy.matmul_format}); the fused read-out does not: use the plain path")
@@ -303,17 +238,141 @@ def fused_logprobs(h_TxD: jax.Array, w_DxV: jax.Array, tokens_T: jax.Array, temp
                          f"{h_TxD.shape}, {w_DxV.shape}, {tokens_T.shape}")
     if not float(temperature) > 0:
         raise ValueError(f"fused_logprobs: temperature must be > 0; got {temperature}")
-    d, v = w_DxV.shape
-    if impl == "kernel" and (policy.kernels == "auto" or block_v is None):
-        picked, bv, bd = _compiled_tiles(d, v, block_t, BLOCK_V if block_v is None else block_v,
-                                         block_d)
-        if picked == "kernel" or policy.kernels == "auto":  # under `on`, a misfit raises below
-            impl, block_v, block_d = picked, bv, bd
-    block_v = BLOCK_V if block_v is None else block_v
-    if block_d is None:
-        block_d = d if d <= 512 else next((b for b in (512, 256, 128, 64, 32, 16) if d % b == 0), d)
-    check_blocks(d, v, block_t, block_v, block_d, compiled=impl == "kernel")
-    plan = LogprobPlan(float(temperature), np.dtype(policy.logits_dtype), int(block_t),
-                       int(block_v), int(block_d), impl)
+    for name, b in (("block_t", block_t), ("block_v", block_v), ("block_d", block_d)):
+        if b is not None and (not isinstance(b, int | np.integer) or isinstance(b, bool) or b < 1):
+            raise ValueError(f"fused_logprobs: {name} must be a positive int; got {b!r}")
+    if block_d is not None and w_DxV.shape[0] % block_d:
+        raise ValueError(f"fused_logprobs: block_d={block_d} does not divide the reduction axis "
+                         f"D={w_DxV.shape[0]}; pass a divisor of D")
+
+
+def _by_platform(h, w, tokens, mask, temperature, policy: Policy, reference, tiles: dict):
+    """`reference()` or `_fused` by the kernel of the platform lowered for (`by_platform`)."""
+    from jaxrl_lp.kernels import logprob_gpu, logprob_tpu
+    from jaxrl_lp.kernels.targets import current_target
+
+    (t, d), v = h.shape, w.shape[1]
+    t = max(1, t // shard_count("batch"))  # the rows of one device's shard (`per_shard`)
+    explicit = {k: tiles.get(k) for k in ("block_t", "block_v", "block_d")}
+    compiled, gpu_misfit = logprob_gpu.plan_tiles(t, d, v, h.dtype, w.dtype, **explicit)
+    if policy.kernels == "auto" and gpu_misfit is not None and any(explicit.values()):
+        compiled, gpu_misfit = logprob_gpu.plan_tiles(t, d, v, h.dtype, w.dtype)
+    # Interpreted, any tile runs: the caller's, else the compiled plan's (a hidden chunk that
+    # divides D: a D no power of two divides takes one chunk).
+    shown = logprob_gpu.GpuTiles(*(explicit[k] or getattr(compiled, k)
+                                   for k in logprob_gpu.GpuTiles._fields))
+    if d % shown.block_d:
+        shown = shown._replace(block_d=d)
+    # TPU: the caller's plan, else the largest that fits the current tpu target's VMEM; where
+    # none fits, the plan interpreted runs (any tile interprets) and compiled is the misfit.
+    tpu_tiles = tiles.get("tpu_tiles")
+    if tpu_tiles is None:
+        planned = logprob_tpu.tpu_tiles(t, d, v, h.dtype, w.dtype,
+                                        current_target("tpu").limit_bytes)
+        tpu_tiles = (logprob_tpu.tpu_tiles(t, d, v, h.dtype, w.dtype, 1 << 62)
+                     if isinstance(planned, str) else planned)
+        tpu_misfit = planned if isinstance(planned, str) else None
+    else:
+        tpu_misfit = logprob_tpu.plan_misfit(tpu_tiles, d, h.dtype, w.dtype)
+    base = LogprobPlan(float(temperature), np.dtype(policy.logits_dtype), *shown, "reference")
+
+    def run(impl, gpu, interpret, tpu=None):
+        plan = base._replace(impl=impl, interpret=interpret, tpu=tpu, **gpu._asdict())
+        # Under a mesh, each device's rows (W whole on every device; its gradient summed).
+        rows = ("batch",)
+        kernel = per_shard(lambda *a: _fused(*a, plan), (rows + (None,), None, rows, rows),
+                           (rows, rows))
+        return kernel(h, w, tokens, mask)
+
+    cuda = Version(lambda i: run("cuda", shown if i else compiled, i), gpu_misfit)
+    tpu = Version(lambda i: run("tpu", shown, i, tpu_tiles), tpu_misfit)
+    return by_platform("logprob", policy, reference, cuda=cuda, tpu=tpu)
+
+
+def fused_logprobs(h_TxD: jax.Array, w_DxV: jax.Array, tokens_T: jax.Array, temperature: float,
+                   policy: Policy | str, *, mask_T: jax.Array | None = None,
+                   block_v: int | None = None, block_t: int | None = None,
+                   block_d: int | None = None, tpu_tiles=None):
+    """Log-prob of the chosen tokens and entropy of `softmax(round_logits(h @ W) / tau)`, f32.
+
+    Differentiable in `h` and `W` (both outputs; own backward, module
+    docstring). Not jitted itself; traced inside the sampler's and the
+    learner's programs. The implementation is the platform's
+    (`kernels.dispatch.by_platform`, name `logprob`); where no kernel runs,
+    the reference scan.
+
+    Args:
+      h_TxD: final normed hidden states (rows flattened), compute precision.
+      w_DxV: the output matrix (rounded here by `policy.round_params`, as `dot` does).
+      tokens_T: int chosen tokens in `[0, V)`.
+      temperature: Python float > 0 (static).
+      policy: rounds the weight and the logits; its `kernels` field picks the implementation.
+      mask_T: rows to compute (nonzero); the others give 0 and get no gradient. Default all.
+      block_v: vocabulary columns per tile (the reference scan's, default
+        `BLOCK_V`; and the GPU kernel's).
+      block_t, block_d: the GPU kernel's rows per program and hidden columns
+        per matmul chunk (`block_d` must divide D). The compiled GPU tile is
+        `logprob_gpu.plan_tiles`' (these sizes kept where given): under
+        `kernels=auto` a tile that does not fit (its shape rules or its
+        shared memory on the current cuda target) is replaced by the default
+        plan, or the reference runs; under `kernels=on` it is an error when
+        the program is lowered for cuda.
+      tpu_tiles: the TPU kernels' `logprob_tpu.TpuLogprobTiles` (default
+        `logprob_tpu.tpu_tiles`' plan for the current tpu target's VMEM).
+
+    Returns:
+      (logp [T] f32, entropy [T] f32).
+
+    Raises:
+      KernelUnavailableError: `kernels=on` lowered for a platform without the
+        kernel (cpu) or whose tile does not fit.
+      ValueError: a bad tile size, a policy with a `matmul_format`,
+        mismatched shapes or a temperature <= 0.
+
+    Example:
+      >>> lp, ent = fused_logprobs(h, params["lm_head"], tokens, 1.0, "fp32", block_v=256)
+    """
+    policy = Policy.parse(policy)
+    _check(h_TxD, w_DxV, tokens_T, temperature, policy, block_v, block_t, block_d)
+    w = policy.round_params(w_DxV)
+    tokens = tokens_T.astype(jnp.int32)
     mask = jnp.ones(tokens_T.shape, bool) if mask_T is None else jnp.asarray(mask_T) > 0
-    return _fused(h_TxD, policy.round_params(w_DxV), tokens_T.astype(jnp.int32), mask, plan)
+    ref_plan = LogprobPlan(float(temperature), np.dtype(policy.logits_dtype), 1,
+                           block_v or BLOCK_V, 1, "reference")
+    reference = lambda: _fused(h_TxD, w, tokens, mask, ref_plan)
+    tiles = dict(block_t=block_t, block_v=block_v, block_d=block_d, tpu_tiles=tpu_tiles)
+    return _by_platform(h_TxD, w, tokens, mask, temperature, policy, reference, tiles)
+
+
+def readout_logprobs(h_TxD: jax.Array, w_DxV: jax.Array, tokens_T: jax.Array,
+                     temperature: float, policy: Policy | str, *, plain,
+                     mask_T: jax.Array | None = None, entropy: bool = True):
+    """A model's read-out of the chosen tokens' log-probs (and entropies) from its hidden state.
+
+    The fused kernel of the platform the program is lowered for where one runs
+    (`fused_logprobs`' dispatch), else `plain()`: the caller's plain path
+    (logits, then `log_softmax`), which is what a CPU program under
+    `kernels=auto` runs, bit for bit what it ran before the kernels existed.
+    The sampler and the replay call this with the same arguments, so on each
+    platform both take the same branch. Not jitted itself.
+
+    Args:
+      h_TxD, w_DxV, tokens_T, temperature, policy, mask_T: as `fused_logprobs`.
+      plain: no-argument closure returning what this returns (`(logp [T],
+        entropy [T])`, or `logp [T]` without `entropy`) by the plain path.
+      entropy: whether the entropies are wanted.
+
+    Returns:
+      `(logp [T] f32, entropy [T] f32)`, or `logp` alone without `entropy`.
+      Rows off `mask_T` are 0 from the kernel and whatever `plain` gives.
+    """
+    policy = Policy.parse(policy)
+    if not fused_readout(policy):
+        return plain()
+    _check(h_TxD, w_DxV, tokens_T, temperature, policy, None, None, None)
+    w = policy.round_params(w_DxV)
+    tokens = tokens_T.astype(jnp.int32)
+    mask = jnp.ones(tokens_T.shape, bool) if mask_T is None else jnp.asarray(mask_T) > 0
+    out = _by_platform(h_TxD, w, tokens, mask, temperature, policy,
+                       lambda: plain() if entropy else (plain(), jnp.zeros(tokens.shape)), {})
+    return out if entropy else out[0]

@@ -6,13 +6,14 @@ and `.lower(lowering_platforms=(p,))` emits the StableHLO a `p` compiler gets,
 Pallas kernels included (Triton IR for `cuda`, Mosaic for `tpu`). Nothing is
 allocated or run, so abstract inputs (`jax.ShapeDtypeStruct`) of any size do.
 What this proves: the program and its kernels pass every check JAX makes while
-lowering (block shapes, dtypes, Mosaic's TPU rules, and through
-`kernels.targets` our own shared-memory and VMEM budgets); what it cannot: the
-device compiler's own passes (Triton's PTX generation, Mosaic's layout passes
-on a TPU), which only a device runs.
+lowering (block shapes, dtypes, Mosaic's TPU rules), Triton's own dialect
+verifier on every GPU kernel (`_verified_triton`: JAX does not run it), and
+through `kernels.targets` our shared-memory and VMEM budgets; what it cannot:
+the device compilers' own passes (Triton's PTX generation and its real
+shared-memory count, Mosaic's layout passes on a TPU), which only a device runs.
 
 Mosaic TPU asks for the chip while lowering (its lane and sublane counts):
-`lower_for` gives it the target's device kind through an abstract mesh.
+`lower_for` answers with the target's (`_tpu_device`).
 """
 
 from __future__ import annotations
@@ -23,7 +24,6 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import jax
-from jax.sharding import AbstractDevice, AbstractMesh, AxisType, use_abstract_mesh
 
 from jaxrl_lp.kernels.targets import KERNEL_TARGETS, current_target, for_target
 
@@ -40,11 +40,54 @@ _KERNEL_NAME = {
 
 @contextlib.contextmanager
 def _tpu_device(kind: str):
-    """Mosaic TPU reads the chip from the abstract mesh's device while lowering."""
-    device = AbstractDevice(device_kind=kind, num_cores=1, platform="tpu")
-    with use_abstract_mesh(AbstractMesh((1,), ("_chip",), (AxisType.Auto,),
-                                        abstract_device=device)):
+    """Mosaic TPU asks for the chip's info (lanes, sublanes, generation) while lowering, of the
+    device the program is for: from a CPU host, and inside a `shard_map` over CPU devices,
+    that device is a CPU. JAX's TPU info registry (`tpu_info.registry`, keyed by device
+    kind) is its hook for kinds it does not know: within the block, "cpu" answers as the
+    target chip. (A private JAX module: the JAX versions this is tested with are the ones
+    `pyproject.toml` admits.)"""
+    from jax._src.pallas.mosaic import tpu_info
+
+    chip = tpu_info.chip_version_from_device_kind(kind)
+    if chip is None:
+        raise ValueError(f"JAX knows no TPU chip of device kind {kind!r}")
+    before = tpu_info.registry.get("cpu")
+    tpu_info.registry["cpu"] = lambda: tpu_info.get_tpu_info_for_chip(chip, 1)
+    tpu_info.get_tpu_info.cache_clear()
+    try:
         yield
+    finally:
+        if before is None:
+            del tpu_info.registry["cpu"]
+        else:
+            tpu_info.registry["cpu"] = before
+        tpu_info.get_tpu_info.cache_clear()
+
+
+@contextlib.contextmanager
+def _verified_triton():
+    """Runs Triton's dialect verifier on every kernel lowered for cuda in the block.
+
+    JAX emits the Triton IR without verifying it, so a type Triton has no
+    tensors of (float4, E8M0) or a malformed op lowers from a CPU and fails
+    only in a GPU's compiler; the verifier (in jaxlib's Triton bindings)
+    catches those here. (JAX's private Pallas Triton module: the JAX versions
+    `pyproject.toml` admits.)"""
+    from jax._src.pallas.triton import pallas_call_registration as registration
+
+    lowering = registration.lowering
+    lower = lowering.lower_jaxpr_to_triton_module
+
+    def verified(*args, **kwargs):
+        result = lower(*args, **kwargs)
+        result.module.operation.verify()  # raises on what Triton's compiler would refuse
+        return result
+
+    lowering.lower_jaxpr_to_triton_module = verified
+    try:
+        yield
+    finally:
+        lowering.lower_jaxpr_to_triton_module = lower
 
 
 @contextlib.contextmanager
@@ -85,11 +128,15 @@ def lower_for(traced, platform: str, target: str | None = None) -> str:
         if platform == "tpu":
             t = KERNEL_TARGETS[target] if target else current_target("tpu")
             stack.enter_context(_tpu_device(t.device_kind))
+        if platform == "cuda":
+            stack.enter_context(_verified_triton())
         return traced.lower(lowering_platforms=(platform,)).as_text()
 
 
 def kernel_calls(text: str, platform: str) -> list[str]:
-    """Names of the Pallas kernels a module lowered for `platform` calls, one per call site."""
+    """Names of the Pallas kernels in a module lowered for `platform`: one per kernel call in its
+    text (a kernel under `dispatch.once_per_shape` is lowered once per shape and called from
+    every site, so it counts once)."""
     pattern = _KERNEL_NAME.get(platform)
     if pattern is None:
         return []

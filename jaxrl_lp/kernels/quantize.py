@@ -1,23 +1,67 @@
-"""MX block quantize and dequantize (MXFP8, MXFP4, NVFP4) as Pallas kernels.
+"""MX block quantize and dequantize (MXFP8, MXFP4, NVFP4) as Pallas kernels, for GPU and TPU.
 
 The jnp reference is `jaxrl_lp.numerics.formats.quantize` / `qarray.dequantize`;
-the kernels compute the same codes, scales and values bit for bit.
+both kernels compute the same codes, scales and values bit for bit. What runs
+is `kernels.dispatch.by_platform`'s choice (names `{fmt}_quantize`,
+`{fmt}_dequantize`) for the platform the program is lowered for.
 
-Algorithm. A tensor is viewed, without moving data, as `[P, N, Q]`: `P` the
+Views. A tensor is viewed, without moving data, as `[P, N, Q]`: `P` the
 product of the axes before the reduction axis, `N` its length (a multiple of
-the block size `bs`), `Q` the product of the axes after it (`[P, N]` when
-`Q == 1`, the activation case). The grid tiles the view by `(tp, tn, tq)` with
-`tn` a whole number of blocks, so no block crosses a tile. Each tile is
-reshaped to `(tp, tn/bs, bs, tq)` and handed to the reference's own per-block
-maths (`formats.mx_block_values`, `formats.nvfp4_block_values`): the block
-amax, the scale rounded as the reference rounds it, the scaled and saturated
-values; the kernel then casts them to the element dtype (RNE) and the scales
-to E8M0 / E4M3. Tiles are independent, so a ragged last tile along any axis
-computes on padding that is never written back. NVFP4's f32 tensor scale is a
-reduction over whole tensors: it is computed first by the reference's
-`nvfp4_tensor_scale`, broadcast to one value per block and read beside the
-block. Dequantize uses the same tiling: `f32(code) * f32(scale)` (NVFP4:
+the block size `bs`), `Q` the product of the axes after it; `[P, N]` when
+`Q == 1` (the activation case, blocks along the last axis). A tile
+(`QuantTiles`) holds `rows` of P (the `[P, N]` view; the `[P, N, Q]` view
+takes one P per program, a 2-D tile), `blocks` whole scale blocks of N and
+`cols` of Q, so no block crosses a tile. Tiles are independent: a ragged last
+tile along any axis computes on padding that is never written back.
+
+Maths. Each tile runs the reference's per-block maths on its blocks
+(`formats.mx_block_values`; for NVFP4 `_nvfp4_values`, `nvfp4_block_values`
+line for line with the E4M3 rounding of the block scale done as below).
+NVFP4's f32 tensor scale is a reduction over whole tensors: computed first by
+the reference's `nvfp4_tensor_scale`, it is constant along N and is read as
+one value per (P, Q) index. Dequantize: `f32(code) * f32(scale)` (NVFP4
 `f32(code) * (f32(s_b) * s_t)`, the reference's order).
+
+Bit patterns. Neither compiler takes every narrow float in a kernel: Triton's
+dialect has no `f4E2M1FN` or `f8E8M0FNU` tensors (its verifier refuses the
+loads and casts), and Mosaic TPU converts to 4-bit floats only from TPU v7
+on. So the kernels read and write `uint8` bit patterns and round in integer
+arithmetic (`_encode`: round to nearest even, subnormals, XLA's NaN codes;
+`_decode`: exact), and the codes and scales are bitcast outside (E2M1 through
+`uint4`). Nothing in a kernel is narrower than f32 but the `uint8` in memory.
+
+Versions (default tiles `CUDA_TILES`, `TPU_TILES`):
+
+- cuda (Triton): `[P, N]` tiles of 32 rows x 4 blocks, `[P, N, Q]` tiles of
+  1 block x 128 cols; blocks found by a reshape to `(.., N/bs, bs, ..)`;
+  4 warps (8 from 4096 values a tile: about 16 a thread), 1 stage.
+- tpu (Mosaic): `[P, N]` tiles of 32 rows x 128 blocks, blocks along lanes
+  (a butterfly of lane rotations, a one-hot matmul); `[P, N, Q]` tiles of 32
+  blocks x 128 cols, blocks along sublanes (the reshape); every grid axis
+  `parallel`.
+
+Triton blocks are powers of two (`dispatch.pow2_misfit`; a dim smaller than
+its tile takes its next power of two, masked past the end). A Triton program
+keeps the tile in registers; what may go through shared memory is the
+scratch of a layout conversion or a cross-warp reduction, at most one f32
+copy of the values and scales (`_cuda_misfit`: 16.5 KiB at the default MX
+tiles, of 227 KiB). No loop, so nothing to pipeline: one stage. Triton's `/`
+is PTX's approximate `div.full.f32`, so the compiled kernel divides NVFP4's
+values by inline `div.rn.f32` (`_div_rn`), as XLA does; MX divides by powers
+of two, exact either way. Mosaic's rules: a block's last two dims are whole
+or multiples of (8, 128); ours are stricter for the `uint8` codes and scales
+(Mosaic's native 8-bit tile is (32, 128)): rows and scale blocks along
+sublanes are whole or multiples of 32, and a `[P, N]` tile's N is a multiple
+of 128 (the butterfly rotates whole lanes). Mosaic cannot split lanes into
+32-wide blocks (a shape cast it does not lower), so the `[P, N]` TPU kernel
+finds each block's amax by a log2(bs)-step XOR butterfly of lane rotations
+and gathers one scale code per block by a one-hot bf16 matmul (exact: the
+codes are integers < 256); dequantize spreads them the same way. VMEM
+(`_tpu_misfit`): the blocks, double-buffered, padded to Mosaic's tiles, plus
+12 f32 tile-sized temporaries (the high side) and 10 bytes per element of the
+one-hot matrix: 6.8 MiB (quantize, bf16) and 7.3 MiB (dequantize) at the
+default `[P, N, Q]` MXFP8 tile, 6.2 and 6.5 MiB at `[32, 2560]` activations,
+of v5's 16 MiB.
 
 Per-tensor formats (`fp8`, `fp8_e5m2`, `ternary`, `binary`) have no kernel:
 they always run the reference.
@@ -25,38 +69,50 @@ they always run the reference.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+from jax.experimental.pallas import triton as pltriton
 
 # The module, not its names: `numerics` imports this file (fake_quant) while `dispatch`
 # may still be importing `numerics.policy`.
 from jaxrl_lp.kernels import dispatch
+from jaxrl_lp.kernels.targets import budget_misfit
 from jaxrl_lp.numerics import formats
 from jaxrl_lp.numerics.policy import KERNEL_MODES, PRESETS, Policy
 from jaxrl_lp.numerics.qarray import QArray, get_format
 from jaxrl_lp.numerics.qarray import dequantize as dequantize_reference
 
-__all__ = ["DEFAULT_TILES", "QuantTiles", "dequantize", "kernels_mode", "quantize"]
+__all__ = ["CUDA_TILES", "TPU_TILES", "QuantTiles", "dequantize", "kernels_mode", "quantize"]
 
 
 class QuantTiles(NamedTuple):
-    """Tile of the `[P, N, Q]` view: `rows` of P, `blocks` scale blocks of N, `cols` of Q."""
+    """A kernel tile: `rows` of P (the `[P, N]` view only), `blocks` scale blocks of N,
+    `cols` of Q (the `[P, N, Q]` view only). A dim smaller than its tile is whole (in
+    Triton, its next power of two)."""
 
-    rows: int = 32
-    blocks: int = 8
-    cols: int = 128
+    rows: int = 1
+    blocks: int = 1
+    cols: int = 1
 
 
-DEFAULT_TILES = QuantTiles()
+# Default tiles by view rank (module docstring).
+CUDA_TILES = {2: QuantTiles(rows=32, blocks=4), 3: QuantTiles(blocks=1, cols=128)}
+TPU_TILES = {2: QuantTiles(rows=32, blocks=128), 3: QuantTiles(blocks=32, cols=128)}
+_LANES, _SUBLANES_8BIT = 128, 32
+_TPU_TEMPS = 12  # f32 tile-sized temporaries counted in the VMEM estimate (the high side)
+_ONE_HOT_BYTES = 10  # per element of the one-hot matrix: two int32 iotas and the bf16 matrix
 
 
 def kernels_mode(kernels: str | Policy) -> str:
-    """The kernels mode (`auto`, `on`, `off`, `interpret`) of a mode name, policy or policy string."""
+    """The kernels mode (`KERNEL_MODES`) of a mode name, policy or policy string."""
     if isinstance(kernels, Policy):
         return kernels.kernels
     if isinstance(kernels, str) and kernels in KERNEL_MODES:
@@ -66,13 +122,12 @@ def kernels_mode(kernels: str | Policy) -> str:
     raise ValueError(f"kernels {kernels!r} is not one of {list(KERNEL_MODES)} (or a policy)")
 
 
-def _choice(kernels: str | Policy) -> str:
-    return dispatch.choose(Policy(kernels=kernels_mode(kernels)), "quantize")
-
-
 def quantize(x: jax.Array, fmt: str, axis: int = 0, batch_axes: Sequence[int] = (), *,
-             kernels: str | Policy = "auto", tiles: QuantTiles = DEFAULT_TILES) -> QArray:
-    """`formats.quantize` (same arguments, same `QArray` bit for bit), by the kernel where chosen.
+             kernels: str | Policy = "auto", tiles: QuantTiles | None = None,
+             tpu_tiles: QuantTiles | None = None) -> QArray:
+    """`formats.quantize` (same arguments, same `QArray` bit for bit), by the platform's kernel.
+
+    Not jitted itself; every platform's version is traced (`dispatch.by_platform`).
 
     Args:
       x: floating array.
@@ -80,146 +135,449 @@ def quantize(x: jax.Array, fmt: str, axis: int = 0, batch_axes: Sequence[int] = 
       axis: the reduction axis; its length must be a multiple of the block size.
       batch_axes: axes of independent tensors (only the NVFP4 tensor scale reads them).
       kernels: a kernels mode, or a policy whose `kernels` field is read
-        (`kernels.dispatch.choose`: `auto` runs the reference on CPU).
-      tiles: the kernel's tile (`QuantTiles`).
+        (`auto` runs the reference when lowered for cpu).
+      tiles, tpu_tiles: the cuda / tpu version's tile (default `CUDA_TILES` /
+        `TPU_TILES` for the view). Under `auto` one that does not fit the
+        compiled kernel is replaced by the default; interpreted, any tile runs.
 
     Returns:
       The `QArray` of `formats.quantize(x, fmt, axis, batch_axes)`.
 
     Raises:
-      KernelUnavailableError: `kernels=on` on a backend without Pallas.
+      KernelUnavailableError: `kernels=on` lowered for cpu, or for a platform
+        whose compiled kernel cannot take the shape or tile (at lowering).
       ValueError: the block size does not divide the reduction axis (naming the
         shape and the block size), or another bad axis.
 
     Example:
       >>> q = quantize(jnp.ones((33, 64)), "mxfp8", axis=1, kernels="interpret")
     """
-    spec = get_format(fmt)
-    choice = _choice(kernels)
-    if choice == "reference" or not spec.is_block or jnp.size(x) == 0:
+    spec, mode = get_format(fmt), kernels_mode(kernels)
+    if mode == "off" or not spec.is_block or jnp.size(x) == 0:
         return formats.quantize(x, fmt, axis, batch_axes)
     # The reference's own validation, so both raise the same errors (block size, axes).
     axis, batch = formats._normalize_axes(jnp.shape(x), axis, batch_axes, spec)
-    x = jnp.asarray(x)
+    return dispatch.once_per_shape(_quantize, jnp.asarray(x), fmt=fmt, axis=axis,
+                                   batch=tuple(batch), mode=mode, tiles=tiles, tpu_tiles=tpu_tiles)
+
+
+def _quantize(x, *, fmt: str, axis: int, batch: tuple[int, ...], mode: str, tiles, tpu_tiles):
+    """`quantize`'s dispatch, traced once per shape (`dispatch.once_per_shape`)."""
+    spec = get_format(fmt)
+    reference = lambda: formats.quantize(x, fmt, axis, batch)
     bs, shape = spec.block_size, x.shape
-    view, sview = _views(shape, axis, bs)
-    if _fit(choice, kernels, view, bs, tiles, "quantize") == "reference":
-        return formats.quantize(x, fmt, axis, batch_axes)
+    view, sview, tview = _views(shape, axis, bs)
     nvfp4 = spec.scale_kind == "block_e4m3_tensor_f32"
     operands, tscale = [x.reshape(view)], None
     if nvfp4:
         reduce_axes = tuple(i for i in range(x.ndim) if i not in batch)
         # Upcast: the tensor scale is computed from f32 values, as in the reference.
         tscale = formats.nvfp4_tensor_scale(x.astype(jnp.float32), reduce_axes)
-        block_shape = shape[:axis] + (shape[axis] // bs,) + shape[axis + 1:]
-        operands.append(jnp.broadcast_to(tscale, block_shape).reshape(sview))
-    scale_dtype = jnp.float8_e4m3fn if nvfp4 else jnp.float8_e8m0fnu
-    out_shape = (jax.ShapeDtypeStruct(view, spec.element_dtype),
-                 jax.ShapeDtypeStruct(sview, scale_dtype))
-    grid, xspec, sspec = _specs(view, bs, tiles)
-    codes, scales = pl.pallas_call(
-        lambda *refs: _quantize_kernel(*refs, spec=spec, nvfp4=nvfp4),
-        out_shape=out_shape, grid=grid,
-        in_specs=[xspec] + ([sspec] if nvfp4 else []), out_specs=(xspec, sspec),
-        interpret=choice == "interpret", name=f"{fmt}_quantize",
-    )(*operands)
-    scales = scales.reshape(shape[:axis] + (shape[axis] // bs,) + shape[axis + 1:])
-    return QArray(codes.reshape(shape), scales, fmt, axis, batch, tscale)
+        operands.append(jnp.broadcast_to(tscale, _along(shape, axis, 1)).reshape(tview))
+
+    def run(platform: str, tile: QuantTiles, interpret: bool) -> QArray:
+        def call(*operands):
+            local = operands[0].shape  # one device's rows under a mesh
+            spec_x, spec_s, spec_t, grid = _specs(platform, local, bs, tile)
+            return pl.pallas_call(
+                _kernel(_quantize_blocks_kernel, _quantize_lanes_kernel, platform, local, spec,
+                        nvfp4, interpret),
+                out_shape=(jax.ShapeDtypeStruct(local, jnp.uint8),
+                           jax.ShapeDtypeStruct(local[:1] + sview[1:], jnp.uint8)),
+                grid=grid, in_specs=[spec_x] + [spec_t] * nvfp4, out_specs=(spec_x, spec_s),
+                compiler_params=_compiler_params(platform, local, bs, tile), interpret=interpret,
+                name=f"{fmt}_quantize",
+            )(*operands)
+
+        rows = _rows_axes(view)
+        codes, scales = dispatch.per_shard(call, (rows,) * len(operands), (rows, rows))(*operands)
+        scale_dtype = jnp.float8_e4m3fn if nvfp4 else jnp.float8_e8m0fnu
+        return QArray(_from_bits(codes, spec.element_dtype).reshape(shape),
+                      _from_bits(scales, scale_dtype).reshape(_along(shape, axis, shape[axis] // bs)),
+                      fmt, axis, batch, tscale)
+
+    versions = _versions(run, mode, _local(view), bs, np.dtype(x.dtype), tiles, tpu_tiles)
+    return dispatch.by_platform(f"{fmt}_quantize", Policy(kernels=mode), reference, **versions)
 
 
-def dequantize(q: QArray, *, kernels: str | Policy = "auto",
-               tiles: QuantTiles = DEFAULT_TILES) -> jax.Array:
-    """`qarray.dequantize` (the f32 value, bit for bit), by the kernel where chosen.
+def dequantize(q: QArray, *, kernels: str | Policy = "auto", tiles: QuantTiles | None = None,
+               tpu_tiles: QuantTiles | None = None) -> jax.Array:
+    """`qarray.dequantize` (the f32 value, bit for bit), by the platform's kernel.
 
     Args:
       q: a quantized tensor; block formats have a kernel.
-      kernels: a kernels mode or a policy (as `quantize`).
-      tiles: the kernel's tile (`QuantTiles`).
+      kernels, tiles, tpu_tiles: as `quantize`.
 
     Returns:
       f32 array of `q.shape`.
+
+    Raises:
+      KernelUnavailableError: as `quantize`.
     """
+    spec, mode = q.spec, kernels_mode(kernels)
+    if mode == "off" or not spec.is_block or q.codes.size == 0:
+        return dequantize_reference(q)
+    return dispatch.once_per_shape(_dequantize, q, mode=mode, tiles=tiles, tpu_tiles=tpu_tiles)
+
+
+def _dequantize(q: QArray, *, mode: str, tiles, tpu_tiles) -> jax.Array:
+    """`dequantize`'s dispatch, traced once per shape (`dispatch.once_per_shape`)."""
     spec = q.spec
-    choice = _choice(kernels)
-    if choice == "reference" or not spec.is_block or q.codes.size == 0:
-        return dequantize_reference(q)
+    reference = lambda: dequantize_reference(q)
     bs, shape = spec.block_size, q.shape
-    view, sview = _views(shape, q.axis, bs)
-    if _fit(choice, kernels, view, bs, tiles, "dequantize") == "reference":
-        return dequantize_reference(q)
-    operands = [q.codes.reshape(view), q.scales.reshape(sview)]
-    if q.tensor_scale is not None:
-        operands.append(jnp.broadcast_to(q.tensor_scale, q.scales.shape).reshape(sview))
-    grid, xspec, sspec = _specs(view, bs, tiles)
-    out = pl.pallas_call(
-        lambda *refs: _dequantize_kernel(*refs, bs=bs),
-        out_shape=jax.ShapeDtypeStruct(view, jnp.float32), grid=grid,
-        in_specs=[xspec] + [sspec] * (len(operands) - 1), out_specs=xspec,
-        interpret=choice == "interpret", name=f"{q.format}_dequantize",
-    )(*operands)
-    return out.reshape(shape)
+    view, sview, tview = _views(shape, q.axis, bs)
+    operands = [_to_bits(q.codes).reshape(view), _to_bits(q.scales).reshape(sview)]
+    nvfp4 = q.tensor_scale is not None
+    if nvfp4:
+        operands.append(jnp.broadcast_to(q.tensor_scale, _along(shape, q.axis, 1)).reshape(tview))
+
+    def run(platform: str, tile: QuantTiles, interpret: bool) -> jax.Array:
+        def call(*operands):
+            local = operands[0].shape  # one device's rows under a mesh
+            spec_x, spec_s, spec_t, grid = _specs(platform, local, bs, tile)
+            return pl.pallas_call(
+                _kernel(_dequantize_blocks_kernel, _dequantize_lanes_kernel, platform, local,
+                        spec, nvfp4, interpret),
+                out_shape=jax.ShapeDtypeStruct(local, jnp.float32), grid=grid,
+                in_specs=[spec_x, spec_s] + [spec_t] * nvfp4, out_specs=spec_x,
+                compiler_params=_compiler_params(platform, local, bs, tile), interpret=interpret,
+                name=f"{q.format}_dequantize",
+            )(*operands)
+
+        rows = _rows_axes(view)
+        out = dispatch.per_shard(call, (rows,) * len(operands), rows)(*operands)
+        return out.reshape(shape)
+
+    versions = _versions(run, mode, _local(view), bs, np.dtype(np.float32), tiles, tpu_tiles)
+    return dispatch.by_platform(f"{q.format}_dequantize", Policy(kernels=mode), reference,
+                                **versions)
+
+
+# ----------------------------------------------------------------- plans: views, tiles, fits
+def _rows_axes(view: tuple[int, ...]):
+    """The logical axes of a view's operands under a mesh (`dispatch.per_shard`): an
+    activation's `[P, N]` view is P = batch x tokens, split over the batch shards like the
+    activation (blocks run along N, within a row); a weight's `[P, N, Q]` view is whole on
+    every device (FSDP gathers a weight before its matmul anyway). A P that does not divide
+    by the shards stays whole too."""
+    if len(view) == 2 and view[0] % dispatch.shard_count("batch") == 0:
+        return ("batch", None)
+    return None
+
+
+def _local(view: tuple[int, ...]) -> tuple[int, ...]:
+    """The view one device's kernel sees (`_rows_axes`): what its tile is planned for."""
+    if _rows_axes(view) is None:
+        return view
+    return (view[0] // dispatch.shard_count("batch"), *view[1:])
+
+
+def _along(shape: tuple[int, ...], axis: int, n: int) -> tuple[int, ...]:
+    return shape[:axis] + (n,) + shape[axis + 1:]
 
 
 def _views(shape: tuple[int, ...], axis: int, bs: int):
-    """The `[P, N, Q]` (or `[P, N]`) view of the values and the `[P, N/bs, Q]` view of the scales."""
+    """The values' view `[P, N(, Q)]`, the scales' `[P, N/bs(, Q)]`, the tensor scale's `[P, 1(, Q)]`."""
     p, n, q = math.prod(shape[:axis]), shape[axis], math.prod(shape[axis + 1:])
     if q == 1:
-        return (p, n), (p, n // bs)
-    return (p, n, q), (p, n // bs, q)
+        return (p, n), (p, n // bs), (p, 1)
+    return (p, n, q), (p, n // bs, q), (p, 1, q)
 
 
-def _fit(choice: str, kernels: str | Policy, view: tuple[int, ...], bs: int, tiles: QuantTiles,
-         name: str) -> str:
-    """`choice`, or `reference` where the compiled tile is not all powers of two (Triton)."""
-    tile = _tile(view, bs, tiles)
-    misfit = dispatch.pow2_misfit(1, **{f"tile[{i}]": n for i, n in enumerate(tile)})
-    return dispatch.within_limits(choice, Policy(kernels=kernels_mode(kernels)), name, misfit)
+def _tile(platform: str, view: tuple[int, ...], bs: int, tiles: QuantTiles):
+    """(rows, blocks, cols) of `tiles` on `view`: a dim smaller than its tile is whole (cuda: its
+    power of two, a Triton block, masked past the end)."""
+    fit = (lambda t, d: min(t, 1 << (d - 1).bit_length())) if platform == "cuda" else min
+    if len(view) == 2:
+        return fit(tiles.rows, view[0]), fit(tiles.blocks, view[1] // bs), 1
+    return 1, fit(tiles.blocks, view[1] // bs), fit(tiles.cols, view[2])
 
 
-def _tile(view: tuple[int, ...], bs: int, tiles: QuantTiles) -> list[int]:
-    """The value tile of the view (a dim smaller than its tile is whole)."""
-    tile = [min(view[0], tiles.rows), min(view[1] // bs, tiles.blocks) * bs]
-    return tile + [min(view[2], tiles.cols)] if len(view) == 3 else tile
+def _specs(platform: str, view: tuple[int, ...], bs: int, tiles: QuantTiles):
+    """BlockSpecs of the values, the scales and the tensor scale, and the grid."""
+    tp, nb, tq = _tile(platform, view, bs, tiles)
+    if len(view) == 2:
+        grid = (pl.cdiv(view[0], tp), pl.cdiv(view[1], nb * bs))
+        return (pl.BlockSpec((tp, nb * bs), lambda i, j: (i, j)),
+                pl.BlockSpec((tp, nb), lambda i, j: (i, j)),
+                pl.BlockSpec((tp, 1), lambda i, j: (i, 0)), grid)
+    grid = (view[0], pl.cdiv(view[1], nb * bs), pl.cdiv(view[2], tq))
+    return (pl.BlockSpec((None, nb * bs, tq), lambda p, j, k: (p, j, k)),
+            pl.BlockSpec((None, nb, tq), lambda p, j, k: (p, j, k)),
+            pl.BlockSpec((None, 1, tq), lambda p, j, k: (p, 0, k)), grid)
 
 
-def _specs(view: tuple[int, ...], bs: int, tiles: QuantTiles):
-    """Grid and block specs of the values and the scales (a dim smaller than its tile is whole)."""
-    tile = _tile(view, bs, tiles)
-    stile = [tile[0], tile[1] // bs, *tile[2:]]
-    grid = tuple(pl.cdiv(d, t) for d, t in zip(view, tile, strict=True))
-    index = lambda *ij: ij
-    return grid, pl.BlockSpec(tuple(tile), index), pl.BlockSpec(tuple(stile), index)
+def _tile_text(platform, view, bs, tiles) -> str:
+    tp, nb, tq = _tile(platform, view, bs, tiles)
+    dims = (tp, nb * bs) if len(view) == 2 else (nb * bs, tq)
+    return f"[{dims[0]}, {dims[1]}] ({nb} blocks of {bs}) of the view {list(view)}"
 
 
-def _split_blocks(x: jax.Array, bs: int) -> jax.Array:
-    """A tile `(tp, tn, [tq])` as `(tp, tn/bs, bs, [tq])`: one block per index of axis 1."""
-    return x.reshape(x.shape[0], x.shape[1] // bs, bs, *x.shape[2:])
+def _cuda_misfit(view, bs, tiles: QuantTiles, x_dtype) -> str | None:
+    """Triton: power-of-two blocks; at most one f32 copy of values and scales in shared memory."""
+    del x_dtype
+    tp, nb, tq = _tile("cuda", view, bs, tiles)
+    text = _tile_text("cuda", view, bs, tiles)
+    dims = {"rows": tp, "blocks": nb} if len(view) == 2 else {"blocks": nb, "cols": tq}
+    bad = dispatch.pow2_misfit(1, **dims)
+    if bad is not None:
+        return f"the tile {text}: {bad} (Triton blocks are powers of two)"
+    values = tp * nb * bs * tq
+    return budget_misfit("cuda", 4 * (values + values // bs), text)
 
 
-def _quantize_kernel(*refs, spec, nvfp4: bool):
-    """One tile: per-block scales and element codes by the reference's per-block maths."""
-    if nvfp4:
-        x_ref, st_ref, codes_ref, scales_ref = refs
+def _vmem(shape: tuple[int, ...], itemsize: int) -> int:
+    """Bytes of a VMEM block: its last two dims padded to Mosaic's (8 * 4 / itemsize, 128) tile."""
+    *lead, r, c = (1, *shape) if len(shape) == 1 else shape
+    sub = 8 * 4 // itemsize
+    return math.prod(lead) * (-(-r // sub) * sub) * (-(-c // _LANES) * _LANES) * itemsize
+
+
+def _tpu_misfit(view, bs, tiles: QuantTiles, x_dtype) -> str | None:
+    """Mosaic's block rules (ours for `uint8`, module docstring) and the VMEM estimate."""
+    tp, nb, tq = _tile("tpu", view, bs, tiles)
+    tn, text = nb * bs, _tile_text("tpu", view, bs, tiles)
+    if len(view) == 2:
+        rules = [(tp == view[0] or tp % _SUBLANES_8BIT == 0,
+                  f"rows={tp} is neither P={view[0]} nor a multiple of {_SUBLANES_8BIT} (the "
+                  "uint8 codes' sublane tile)"),
+                 (nb == view[1] // bs or nb % _LANES == 0,
+                  f"blocks={nb} is neither N/bs={view[1] // bs} nor a multiple of {_LANES} "
+                  "(Mosaic's lane rule, on the scales)"),
+                 (tn % _LANES == 0, f"its N={tn} is not a multiple of the {_LANES} lanes the "
+                                    "block butterfly rotates")]
+        blocks = [((tp, tn), x_dtype.itemsize), ((tp, tn), 1), ((tp, nb), 1), ((tp, 1), 4)]
+        temps = 4 * _TPU_TEMPS * tp * tn + _ONE_HOT_BYTES * tn * nb
     else:
-        x_ref, codes_ref, scales_ref = refs
+        rules = [(nb == view[1] // bs or nb % _SUBLANES_8BIT == 0,
+                  f"blocks={nb} is neither N/bs={view[1] // bs} nor a multiple of "
+                  f"{_SUBLANES_8BIT} (the uint8 scales' sublane tile)"),
+                 (tq == view[2] or tq % _LANES == 0,
+                  f"cols={tq} is neither Q={view[2]} nor a multiple of {_LANES} (Mosaic's lane "
+                  "rule)")]
+        blocks = [((tn, tq), x_dtype.itemsize), ((tn, tq), 1), ((nb, tq), 1), ((1, tq), 4)]
+        temps = 4 * _TPU_TEMPS * tn * tq
+    for ok, why in rules:
+        if not ok:
+            return f"the tile {text}: {why}"
+    # Every block double-buffered: the values (`x_dtype`), codes, scales and tensor scales.
+    need = 2 * sum(_vmem(s, b) for s, b in blocks) + temps
+    return budget_misfit("tpu", need, text)
+
+
+def _compiler_params(platform: str, view, bs, tiles: QuantTiles):
+    if platform == "tpu":
+        return pltpu.CompilerParams(dimension_semantics=("parallel",) * len(view))
+    tp, nb, tq = _tile("cuda", view, bs, tiles)
+    # About 16 values a thread; no loop in the kernel, so nothing to pipeline.
+    return pltriton.CompilerParams(num_warps=8 if tp * nb * bs * tq >= 4096 else 4, num_stages=1)
+
+
+def _versions(run, mode: str, view, bs: int, x_dtype, tiles, tpu_tiles) -> dict:
+    """The cuda and tpu `Version`s of a `run(platform, tile, interpret)`."""
+    versions = {}
+    for platform, given, default, misfit in (("cuda", tiles, CUDA_TILES, _cuda_misfit),
+                                             ("tpu", tpu_tiles, TPU_TILES, _tpu_misfit)):
+        tile = given or default[len(view)]
+        bad = misfit(view, bs, tile, x_dtype)
+        if bad is not None and given is not None and mode == "auto":
+            tile = default[len(view)]  # a caller's tile that does not fit: the default plan
+            bad = misfit(view, bs, tile, x_dtype)
+        interpreted = given or default[len(view)]
+        versions[platform] = dispatch.Version(
+            lambda interpret, p=platform, t=tile, i=interpreted: run(p, i if interpret else t,
+                                                                     interpret), bad)
+    return versions
+
+
+# ----------------------------------------------------------------- bit patterns (module docstring)
+class _Float(NamedTuple):
+    exp_bits: int
+    man_bits: int
+    nan: int | None  # the code of a positive NaN (sign bit added), or None: NaN -> `nan_any`
+    nan_any: int = 0
+
+
+_E4M3 = _Float(4, 3, 0x7F)
+_E2M1 = _Float(2, 1, None, 0x8)  # no NaN: XLA converts NaN of either sign to 0b1000 (-0)
+_FLOATS = {np.dtype(jnp.float8_e4m3fn): _E4M3, np.dtype(jnp.float4_e2m1fn): _E2M1}
+
+
+def _encode(y: jax.Array, f: _Float) -> jax.Array:
+    """int32 codes of f32 `y` (|y| <= the format's max, or NaN), rounded to nearest even."""
+    bias, m = (1 << (f.exp_bits - 1)) - 1, f.man_bits
+    bits = jax.lax.bitcast_convert_type(y, jnp.int32)
+    a = bits & 0x7FFFFFFF
+    drop = 23 - m
+    normal = ((a + (1 << (drop - 1)) - 1 + ((a >> drop) & 1)) >> drop) - ((127 - bias) << m)
+    # Subnormal codes: |y| / 2^(1 - bias - m) rounded to an integer, from the f32 mantissa.
+    e = a >> 23
+    mant = (a & 0x7FFFFF) | jnp.where(e > 0, 0x800000, 0)
+    shift = jnp.minimum(151 - bias - m - jnp.maximum(e, 1), 30)
+    q, rem, half = mant >> shift, mant & ((1 << shift) - 1), 1 << (shift - 1)
+    sub = q + ((rem > half) | ((rem == half) & ((q & 1) == 1))).astype(jnp.int32)
+    code = jnp.where(a < (128 - bias) << 23, sub, normal)
+    sign = jnp.where(bits < 0, 1 << (f.exp_bits + m), 0)
+    nan = f.nan_any if f.nan is None else f.nan | sign
+    return jnp.where(a > 0x7F800000, nan, code | sign)
+
+
+def _decode(code: jax.Array, f: _Float) -> jax.Array:
+    """The f32 value of int32 codes (exact, as XLA's conversion)."""
+    bias, m = (1 << (f.exp_bits - 1)) - 1, f.man_bits
+    sign = jnp.where((code >> (f.exp_bits + m)) & 1 == 1, np.int32(-(1 << 31)), 0)
+    e, man = (code >> m) & ((1 << f.exp_bits) - 1), code & ((1 << m) - 1)
+    normal = ((e + 127 - bias) << 23) | (man << (23 - m))
+    # Subnormal codes: man * 2^(1 - bias - m), exact in f32.
+    sub = jax.lax.bitcast_convert_type(man.astype(jnp.float32) * 2.0 ** (1 - bias - m), jnp.int32)
+    bits = jnp.where(e == 0, sub, normal)
+    if f.nan is not None:
+        bits = jnp.where(code & f.nan == f.nan, 0x7FC00000, bits)
+    return jax.lax.bitcast_convert_type(bits | sign, jnp.float32)
+
+
+def _e8m0_value(code: jax.Array) -> jax.Array:
+    """The f32 value of int32 E8M0 codes: `2^(code - 127)`, code 0 the subnormal 2^-127, 255 NaN."""
+    bits = jnp.where(code == 0, 0x00400000, jnp.where(code == 255, 0x7FC00000, code << 23))
+    return jax.lax.bitcast_convert_type(bits, jnp.float32)
+
+
+def _from_bits(bits: jax.Array, dtype) -> jax.Array:
+    """`uint8` codes as `dtype` (outside the kernels)."""
+    if np.dtype(dtype) == np.dtype(jnp.float4_e2m1fn):
+        return jax.lax.bitcast_convert_type(bits.astype(jnp.uint4), dtype)
+    return jax.lax.bitcast_convert_type(bits, dtype)
+
+
+def _to_bits(codes: jax.Array) -> jax.Array:
+    """Codes of a narrow float as their `uint8` bit patterns (outside the kernels)."""
+    if codes.dtype == np.dtype(jnp.float4_e2m1fn):
+        return jax.lax.bitcast_convert_type(codes, jnp.uint4).astype(jnp.uint8)
+    return jax.lax.bitcast_convert_type(codes, jnp.uint8)
+
+
+# ----------------------------------------------------------------- per-block maths
+def _nvfp4_values(xb: jax.Array, s_t: jax.Array, block_axis: int, div=jnp.divide):
+    """`formats.nvfp4_block_values` with the E4M3 block scale rounded by `_encode` and the
+    divisions by `div` (`_div_rn` in Triton): (y, s_b code)."""
+    amax_b = formats._amax(xb, (block_axis,), keepdims=False)
+    s_b = _encode(jnp.clip(div(amax_b, 6.0 * s_t), 0.0, 448.0), _E4M3)
+    # The E4M3 block scale is exact in f32; the product is one f32 rounding.
+    eff = jnp.expand_dims(_decode(s_b, _E4M3) * s_t, block_axis)
+    safe = jnp.where(eff > 0, eff, 1.0)
+    return jnp.where(eff > 0, jnp.clip(div(xb, safe), -6.0, 6.0), 0.0), s_b
+
+
+def _div_rn(a: jax.Array, b: jax.Array) -> jax.Array:
+    """`a / b` rounded to nearest even in a Triton kernel: its `/` is PTX's approximate
+    `div.full.f32` (up to 2 ulp off), where XLA divides exactly."""
+    a, b = jnp.broadcast_arrays(a, b)
+    [q] = pltriton.elementwise_inline_asm(
+        "div.rn.f32 $0, $1, $2;", args=[a, b], constraints="=r,r,r", pack=1,
+        result_shape_dtypes=[jax.ShapeDtypeStruct(a.shape, jnp.float32)])
+    return q
+
+
+def _block_values(xb, spec, s_t, block_axis: int, div=jnp.divide):
+    """(y, int32 scale code): the scaled values before the element rounding, per block. MX
+    divides by a power of two, exact in any division (Triton's too); NVFP4 by `div`."""
+    if s_t is not None:
+        return _nvfp4_values(xb, s_t, block_axis, div)
+    y, scale = formats.mx_block_values(xb, spec, block_axis)
+    # The scale is 2^e with e in [-126, 127], a normal f32: its biased exponent is the E8M0 code.
+    return y, jax.lax.bitcast_convert_type(scale, jnp.int32) >> 23
+
+
+def _scale_value(code: jax.Array, spec) -> jax.Array:
+    return _decode(code, _E4M3) if spec.scale_kind == "block_e4m3_tensor_f32" else _e8m0_value(code)
+
+
+def _split_blocks(x: jax.Array, bs: int, axis: int) -> jax.Array:
+    """`axis` of a tile as `(n/bs, bs)`: one block per index of `axis`."""
+    return x.reshape(x.shape[:axis] + (x.shape[axis] // bs, bs) + x.shape[axis + 1:])
+
+
+# ----------------------------------------------------------------- kernels
+def _kernel(blocks, lanes, platform: str, view, spec, nvfp4: bool, interpret: bool):
+    """The kernel body of `platform` on `view`: TPU's `[P, N]` tiles find blocks along lanes."""
+    if platform == "tpu" and len(view) == 2:
+        return functools.partial(lanes, spec=spec, nvfp4=nvfp4)
+    # Compiled by Triton, divisions are rounded by inline PTX (`_div_rn`); elsewhere by `/`.
+    div = _div_rn if platform == "cuda" and not interpret else jnp.divide
+    # N is the tile's axis 1 of a `[P, N]` tile, axis 0 of a `[P, N, Q]` one (P squeezed).
+    return functools.partial(blocks, spec=spec, nvfp4=nvfp4, axis=1 if len(view) == 2 else 0,
+                             div=div)
+
+
+def _quantize_blocks_kernel(x_ref, *refs, spec, nvfp4: bool, axis: int, div=jnp.divide):
+    """One tile whose blocks a reshape finds: N is the tile's axis 0 (`[P, N, Q]`) or 1 (`[P, N]`)."""
+    st_ref, codes_ref, scales_ref = refs if nvfp4 else (None, *refs)
     # Upcast: scales and codes are computed from f32 values (exact for bf16/f16).
     x = x_ref[...].astype(jnp.float32)
-    xb = _split_blocks(x, spec.block_size)
-    if nvfp4:
-        y, scale = formats.nvfp4_block_values(xb, st_ref[...], 2)
-    else:
-        y, scale = formats.mx_block_values(xb, spec, 2)
-    # Rounding sites: RNE to the element dtype; the scales are exact in theirs.
-    codes_ref[...] = y.reshape(x.shape).astype(codes_ref.dtype)
-    scales_ref[...] = scale.astype(scales_ref.dtype)
+    y, scode = _block_values(_split_blocks(x, spec.block_size, axis), spec,
+                             None if st_ref is None else st_ref[...], axis + 1, div)
+    # Rounding site: the element codes, RNE; the scales are exact in theirs.
+    codes_ref[...] = _encode(y.reshape(x.shape), _FLOATS[spec.element_dtype]).astype(jnp.uint8)
+    scales_ref[...] = scode.astype(jnp.uint8)
 
 
-def _dequantize_kernel(*refs, bs: int):
+def _quantize_lanes_kernel(x_ref, *refs, spec, nvfp4: bool):
+    """One `[rows, N]` tile on TPU, blocks along lanes (module docstring)."""
+    st_ref, codes_ref, scales_ref = refs if nvfp4 else (None, *refs)
+    bs = spec.block_size
+    # Upcast: scales and codes are computed from f32 values (exact for bf16/f16).
+    x = x_ref[...].astype(jnp.float32)
+    # The block's amax joins each element as the second member of a two-member block: the
+    # per-block maths, which reads a block's amax from its members, then runs per element.
+    pair = jnp.stack([x, _lane_block_amax(x, bs)])
+    y, scode = _block_values(pair, spec, None if st_ref is None else st_ref[...], 0)
+    codes_ref[...] = _encode(y[0], _FLOATS[spec.element_dtype]).astype(jnp.uint8)
+    n, nb = x.shape[1], x.shape[1] // bs
+    pick = (jax.lax.broadcasted_iota(jnp.int32, (n, nb), 0)
+            == jax.lax.broadcasted_iota(jnp.int32, (n, nb), 1) * bs)
+    scales_ref[...] = _one_hot_dot(scode, pick).astype(jnp.uint8)
+
+
+def _lane_block_amax(x: jax.Array, bs: int) -> jax.Array:
+    """max |x| over each aligned run of `bs` lanes, in every lane (NaN-propagating, as `_amax`)."""
+    bits = jax.lax.bitcast_convert_type(jnp.abs(x), jnp.int32)
+    lane = jax.lax.broadcasted_iota(jnp.int32, bits.shape, 1)
+    n, s = bits.shape[1], 1
+    while s < bs:  # XOR butterfly: lane i meets lane i ^ s
+        partner = jnp.where(lane & s == s, pltpu.roll(bits, s, 1), pltpu.roll(bits, n - s, 1))
+        bits, s = jnp.maximum(bits, partner), 2 * s
+    return jax.lax.bitcast_convert_type(bits, jnp.float32)
+
+
+def _one_hot_dot(codes: jax.Array, one_hot: jax.Array) -> jax.Array:
+    """`codes @ one_hot` for int32 codes < 256: exact in bf16 (one 1 per output), back as int32."""
+    out = jax.lax.dot_general(codes.astype(jnp.float32).astype(jnp.bfloat16),
+                              one_hot.astype(jnp.bfloat16), (((1,), (0,)), ((), ())),
+                              preferred_element_type=jnp.float32)
+    return out.astype(jnp.int32)
+
+
+def _dequantize_blocks_kernel(codes_ref, scales_ref, *refs, spec, nvfp4: bool, axis: int,
+                              div=None):
     """One tile: `f32(code) * f32(scale)`, NVFP4 `f32(code) * (f32(s_b) * s_t)`."""
-    codes_ref, scales_ref, *ts_ref, out_ref = refs
-    # Upcast: codes and scales are exact in f32.
-    c = codes_ref[...].astype(jnp.float32)
-    s = scales_ref[...].astype(jnp.float32)
-    if ts_ref:
-        s = s * ts_ref[0][...]
-    out_ref[...] = (_split_blocks(c, bs) * jnp.expand_dims(s, 2)).reshape(c.shape)
+    del div  # no division
+    st_ref, out_ref = refs if nvfp4 else (None, *refs)
+    c = _decode(codes_ref[...].astype(jnp.int32), _FLOATS[spec.element_dtype])
+    s = _scale_value(scales_ref[...].astype(jnp.int32), spec)
+    if nvfp4:
+        s = s * st_ref[...]
+    out_ref[...] = (_split_blocks(c, spec.block_size, axis)
+                    * jnp.expand_dims(s, axis + 1)).reshape(c.shape)
+
+
+def _dequantize_lanes_kernel(codes_ref, scales_ref, *refs, spec, nvfp4: bool):
+    """One `[rows, N]` tile on TPU: each block's scale code spread over its lanes by a one-hot matmul."""
+    st_ref, out_ref = refs if nvfp4 else (None, *refs)
+    c = _decode(codes_ref[...].astype(jnp.int32), _FLOATS[spec.element_dtype])
+    n, nb = c.shape[1], scales_ref.shape[1]
+    spread = (jax.lax.broadcasted_iota(jnp.int32, (nb, n), 1) >> int(math.log2(spec.block_size))
+              == jax.lax.broadcasted_iota(jnp.int32, (nb, n), 0))
+    s = _scale_value(_one_hot_dot(scales_ref[...].astype(jnp.int32), spread), spec)
+    if nvfp4:
+        s = s * st_ref[...]
+    out_ref[...] = c * s

@@ -5,12 +5,21 @@ A tile plan is checked against its target's limit before its kernel is traced
 one that does, or the reference runs; under `kernels=on` it is an error naming
 the tile, the need and the limit (`kernels.dispatch`).
 
-| target | platform | limit per kernel program | source |
-|---|---|---|---|
-| `h100`, `h200` | cuda | 227 KiB of shared memory per thread block | CUDA C++ Programming Guide, technical specifications per compute capability (9.0: 227 KB per block, opt-in); JAX's Mosaic GPU lowering refuses kernels over the same 232,448 bytes |
-| `b200` | cuda | 227 KiB of shared memory per thread block | the same table (10.0: 227 KB per block) |
-| `tpu-v5e`, `tpu-v5p` | tpu | 16 MiB of VMEM (the default scoped limit) | Pallas TPU documentation and XLA's error 1001 page: a kernel gets the scoped VMEM limit (`--xla_tpu_scoped_vmem_limit_kib`, or `vmem_limit_bytes` per kernel), 16 MiB by default on v5 chips, of 128 MiB (v5e) / 64 MiB per core (v5p) physical (`jax._src.pallas.mosaic.tpu_info`) |
-| `tpu-v6e` | tpu | 32 MiB of VMEM (the default scoped limit) | the same pages: 32 MiB by default on v6e, of 128 MiB physical |
+| target | platform | limit per kernel program |
+|---|---|---|
+| `h100`, `h200` | cuda | 227 KiB of shared memory per thread block (1) |
+| `b200` | cuda | 227 KiB of shared memory per thread block (1) |
+| `tpu-v5e`, `tpu-v5p` | tpu | 16 MiB of VMEM, the default scoped limit (2) |
+| `tpu-v6e` | tpu | 32 MiB of VMEM, the default scoped limit (2) |
+
+(1) CUDA C++ Programming Guide, technical specifications per compute
+capability: 227 KB per thread block (opt-in) for 9.0 (Hopper) and 10.0
+(Blackwell); JAX's Mosaic GPU lowering refuses kernels over the same 232,448
+bytes. (2) Pallas TPU documentation and XLA's error 1001 page: a kernel gets
+the scoped VMEM limit (`--xla_tpu_scoped_vmem_limit_kib`, or a kernel's
+`vmem_limit_bytes`), 16 MiB by default on v5 chips and 32 MiB on v6e, out of
+128 MiB (v5e, v6e) or 64 MiB per core (v5p) physical
+(`jax._src.pallas.mosaic.tpu_info`).
 
 Our TPU plans stay within the default scoped limit, so no kernel raises it
 (`vmem_limit_bytes` would also need the XLA flag). The target of a trace is,
@@ -28,7 +37,7 @@ import contextvars
 from typing import NamedTuple
 
 __all__ = ["KERNEL_TARGETS", "KernelTarget", "budget_misfit", "current_target", "for_target",
-           "format_bytes"]
+           "format_bytes", "host_target"]
 
 KIB, MIB = 1024, 1024 * 1024
 
@@ -49,6 +58,7 @@ _GPU_SOURCE = ("CUDA C++ Programming Guide, technical specifications per compute
 _TPU_SOURCE = ("Pallas TPU docs and XLA error 1001: the default scoped VMEM limit, {scoped}, of "
                "{physical} physical (jax tpu_info)")
 
+# The accelerators tile plans are checked against, by `jaxrl-lp plan --target` name.
 KERNEL_TARGETS: dict[str, KernelTarget] = {t.name: t for t in (
     KernelTarget("h100", "cuda", "H100", "shared memory", 227 * KIB,
                  _GPU_SOURCE.format(cc="compute capability 9.0")),
@@ -84,8 +94,8 @@ def for_target(name: str):
         _CURRENT.reset(token)
 
 
-def _host_target(platform: str) -> KernelTarget | None:
-    """The known target the host's first device is, when it is of `platform`."""
+def host_target(platform: str | None = None) -> KernelTarget | None:
+    """The known target the host's first device is (of `platform`, when given), or None."""
     import jax
 
     try:
@@ -93,8 +103,9 @@ def _host_target(platform: str) -> KernelTarget | None:
     except RuntimeError:
         return None
     plat = "cuda" if device.platform in ("gpu", "cuda") else device.platform
-    if plat != platform:
+    if platform is not None and plat != platform:
         return None
+    platform = plat
     kind = device.device_kind
     for t in KERNEL_TARGETS.values():
         if t.platform == platform and (kind == t.device_kind if platform == "tpu"
@@ -112,7 +123,7 @@ def current_target(platform: str) -> KernelTarget:
     name = _CURRENT.get()
     if name is not None and KERNEL_TARGETS[name].platform == platform:
         return KERNEL_TARGETS[name]
-    host = _host_target(platform)
+    host = host_target(platform)
     if host is not None:
         return host
     known = [t for t in KERNEL_TARGETS.values() if t.platform == platform]

@@ -31,7 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
-from jaxrl_lp.kernels.logprob import fused_logprobs
+from jaxrl_lp.kernels.logprob import readout_logprobs
 from jaxrl_lp.models.blocks import lm_head, lm_logits, unstack_layers
 from jaxrl_lp.models.cache import init_cache, unstack_cache
 from jaxrl_lp.models.config import ModelConfig
@@ -137,11 +137,11 @@ def dense_logprobs(params: dict, cfg: ModelConfig, policy: Policy, ro: Rollout, 
 
     The forward applies the rollout's recorded schedule in its compute mode
     (`rollout_loop`; `loop`, if given, must match it). Only the N positions
-    that predict the completion are read out: where the policy selects the
-    fused kernel (`fused_readout`) by `kernels.fused_logprobs` from their
-    hidden states (no [B, N, V] logits; 0 off the completion mask), elsewhere
-    by `logprob_entropy` of their logits [B, N, V] (one softmax pass, the
-    gradient written out).
+    that predict the completion are read out, by `kernels.readout_logprobs`
+    from their hidden states: the platform's fused kernel where one runs (no
+    [B, N, V] logits; 0 off the completion mask), elsewhere (a CPU program,
+    `kernels=off`, a matmul format) `logprob_entropy` of their logits
+    [B, N, V] (one softmax pass, the gradient written out).
 
     With `packed_rows = (body, head)` (static; dense models only;
     `packed_rows_of` computes them) the forward skips the padding
@@ -178,12 +178,14 @@ def dense_logprobs(params: dict, cfg: ModelConfig, policy: Policy, ro: Rollout, 
                       schedule=schedule, remat=remat, hidden=True)
     h = h[:, p - 1:p - 1 + n]  # the lm head reads the positions that predict the completion
     t = ro.temperature
-    if fused_readout(policy):
-        lp, ent = fused_logprobs(h.reshape(b * n, -1), lm_head(params, cfg),
-                                 ro.completion_tokens.reshape(-1), t, policy,
-                                 mask_T=ro.completion_mask.reshape(-1))
-        return lp.reshape(b, n), ent.reshape(b, n)
-    return logprob_entropy(lm_logits(params, h, cfg, policy), ro.completion_tokens, t)
+    plain = lambda: logprob_entropy(lm_logits(params, h, cfg, policy), ro.completion_tokens, t)
+    if not fused_readout(policy):
+        return plain()
+    flat = lambda x: x.reshape(b * n, *x.shape[2:])
+    lp, ent = readout_logprobs(flat(h), lm_head(params, cfg), flat(ro.completion_tokens), t,
+                               policy, mask_T=flat(ro.completion_mask),
+                               plain=lambda: tuple(map(flat, plain())))
+    return lp.reshape(b, n), ent.reshape(b, n)
 
 
 def packed_logprobs(params: dict, cfg: ModelConfig, policy: Policy, tokens_BxT: jax.Array,
@@ -219,11 +221,9 @@ def packed_logprobs(params: dict, cfg: ModelConfig, policy: Policy, tokens_BxT: 
         jnp.arange(head_rows, dtype=jnp.int32), mode="drop")
     h = gather_rows(h, at, back)  # [head_rows, D]
     toks = tokens_BxT[:, p:].reshape(-1)[head.index_M]
-    if fused_readout(policy):
-        lp, ent = fused_logprobs(h, lm_head(params, cfg), toks, temperature, policy,
-                                 mask_T=done.reshape(-1)[head.index_M])
-    else:
-        lp, ent = logprob_entropy(lm_logits(params, h, cfg, policy), toks, temperature)
+    lp, ent = readout_logprobs(
+        h, lm_head(params, cfg), toks, temperature, policy, mask_T=done.reshape(-1)[head.index_M],
+        plain=lambda: logprob_entropy(lm_logits(params, h, cfg, policy), toks, temperature))
     ok = fits_body & fits_head
     out = lambda x: jnp.where(ok, jnp.where(done, unpack(x, head, b, n), 0.0), jnp.nan)
     return out(lp), out(ent)

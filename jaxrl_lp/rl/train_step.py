@@ -20,8 +20,8 @@ import numpy as np
 import optax
 from jax.sharding import Mesh
 
-from jaxrl_lp.kernels.logprob import fused_logprobs, fused_readout
-from jaxrl_lp.models.blocks import lm_head
+from jaxrl_lp.kernels.logprob import fused_readout, readout_logprobs
+from jaxrl_lp.models.blocks import lm_head, lm_logits
 from jaxrl_lp.models.config import ModelConfig
 from jaxrl_lp.models.model import forward
 from jaxrl_lp.numerics.policy import Policy
@@ -245,9 +245,10 @@ def make_sft_step(cfg: ModelConfig, policy: Policy, optimizer: optax.GradientTra
 
     Loss: mean over masked targets of -log p(token_{t+1} | tokens_<=t); looped
     models use the expected (exit-weighted) read-out, their training objective.
-    Where the policy selects the fused log-prob (`fused_readout`), a dense
-    model's loss reads the hidden states through `kernels.fused_logprobs` (no
-    [B, L, V] logits); the looped expected read-out, a mixture of every loop
+    Where the policy lets the fused log-prob run (`fused_readout`), a dense
+    model's loss reads the hidden states through `kernels.readout_logprobs`
+    (the platform's kernel, no [B, L, V] logits; the plain loss where none
+    runs); the looped expected read-out, a mixture of every loop
     step's logits, has no single hidden state and keeps the plain path.
 
     A dense model without `mesh` skips the padding, as the GRPO step does
@@ -266,12 +267,18 @@ def make_sft_step(cfg: ModelConfig, policy: Policy, optimizer: optax.GradientTra
                                 mask[:, 1:], rows, remat=remat)
         return -lp
 
+    def plain_nll(logits, tokens):
+        lp = jax.nn.log_softmax(logits[:, :-1].astype(jnp.float32), axis=-1)
+        return -jnp.take_along_axis(lp, tokens[:, 1:, None], axis=-1)[..., 0]
+
     def fused_nll(params, tokens, mask):
         h, _, _ = forward(params, cfg, policy, tokens, remat=remat, hidden=True)
         b, l = tokens.shape
-        lp, _ = fused_logprobs(h[:, :-1].reshape(b * (l - 1), -1), lm_head(params, cfg),
-                               tokens[:, 1:].reshape(-1), 1.0, policy,
-                               mask_T=mask[:, 1:].reshape(-1))
+        flat = lambda x: x.reshape(b * (l - 1), *x.shape[2:])
+        # The plain path (no kernel on this platform) is the unfused loss, on the same logits.
+        plain = lambda: -plain_nll(lm_logits(params, h, cfg, policy), tokens).reshape(-1)
+        lp = readout_logprobs(flat(h[:, :-1]), lm_head(params, cfg), flat(tokens[:, 1:]), 1.0,
+                              policy, mask_T=flat(mask[:, 1:]), plain=plain, entropy=False)
         return -lp.reshape(b, l - 1)
 
     def loss_fn(params, tokens, mask, rows=None):
@@ -282,8 +289,7 @@ def make_sft_step(cfg: ModelConfig, policy: Policy, optimizer: optax.GradientTra
         else:
             kwargs = {"readout": "expected"} if cfg.is_looped else {}
             logits, _, _ = forward(params, cfg, policy, tokens, remat=remat, **kwargs)
-            lp = jax.nn.log_softmax(logits[:, :-1].astype(jnp.float32), axis=-1)
-            nll = -jnp.take_along_axis(lp, tokens[:, 1:, None], axis=-1)[..., 0]
+            nll = plain_nll(logits, tokens)
         w = mask[:, 1:].astype(jnp.float32)
         return jnp.sum(nll * w) / jnp.maximum(jnp.sum(w), 1.0)
 

@@ -175,14 +175,16 @@ def _sample(params, prompt_BxP, positions_BxP, lengths_B, key, version, *, cfg, 
     # Sliced once, here: inside the loop a scan over stacked weights copies them every step.
     params = unstack_layers(params)
     cache = unstack_cache(init_cache(cfg, policy, b, p + n), cfg)
-    # With the fused log-prob the steps return the hidden state: the token is sampled from
+    # With the fused read-out the steps return the hidden state: the token is sampled from
     # its logits, its log-prob is `step_logprobs`' (the replay's computation).
     fused = fused_readout(policy)
 
     def pick(out, key):
-        tok, lp = sample_tokens(step_logits(params, cfg, policy, out), key, sampling)
-        return tok, step_logprobs(params, cfg, policy, out, tok, sampling.temperature) if fused \
-            else lp
+        logits = step_logits(params, cfg, policy, out)
+        tok, lp = sample_tokens(logits, key, sampling)
+        if fused:
+            lp = step_logprobs(params, cfg, policy, out, tok, sampling.temperature, logits)
+        return tok, lp
 
     out, cache, exit0, _ = prefill(params, cfg, policy, loop, prompt_BxP, positions_BxP, cache,
                                    hidden=fused)

@@ -104,11 +104,18 @@ class _SpecState(NamedTuple):
 
 
 def chunk_logprobs(params, cfg: ModelConfig, policy: Policy, out_BxTxX, tokens_BxT,
-                   temperature: float) -> jax.Array:
-    """`step_logprobs` of every position of a chunk's output: [B, T] f32 (sampler and replay)."""
+                   temperature: float, logits_BxTxV: jax.Array | None = None) -> jax.Array:
+    """`step_logprobs` of every position of a chunk's output: [B, T] f32 (sampler and replay).
+
+    `logits_BxTxV` are the chunk's `step_logits` (the sampler passes the ones it
+    accepted drafts by; computed here, on the same [B, T] shape, when not given).
+    """
     b, t = tokens_BxT.shape
-    flat = out_BxTxX.reshape(b * t, out_BxTxX.shape[-1])
-    return step_logprobs(params, cfg, policy, flat, tokens_BxT.reshape(-1), temperature).reshape(b, t)
+    if logits_BxTxV is None:
+        logits_BxTxV = step_logits(params, cfg, policy, out_BxTxX)
+    flat = lambda x: x.reshape(b * t, x.shape[-1])
+    return step_logprobs(params, cfg, policy, flat(out_BxTxX), tokens_BxT.reshape(-1), temperature,
+                         flat(logits_BxTxV)).reshape(b, t)
 
 
 def accept_drafts(drafts_BxK, q_BxKxV, logits_BxK1xV, key, sampling: SamplingConfig):
@@ -158,9 +165,10 @@ def _speculate(params, dparams, prompt_BxP, positions_BxP, lengths_B, key, versi
     out, cache, exit0, _ = prefill(params, cfg, policy, loop, prompt_BxP, positions_BxP, cache,
                                    hidden=fused)
     key, sub = jax.random.split(key)
-    tok, lp = sample_tokens(step_logits(params, cfg, policy, out), sub, sampling)
+    logits = step_logits(params, cfg, policy, out)
+    tok, lp = sample_tokens(logits, sub, sampling)
     if fused:  # as `generate` records it
-        lp = step_logprobs(params, cfg, policy, out, tok, sampling.temperature)
+        lp = step_logprobs(params, cfg, policy, out, tok, sampling.temperature, logits)
     t_k1 = jnp.arange(k + 1)[None]
     evals = cfg.loop_steps  # a dense-mode verification runs every loop step
 
@@ -181,8 +189,9 @@ def _speculate(params, dparams, prompt_BxP, positions_BxP, lengths_B, key, versi
         chunk = jnp.concatenate([last[:, None], drafts], axis=1)
         out, cache, exits = rowwise_forward(params, cfg, policy, chunk, pos[:, None] + t_k1,
                                             cache, slot, loop=loop, hidden=fused)
-        a, emitted = accept_drafts(drafts, q, step_logits(params, cfg, policy, out), ka, sampling)
-        lps = chunk_logprobs(params, cfg, policy, out, emitted, sampling.temperature)
+        logits = step_logits(params, cfg, policy, out)
+        a, emitted = accept_drafts(drafts, q, logits, ka, sampling)
+        lps = chunk_logprobs(params, cfg, policy, out, emitted, sampling.temperature, logits)
         count = a + 1
         hit = jnp.zeros((b, k + 1), bool) if eos_id is None else (emitted == eos_id) & (t_k1 < count[:, None])
         count = jnp.where(jnp.any(hit, axis=1), jnp.argmax(hit, axis=1) + 1, count)
