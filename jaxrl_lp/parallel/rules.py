@@ -27,12 +27,13 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from jaxrl_lp.models.config import ModelConfig
+if TYPE_CHECKING:  # annotations only: `jaxrl_lp.models` imports `parallel.context`, which imports this
+    from jaxrl_lp.models.config import ModelConfig
 
 __all__ = ["DEFAULT_RULES", "ShardingRules", "check_divisible", "logical_size",
            "param_logical_axes", "param_shardings", "spec_for"]
