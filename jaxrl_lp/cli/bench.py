@@ -16,7 +16,7 @@ import sys
 
 from jaxrl_lp.cli.help import show_defaults
 
-TARGETS = ("sampler", "exactness", "smoke", "learner", "kernels", "speculative")
+TARGETS = ("sampler", "exactness", "smoke", "learner", "kernels", "speculative", "lowering")
 
 
 def _target_modules() -> dict:

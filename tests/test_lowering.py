@@ -1,0 +1,96 @@
+"""Every kernel and every program lowers for CUDA and TPU from this CPU, with its kernels in it.
+
+What a GPU or TPU compiler would be handed is checked here, on abstract inputs
+(nothing allocated) at the Qwen3-0.6B, Qwen3-4B and Ouro-1.4B presets' sizes,
+in native bf16 and under the MXFP8 and NVFP4 policies, with JAX's defaults
+(`jaxrl_lp.bench.lowering`, `jaxrl-lp bench lowering`): each cell must lower and
+carry the Pallas kernel families its program should (`expected_kernels`:
+Triton custom calls for `cuda`, Mosaic ones for `tpu`). One traced program
+lowers for every platform; lowered for `cpu` under `kernels=auto` it carries no
+kernel (the references). The device compilers' own passes are not run here
+(`kernels.lowering`'s docstring); `tests/test_kernels_compiled.py` runs the
+kernels on a device.
+"""
+
+import json
+
+import pytest
+
+from jaxrl_lp.bench.lowering import KERNEL_CASES, report
+from jaxrl_lp.cli.main import main
+from jaxrl_lp.models.config import get_preset
+from jaxrl_lp.plan.programs import PROGRAMS
+
+PRESETS = ("qwen3-0.6b", "qwen3-4b", "ouro-1.4b")
+POLICIES = ("bf16", "mxfp8", "nvfp4")
+
+
+def _assert_cells(row: dict, platforms=("cuda", "tpu")):
+    for prog, cell in row.items():
+        assert "trace_error" not in cell, (prog, cell)
+        for p in platforms:
+            c = cell[p]
+            assert c["lowers"], (prog, p, c.get("error"))
+            assert not c["missing_families"], (prog, p, c)
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("preset", PRESETS)
+def test_every_program_lowers_for_cuda_and_tpu_with_its_kernels(preset, policy):
+    out = report([preset], [policy], ("cuda", "tpu"), kernel_rows=False)
+    row = out["programs"][preset][policy]
+    assert set(row) == set(PROGRAMS)
+    _assert_cells(row)
+    # The kernels a program carries are the ones its policy asks for: no fused log-prob under
+    # a quantized matmul format (the lm head's matmul stays on the plain path), the block
+    # quantizer wherever a forward runs under MXFP8 / NVFP4.
+    fams = {prog: {k.split("_")[0] for k in cell["cuda"]["kernels"]} for prog, cell in row.items()}
+    assert ("logprob" in fams["sampler_decode"]) == (policy == "bf16")
+    assert ("mxfp8" in fams["grpo_step_hybrid"]) == (policy == "mxfp8")
+    assert out["summary"]["lowered"] == out["summary"]["cells"] == 2 * len(PROGRAMS)
+
+
+def test_the_cpu_lowering_of_the_same_trace_carries_no_kernel():
+    out = report(["qwen3-0.6b"], ["bf16"], ("cpu", "cuda", "tpu"),
+                 ["grpo_step_hybrid", "sampler_decode", "replay"], kernel_rows=False)
+    for prog, cell in out["programs"]["qwen3-0.6b"]["bf16"].items():
+        assert cell["cpu"]["lowers"] and not cell["cpu"]["expected_families"], prog
+        assert cell["cuda"]["kernels"] and cell["tpu"]["kernels"], prog
+
+
+def test_the_kernels_alone_lower_under_kernels_on():
+    """The rows of the issue's table: each kernel alone, `kernels=on` (no fallback)."""
+    out = report([], [], ("cuda", "tpu"))
+    assert set(out["kernels"]) == set(KERNEL_CASES)
+    for case, cells in out["kernels"].items():
+        for p in ("cuda", "tpu"):
+            assert cells[p]["lowers"], (case, p, cells[p].get("error"))
+            assert cells[p]["kernels"] and not cells[p]["missing_families"], (case, p)
+    assert len(out["kernels"]["logprob_gradient"]["cuda"]["kernels"]) == 3  # fwd, d/dh, d/dW
+
+
+def test_bench_lowering_prints_the_table(capsys, tmp_path):
+    path = tmp_path / "lowering.json"
+    assert main(["bench", "lowering", "--presets", "ouro-1.4b", "--policies", "bf16",
+                 "--programs", "sampler_decode,exporter", "--out", str(path)]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert json.loads(path.read_text()) == out
+    assert out["summary"]["cells"] == 2 * (2 + len(KERNEL_CASES))
+    assert out["summary"]["lowered"] == out["summary"]["cells"]
+    table = out["table"].splitlines()
+    assert table[0] == "| program | CUDA | TPU |"
+    assert "| sampler_decode ouro-1.4b bf16 | lowers (decode_attention, logprob) |" in out["table"]
+    assert any(line.startswith("| kernel mxfp8_quantize (k=on) | lowers (quantize)")
+               for line in table)
+    assert main(["bench", "lowering", "--programs", "nope"]) == 2
+    assert "unknown program 'nope'" in capsys.readouterr().err
+
+
+def test_expected_kernels_follow_the_model_and_the_policy():
+    from jaxrl_lp.bench.lowering import expected_kernels
+
+    ouro, qwen = get_preset("ouro-1.4b"), get_preset("qwen3-0.6b")
+    assert expected_kernels("sft_step", qwen, "bf16") == {"logprob"}
+    assert expected_kernels("sft_step", ouro, "bf16") == set()  # the expected read-out
+    assert expected_kernels("replay", qwen, "nvfp4") == {"decode_attention", "quantize"}
+    assert expected_kernels("replay", qwen, "bf16,k=off") == set()
