@@ -14,6 +14,10 @@ What one device holds and does is read from the compiled programs:
   `sampler_peak` is the master parameters and optimizer state (resident
   while the sampler runs) plus the decode step's peak (its per-layer copy of
   the weights and the KV cache). `fits`: both within the target's HBM.
+- lowering: each program is also lowered for the target's platform (`cuda`,
+  `tpu`) from the same trace, with its kernels' tiles planned for the target
+  (`kernels.targets`): `lowers_for` lists per program the Pallas kernels it
+  carries there; a program that does not lower is an error naming it and why.
 - time: FLOPs and bytes of each program (XLA's cost analysis, loop bodies
   once, and the loop-aware count of `plan.hlo_cost`) and the roofline bound
   on the target (`plan.roofline`), from which the learner's tokens/s and the
@@ -32,14 +36,13 @@ cache once).
 
 from __future__ import annotations
 
-import contextlib
-import os
 import time
 
 import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding
 
+from jaxrl_lp.kernels.targets import for_target
 from jaxrl_lp.models.blocks import unstack_layers
 from jaxrl_lp.models.config import ModelConfig
 from jaxrl_lp.numerics.policy import Policy
@@ -55,6 +58,7 @@ from jaxrl_lp.plan.inputs import (
     per_device_bytes,
     unstacked_shardings,
 )
+from jaxrl_lp.plan.programs import native
 from jaxrl_lp.plan.request import check_request
 from jaxrl_lp.plan.roofline import cost_figures, memory_figures, roofline
 from jaxrl_lp.plan.targets import Target
@@ -64,19 +68,6 @@ from jaxrl_lp.rollout.step import LoopSpec, decode_step
 from jaxrl_lp.train.config import TrainConfig
 
 __all__ = ["plan"]
-
-
-@contextlib.contextmanager
-def _native_low_precision():
-    old = os.environ.get("JAXRL_LP_NATIVE_LOW_PRECISION")
-    os.environ["JAXRL_LP_NATIVE_LOW_PRECISION"] = "1"
-    try:
-        yield
-    finally:
-        if old is None:
-            del os.environ["JAXRL_LP_NATIVE_LOW_PRECISION"]
-        else:
-            os.environ["JAXRL_LP_NATIVE_LOW_PRECISION"] = old
 
 
 def _compiled_figures(compiled, seconds: float, tgt: Target) -> dict:
@@ -89,10 +80,35 @@ def _compiled_figures(compiled, seconds: float, tgt: Target) -> dict:
             "roofline": roofline(walk.flops, walk.bytes, tgt)}
 
 
-def _compile(jitted, args):
+def _compile(jitted, args, lowered_for: dict, name: str, tgt: Target):
+    """The CPU compile of `jitted(*args)` (XLA's memory and cost figures) and its seconds; the
+    same trace is also lowered for the target's platform, into `lowered_for[name]`."""
     t0 = time.perf_counter()
-    compiled = jitted.lower(*args).compile()
-    return compiled, time.perf_counter() - t0
+    traced = jitted.trace(*args)
+    compiled = traced.lower().compile()
+    seconds = time.perf_counter() - t0
+    lowered_for[name] = _lower_for_target(traced, name, tgt)
+    return compiled, seconds
+
+
+def _lower_for_target(traced, name: str, tgt: Target) -> dict:
+    """`{lowers, kernels, seconds}` of a traced program lowered for `tgt`'s platform.
+
+    Raises:
+      ValueError: the program does not lower there (naming it, the platform and why).
+    """
+    from collections import Counter
+
+    from jaxrl_lp.kernels.lowering import kernel_calls, lower_for
+
+    t0 = time.perf_counter()
+    try:
+        text = lower_for(traced, tgt.platform, tgt.name)
+    except Exception as e:
+        raise ValueError(f"plan: the {name} program does not lower for {tgt.platform} "
+                         f"({tgt.name}): {type(e).__name__}: {e}") from e
+    return {"lowers": True, "kernels": dict(sorted(Counter(kernel_calls(text, tgt.platform)).items())),
+            "seconds": round(time.perf_counter() - t0, 1)}
 
 
 def plan(cfg: TrainConfig, mesh: str, devices: int, target: str = "h100", *,
@@ -127,7 +143,8 @@ def plan(cfg: TrainConfig, mesh: str, devices: int, target: str = "h100", *,
     lpol, spol = Policy.parse(g.learner_policy), Policy.parse(g.sampler_policy)
     loop = LoopSpec(g.exit_rule, g.compute_mode).resolve(mcfg)
     grpo_opt = _optimizers(cfg)[1]
-    with _native_low_precision():
+    lowered_for: dict = {}
+    with native(), for_target(tgt.name):
         params, psh = abstract_params(mcfg, m)
         opt = abstract_state(grpo_opt.init, params, psh, m)
         ro = abstract_rollout(shp.rows, shp.prompt_len, shp.max_new, spol, loop, g.temperature, m)
@@ -146,14 +163,16 @@ def plan(cfg: TrainConfig, mesh: str, devices: int, target: str = "h100", *,
         # As `MeshStep` jits it: parameters and optimizer state by the rules (donated),
         # rollout rows over the data shards, replicated metrics.
         grpo, grpo_s = _compile(jax.jit(learner, in_shardings=ins, out_shardings=outs,
-                                        donate_argnums=(0, 1)), args)
+                                        donate_argnums=(0, 1)), args, lowered_for, "grpo_step",
+                                tgt)
         # The behaviour log-probs of the whole step's batch, before the updates (the
         # training program's `old_logp_fn`): one call, not micro-batched.
         whole = abstract_rollout(shp.decode_batch, shp.prompt_len, shp.max_new, spol, loop,
                                  g.temperature, m)
         logp, logp_s = _compile(jit_learner_logprobs(
             mcfg, lpol, g.logprobs, loop=loop, mesh=m,
-            micro_batches=g.minibatches * g.micro_batches), (params, whole))
+            micro_batches=g.minibatches * g.micro_batches), (params, whole), lowered_for,
+            "behaviour_logprobs", tgt)
 
         b, slots = shp.decode_batch, shp.prompt_len + shp.max_new
         ush = unstacked_shardings(psh, mcfg.num_layers)
@@ -175,7 +194,8 @@ def plan(cfg: TrainConfig, mesh: str, devices: int, target: str = "h100", *,
         cache_sh = jax.tree.map(lambda x: x.sharding, cache)
         dout = (NamedSharding(m, spec_for(("batch", "vocab"), mesh=m)), cache_sh,
                 rows(jnp.int32).sharding, replicated(m))
-        dec, dec_s = _compile(jax.jit(decode, out_shardings=dout, donate_argnums=(3,)), dargs)
+        dec, dec_s = _compile(jax.jit(decode, out_shardings=dout, donate_argnums=(3,)), dargs,
+                              lowered_for, "decode_step", tgt)
 
     out = {"model": {"family": mcfg.family, "params": mcfg.param_count(),
                      "layers": mcfg.num_layers, "loop_steps": mcfg.loop_steps},
@@ -192,7 +212,9 @@ def plan(cfg: TrainConfig, mesh: str, devices: int, target: str = "h100", *,
                                 "decode_weights_read": _weights_read(params, mcfg, spec)},
            "grpo_step": _compiled_figures(grpo, grpo_s, tgt),
            "behaviour_logprobs": _compiled_figures(logp, logp_s, tgt),
-           "decode_step": _compiled_figures(dec, dec_s, tgt)}
+           "decode_step": _compiled_figures(dec, dec_s, tgt),
+           "lowers_for": {"platform": tgt.platform, "target": tgt.name,
+                          "programs": lowered_for}}
     return _summarize(out, cfg, tgt)
 
 

@@ -8,7 +8,9 @@ Each figure is per chip, from the vendor's public data sheet: dense (not
 | `h100` | 989 TFLOP/s | 3.35 TB/s | 80 GB | NVIDIA H100 data sheet, SXM column |
 | `h200` | 989 TFLOP/s | 4.8 TB/s | 141 GB | NVIDIA H200 data sheet, SXM column |
 | `b200` | 2.25 PFLOP/s | 8 TB/s | 180 GB | NVIDIA DGX/HGX B200 data sheets, per GPU |
+| `tpu-v5e` | 197 TFLOP/s | 0.819 TB/s | 16 GB | Google Cloud TPU v5e documentation |
 | `tpu-v5p` | 459 TFLOP/s | 2.765 TB/s | 95 GB | Google Cloud TPU v5p documentation |
+| `tpu-v6e` | 918 TFLOP/s | 1.64 TB/s | 32 GB | Google Cloud TPU v6e (Trillium) documentation |
 
 NVIDIA's sheets give bf16 "with sparsity" (2:4): the dense figure is half of
 it. The B200 figures are the 8-GPU system totals divided by 8.
@@ -17,6 +19,9 @@ The data sheets quote FP8 (and B200 FP4) throughput too; the plan does not
 use them: our low-precision policies quantize matmul operands (fake quant with
 straight-through gradients) and multiply in bf16, so bf16 is the peak they run
 at. Memory sizes are decimal (GB = 1e9 bytes), as the data sheets give them.
+Each target names the platform its programs are lowered for (`cuda`, `tpu`):
+`jaxrl-lp plan` lowers every program for it too (`plan.planner`), with the
+kernel tiles planned for that chip (`kernels.targets`, the same names).
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ class Target(NamedTuple):
     hbm_bandwidth: float  # bytes/s
     hbm_bytes: float  # HBM capacity, bytes
     source: str
+    platform: str = "cuda"  # the JAX lowering platform of its programs
 
 
 # The accelerators `jaxrl-lp plan --target` knows, by name (peak FLOP/s, bandwidth, memory).
@@ -47,9 +53,15 @@ TARGETS: dict[str, Target] = {t.name: t for t in (
     Target("b200", 2.25e15, 8e12, 180e9,
            "NVIDIA DGX B200 / HGX B200 data sheets (per GPU: BF16 4.5 PFLOPS with sparsity, "
            "half dense; 8 TB/s; 1,440 GB / 8 GPUs)"),
+    Target("tpu-v5e", 197e12, 0.819e12, 16e9,
+           "Google Cloud TPU v5e documentation (per chip: 197 TFLOPS bf16; 819 GB/s; 16 GiB "
+           "HBM2, taken as 16e9 bytes)", "tpu"),
     Target("tpu-v5p", 459e12, 2.765e12, 95e9,
            "Google Cloud TPU v5p documentation (per chip: 459 TFLOPS bf16; 2,765 GB/s; 95 GiB "
-           "HBM2e, taken as 95e9 bytes)"),
+           "HBM2e, taken as 95e9 bytes)", "tpu"),
+    Target("tpu-v6e", 918e12, 1.64e12, 32e9,
+           "Google Cloud TPU v6e documentation (per chip: 918 TFLOPS bf16; 1,640 GB/s; 32 GB "
+           "HBM)", "tpu"),
 )}
 
 
