@@ -41,6 +41,7 @@ from collections.abc import Callable
 from typing import Any, NamedTuple, TypeVar
 
 import jax
+import jax.numpy as jnp
 from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
 
@@ -220,20 +221,47 @@ def per_shard(fn: Callable, in_axes: tuple, out_axes: Any) -> Callable:
     if active is None:
         return fn
     mesh, rules = active
-    spec = lambda axes: jax.sharding.PartitionSpec() if axes is None else spec_for(axes, rules, mesh)
+    whole = jax.sharding.PartitionSpec()
+    spec = lambda axes: whole if axes is None else spec_for(axes, rules, mesh)
     is_axes = lambda x: x is None or (isinstance(x, tuple) and all(
         a is None or isinstance(a, str) for a in x))
-    return jax.shard_map(fn, mesh=mesh, in_specs=tuple(spec(a) for a in in_axes),
-                         out_specs=jax.tree.map(spec, out_axes, is_leaf=is_axes), check_vma=False)
+    ins = tuple(spec(a) for a in in_axes)
+    outs = jax.tree.map(spec, out_axes, is_leaf=is_axes)
+
+    def split(*args):
+        # A dimension its mesh axes do not divide (a micro-batch of fewer rows than shards)
+        # cannot be split by `shard_map`: then every device runs the whole kernel.
+        if all(_divides(mesh, p, jnp.shape(x)) for p, x in zip(ins, args, strict=True)):
+            return jax.shard_map(fn, mesh=mesh, in_specs=ins, out_specs=outs,
+                                 check_vma=False)(*args)
+        return jax.shard_map(fn, mesh=mesh, in_specs=(whole,) * len(args),
+                             out_specs=jax.tree.map(lambda _: whole, outs), check_vma=False)(*args)
+
+    return split
+
+
+def _divides(mesh, spec, shape) -> bool:
+    """Whether every sharded dimension of `shape` divides by its mesh axes under `spec`."""
+    for dim, axes in zip(shape, tuple(spec), strict=False):
+        names = () if axes is None else (axes,) if isinstance(axes, str) else axes
+        size = 1
+        for name in names:
+            size *= mesh.shape[name]
+        if dim % size:
+            return False
+    return True
 
 
 def _trace_context() -> tuple:
     """What a kernel's trace reads besides its arguments: the active mesh and rules
-    (`per_shard`) and the kernel targets its tiles are planned for (`kernels.targets`)."""
+    (`per_shard`), the kernel targets its tiles are planned for (`kernels.targets`) and
+    whether low precision is stored natively (`numerics.policy`)."""
     from jaxrl_lp.kernels.targets import current_target
+    from jaxrl_lp.numerics.policy import native_low_precision
     from jaxrl_lp.parallel.context import current_mesh
 
-    return current_mesh(), current_target("cuda").name, current_target("tpu").name
+    return (current_mesh(), current_target("cuda").name, current_target("tpu").name,
+            native_low_precision())
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1, 2))

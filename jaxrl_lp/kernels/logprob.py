@@ -252,7 +252,8 @@ def _by_platform(h, w, tokens, mask, temperature, policy: Policy, reference, til
     from jaxrl_lp.kernels.targets import current_target
 
     (t, d), v = h.shape, w.shape[1]
-    t = max(1, t // shard_count("batch"))  # the rows of one device's shard (`per_shard`)
+    shards = shard_count("batch")
+    t = t // shards if t % shards == 0 else t  # the rows of one device's shard (`per_shard`)
     explicit = {k: tiles.get(k) for k in ("block_t", "block_v", "block_d")}
     compiled, gpu_misfit = logprob_gpu.plan_tiles(t, d, v, h.dtype, w.dtype, **explicit)
     if policy.kernels == "auto" and gpu_misfit is not None and any(explicit.values()):

@@ -1,0 +1,69 @@
+"""The exactness cells with low precision stored natively, as on GPU and TPU, here on CPU.
+
+On CPU a bf16 compute dtype is carried as f32 arrays of bf16 values (SPEC
+section 11); on GPU and TPU the arrays are bf16 (`JAXRL_LP_NATIVE_LOW_PRECISION=1`
+selects that path anywhere, `plan.programs.native`). Before a device sees it,
+the bf16-stored path is proven here at tiny sizes, kernels off and in Pallas
+interpret mode (the GPU and the TPU versions): the replay equals the sampler
+bit for bit, the hybrid log-probs' value is the sampler's and their gradient
+the dense one's, exactly. jit caches are dropped around each cell: a program
+traced in the other storage mode has the same arguments and would be reused.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxrl_lp.bench.exactness import exactness_model, exactness_rollout, masked_max_abs_diff
+from jaxrl_lp.numerics.policy import Policy, native_low_precision
+from jaxrl_lp.plan.programs import native
+from jaxrl_lp.rl.logprobs import learner_logprobs
+
+PROMPTS = ((1, 5, 7), (2, 9, 4, 11, 3, 8), (6,))
+
+
+@pytest.fixture
+def natively():
+    jax.clear_caches()
+    with native():
+        yield
+    jax.clear_caches()
+
+
+@pytest.mark.usefixtures("natively")
+@pytest.mark.parametrize("kind,kernels", [
+    ("dense", "off"), ("dense", "interpret"), ("dense", "interpret-tpu"),
+    ("looped_deferred", "off"), ("looped_deferred", "interpret"),
+    *(pytest.param(k, m, marks=pytest.mark.slow) for k, m in (
+        ("looped_deferred", "interpret-tpu"), ("looped_dense", "off"),
+        ("looped_dense", "interpret")))])
+def test_replay_and_hybrid_are_exact_with_bf16_stored(kind, kernels):
+    assert native_low_precision()
+    cfg, params, loop = exactness_model(kind, loop_steps=4)
+    policy = Policy.parse(f"bf16,k={kernels}")
+    ro = exactness_rollout(params, cfg, policy, loop, prompts=PROMPTS, num_samples=2,
+                           max_new_tokens=8)
+    w = jax.random.normal(jax.random.PRNGKey(7), ro.logprobs.shape)
+
+    def grads(params):
+        def f(params, method):
+            logp, _ = learner_logprobs(params, cfg, policy, ro, method, loop=loop)
+            return jnp.sum(logp * ro.completion_mask * w), logp
+        return (jax.grad(f, has_aux=True)(params, "hybrid"),
+                jax.grad(f, has_aux=True)(params, "dense"),
+                learner_logprobs(params, cfg, policy, ro, "replay", loop=loop)[0])
+
+    traced = jax.jit(grads).trace(params)
+    # The bf16 path is the one traced: activations are bf16 arrays, not f32 carriers.
+    assert "bf16" in str(traced.jaxpr)
+    (g_hybrid, hybrid), (g_dense, dense), replay = traced.lower().compile()(params)
+    mask = ro.completion_mask
+    assert float(jnp.sum(mask)) > len(PROMPTS) * 2  # the rollout is not trivial
+    assert masked_max_abs_diff(replay, ro.logprobs, mask) == 0.0
+    assert masked_max_abs_diff(hybrid, ro.logprobs, mask) == 0.0
+    # Dense is a different computation (one parallel forward): close, not equal, in bf16.
+    assert 0.0 < masked_max_abs_diff(dense, ro.logprobs, mask) < 0.25
+    for a, b in zip(jax.tree.leaves(g_hybrid), jax.tree.leaves(g_dense), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert max(float(jnp.abs(a).max()) for a in jax.tree.leaves(g_hybrid)) > 0.0
