@@ -36,20 +36,9 @@ from jax._src.pallas.triton import pallas_call_registration as _triton_registrat
 from pallas_helpers import pallas_kernels
 
 from jaxrl_lp.kernels import KernelUnavailableError
+from jaxrl_lp.kernels.float_bits import E2M1, E4M3, decode, encode, from_bits, to_bits
 from jaxrl_lp.kernels.lowering import kernel_calls, lower_for, trace_for
-from jaxrl_lp.kernels.quantize import (
-    _E2M1,
-    _E4M3,
-    TPU_TILES,
-    QuantTiles,
-    _decode,
-    _encode,
-    _from_bits,
-    _to_bits,
-    _tpu_misfit,
-    dequantize,
-    quantize,
-)
+from jaxrl_lp.kernels.quantize import TPU_TILES, QuantTiles, _tpu_misfit, dequantize, quantize
 from jaxrl_lp.models.config import get_preset
 from jaxrl_lp.models.layers import dot
 from jaxrl_lp.models.model import param_shapes
@@ -185,12 +174,12 @@ def test_kernel_quantize_sweep(fmt, case, dtype, mode):
 
 @pytest.mark.parametrize("dtype", [ml_dtypes.float8_e4m3fn, ml_dtypes.float4_e2m1fn])
 def test_the_kernels_bit_codecs_are_xlas_conversions(dtype):
-    """`_encode` (RNE in integer arithmetic) on every value of the format, every midpoint between
-    two and their f32 neighbours, f32 subnormals, +-0 and NaN; `_decode` on every code."""
-    f, top = {ml_dtypes.float8_e4m3fn: (_E4M3, 448.0), ml_dtypes.float4_e2m1fn: (_E2M1, 6.0)}[dtype]
+    """`encode` (RNE in integer arithmetic) on every value of the format, every midpoint between
+    two and their f32 neighbours, f32 subnormals, +-0 and NaN; `decode` on every code."""
+    f, top = {ml_dtypes.float8_e4m3fn: (E4M3, 448.0), ml_dtypes.float4_e2m1fn: (E2M1, 6.0)}[dtype]
     n = 1 << (1 + f.exp_bits + f.man_bits)
     codes = jnp.arange(n, dtype=jnp.int32)
-    values = np.asarray(jax.jit(lambda c: _from_bits(c.astype(jnp.uint8), dtype))(codes), np.float32)
+    values = np.asarray(jax.jit(lambda c: from_bits(c.astype(jnp.uint8), dtype))(codes), np.float32)
     grid = np.unique(values[np.abs(values) <= top])
     mids = ((grid[1:].astype(np.float64) + grid[:-1]) / 2).astype(np.float32)
     rng = np.random.default_rng(0)
@@ -198,9 +187,9 @@ def test_the_kernels_bit_codecs_are_xlas_conversions(dtype):
     x = np.concatenate([grid, mids, np.nextafter(mids, np.inf), np.nextafter(mids, -np.inf),
                         np.clip(tiny, -top, top), [0.0, -0.0, 1e-45, np.nan, -np.nan]])
     x = jnp.asarray(x.astype(np.float32))
-    np.testing.assert_array_equal(jax.jit(lambda x: _encode(x, f))(x),
-                                  jax.jit(lambda x: _to_bits(x.astype(dtype)))(x))
-    np.testing.assert_array_equal(_bits(jax.jit(lambda c: _decode(c, f))(codes)), _bits(values))
+    np.testing.assert_array_equal(jax.jit(lambda x: encode(x, f))(x),
+                                  jax.jit(lambda x: to_bits(x.astype(dtype)))(x))
+    np.testing.assert_array_equal(_bits(jax.jit(lambda c: decode(c, f))(codes)), _bits(values))
 
 
 def test_default_tiles_and_per_tensor_formats():

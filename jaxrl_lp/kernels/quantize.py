@@ -22,13 +22,11 @@ the reference's `nvfp4_tensor_scale`, it is constant along N and is read as
 one value per (P, Q) index. Dequantize: `f32(code) * f32(scale)` (NVFP4
 `f32(code) * (f32(s_b) * s_t)`, the reference's order).
 
-Bit patterns. Neither compiler takes every narrow float in a kernel: Triton's
-dialect has no `f4E2M1FN` or `f8E8M0FNU` tensors (its verifier refuses the
-loads and casts), and Mosaic TPU converts to 4-bit floats only from TPU v7
-on. So the kernels read and write `uint8` bit patterns and round in integer
-arithmetic (`_encode`: round to nearest even, subnormals, XLA's NaN codes;
-`_decode`: exact), and the codes and scales are bitcast outside (E2M1 through
-`uint4`). Nothing in a kernel is narrower than f32 but the `uint8` in memory.
+Bit patterns. Neither compiler takes every narrow float in a kernel (Triton
+has no float4 or E8M0 tensors, Mosaic TPU no 4-bit cast before v7), so the
+kernels read and write `uint8` bit patterns and round in integer arithmetic
+(`kernels.float_bits`); the codes and scales are bitcast outside. Nothing in a
+kernel is narrower than f32 but the `uint8` in memory.
 
 Versions (default tiles `CUDA_TILES`, `TPU_TILES`):
 
@@ -84,6 +82,7 @@ from jax.experimental.pallas import triton as pltriton
 # The module, not its names: `numerics` imports this file (fake_quant) while `dispatch`
 # may still be importing `numerics.policy`.
 from jaxrl_lp.kernels import dispatch
+from jaxrl_lp.kernels import float_bits as fb
 from jaxrl_lp.kernels.targets import budget_misfit
 from jaxrl_lp.numerics import formats
 from jaxrl_lp.numerics.policy import KERNEL_MODES, PRESETS, Policy
@@ -192,8 +191,8 @@ def _quantize(x, *, fmt: str, axis: int, batch: tuple[int, ...], mode: str, tile
         rows = _rows_axes(view)
         codes, scales = dispatch.per_shard(call, (rows,) * len(operands), (rows, rows))(*operands)
         scale_dtype = jnp.float8_e4m3fn if nvfp4 else jnp.float8_e8m0fnu
-        return QArray(_from_bits(codes, spec.element_dtype).reshape(shape),
-                      _from_bits(scales, scale_dtype).reshape(_along(shape, axis, shape[axis] // bs)),
+        return QArray(fb.from_bits(codes, spec.element_dtype).reshape(shape),
+                      fb.from_bits(scales, scale_dtype).reshape(_along(shape, axis, shape[axis] // bs)),
                       fmt, axis, batch, tscale)
 
     versions = _versions(run, mode, _local(view), bs, np.dtype(x.dtype), tiles, tpu_tiles)
@@ -226,7 +225,7 @@ def _dequantize(q: QArray, *, mode: str, tiles, tpu_tiles) -> jax.Array:
     reference = lambda: dequantize_reference(q)
     bs, shape = spec.block_size, q.shape
     view, sview, tview = _views(shape, q.axis, bs)
-    operands = [_to_bits(q.codes).reshape(view), _to_bits(q.scales).reshape(sview)]
+    operands = [fb.to_bits(q.codes).reshape(view), fb.to_bits(q.scales).reshape(sview)]
     nvfp4 = q.tensor_scale is not None
     if nvfp4:
         operands.append(jnp.broadcast_to(q.tensor_scale, _along(shape, q.axis, 1)).reshape(tview))
@@ -390,80 +389,14 @@ def _versions(run, mode: str, view, bs: int, x_dtype, tiles, tpu_tiles) -> dict:
     return versions
 
 
-# ----------------------------------------------------------------- bit patterns (module docstring)
-class _Float(NamedTuple):
-    exp_bits: int
-    man_bits: int
-    nan: int | None  # the code of a positive NaN (sign bit added), or None: NaN -> `nan_any`
-    nan_any: int = 0
-
-
-_E4M3 = _Float(4, 3, 0x7F)
-_E2M1 = _Float(2, 1, None, 0x8)  # no NaN: XLA converts NaN of either sign to 0b1000 (-0)
-_FLOATS = {np.dtype(jnp.float8_e4m3fn): _E4M3, np.dtype(jnp.float4_e2m1fn): _E2M1}
-
-
-def _encode(y: jax.Array, f: _Float) -> jax.Array:
-    """int32 codes of f32 `y` (|y| <= the format's max, or NaN), rounded to nearest even."""
-    bias, m = (1 << (f.exp_bits - 1)) - 1, f.man_bits
-    bits = jax.lax.bitcast_convert_type(y, jnp.int32)
-    a = bits & 0x7FFFFFFF
-    drop = 23 - m
-    normal = ((a + (1 << (drop - 1)) - 1 + ((a >> drop) & 1)) >> drop) - ((127 - bias) << m)
-    # Subnormal codes: |y| / 2^(1 - bias - m) rounded to an integer, from the f32 mantissa.
-    e = a >> 23
-    mant = (a & 0x7FFFFF) | jnp.where(e > 0, 0x800000, 0)
-    shift = jnp.minimum(151 - bias - m - jnp.maximum(e, 1), 30)
-    q, rem, half = mant >> shift, mant & ((1 << shift) - 1), 1 << (shift - 1)
-    sub = q + ((rem > half) | ((rem == half) & ((q & 1) == 1))).astype(jnp.int32)
-    code = jnp.where(a < (128 - bias) << 23, sub, normal)
-    sign = jnp.where(bits < 0, 1 << (f.exp_bits + m), 0)
-    nan = f.nan_any if f.nan is None else f.nan | sign
-    return jnp.where(a > 0x7F800000, nan, code | sign)
-
-
-def _decode(code: jax.Array, f: _Float) -> jax.Array:
-    """The f32 value of int32 codes (exact, as XLA's conversion)."""
-    bias, m = (1 << (f.exp_bits - 1)) - 1, f.man_bits
-    sign = jnp.where((code >> (f.exp_bits + m)) & 1 == 1, np.int32(-(1 << 31)), 0)
-    e, man = (code >> m) & ((1 << f.exp_bits) - 1), code & ((1 << m) - 1)
-    normal = ((e + 127 - bias) << 23) | (man << (23 - m))
-    # Subnormal codes: man * 2^(1 - bias - m), exact in f32.
-    sub = jax.lax.bitcast_convert_type(man.astype(jnp.float32) * 2.0 ** (1 - bias - m), jnp.int32)
-    bits = jnp.where(e == 0, sub, normal)
-    if f.nan is not None:
-        bits = jnp.where(code & f.nan == f.nan, 0x7FC00000, bits)
-    return jax.lax.bitcast_convert_type(bits | sign, jnp.float32)
-
-
-def _e8m0_value(code: jax.Array) -> jax.Array:
-    """The f32 value of int32 E8M0 codes: `2^(code - 127)`, code 0 the subnormal 2^-127, 255 NaN."""
-    bits = jnp.where(code == 0, 0x00400000, jnp.where(code == 255, 0x7FC00000, code << 23))
-    return jax.lax.bitcast_convert_type(bits, jnp.float32)
-
-
-def _from_bits(bits: jax.Array, dtype) -> jax.Array:
-    """`uint8` codes as `dtype` (outside the kernels)."""
-    if np.dtype(dtype) == np.dtype(jnp.float4_e2m1fn):
-        return jax.lax.bitcast_convert_type(bits.astype(jnp.uint4), dtype)
-    return jax.lax.bitcast_convert_type(bits, dtype)
-
-
-def _to_bits(codes: jax.Array) -> jax.Array:
-    """Codes of a narrow float as their `uint8` bit patterns (outside the kernels)."""
-    if codes.dtype == np.dtype(jnp.float4_e2m1fn):
-        return jax.lax.bitcast_convert_type(codes, jnp.uint4).astype(jnp.uint8)
-    return jax.lax.bitcast_convert_type(codes, jnp.uint8)
-
-
 # ----------------------------------------------------------------- per-block maths
 def _nvfp4_values(xb: jax.Array, s_t: jax.Array, block_axis: int, div=jnp.divide):
-    """`formats.nvfp4_block_values` with the E4M3 block scale rounded by `_encode` and the
+    """`formats.nvfp4_block_values` with the E4M3 block scale rounded by `float_bits.encode` and the
     divisions by `div` (`_div_rn` in Triton): (y, s_b code)."""
     amax_b = formats._amax(xb, (block_axis,), keepdims=False)
-    s_b = _encode(jnp.clip(div(amax_b, 6.0 * s_t), 0.0, 448.0), _E4M3)
+    s_b = fb.encode(jnp.clip(div(amax_b, 6.0 * s_t), 0.0, 448.0), fb.E4M3)
     # The E4M3 block scale is exact in f32; the product is one f32 rounding.
-    eff = jnp.expand_dims(_decode(s_b, _E4M3) * s_t, block_axis)
+    eff = jnp.expand_dims(fb.decode(s_b, fb.E4M3) * s_t, block_axis)
     safe = jnp.where(eff > 0, eff, 1.0)
     return jnp.where(eff > 0, jnp.clip(div(xb, safe), -6.0, 6.0), 0.0), s_b
 
@@ -489,7 +422,7 @@ def _block_values(xb, spec, s_t, block_axis: int, div=jnp.divide):
 
 
 def _scale_value(code: jax.Array, spec) -> jax.Array:
-    return _decode(code, _E4M3) if spec.scale_kind == "block_e4m3_tensor_f32" else _e8m0_value(code)
+    return fb.decode(code, fb.E4M3) if spec.scale_kind == "block_e4m3_tensor_f32" else fb.e8m0_value(code)
 
 
 def _split_blocks(x: jax.Array, bs: int, axis: int) -> jax.Array:
@@ -517,7 +450,7 @@ def _quantize_blocks_kernel(x_ref, *refs, spec, nvfp4: bool, axis: int, div=jnp.
     y, scode = _block_values(_split_blocks(x, spec.block_size, axis), spec,
                              None if st_ref is None else st_ref[...], axis + 1, div)
     # Rounding site: the element codes, RNE; the scales are exact in theirs.
-    codes_ref[...] = _encode(y.reshape(x.shape), _FLOATS[spec.element_dtype]).astype(jnp.uint8)
+    codes_ref[...] = fb.encode(y.reshape(x.shape), fb.FLOATS[spec.element_dtype]).astype(jnp.uint8)
     scales_ref[...] = scode.astype(jnp.uint8)
 
 
@@ -531,7 +464,7 @@ def _quantize_lanes_kernel(x_ref, *refs, spec, nvfp4: bool):
     # per-block maths, which reads a block's amax from its members, then runs per element.
     pair = jnp.stack([x, _lane_block_amax(x, bs)])
     y, scode = _block_values(pair, spec, None if st_ref is None else st_ref[...], 0)
-    codes_ref[...] = _encode(y[0], _FLOATS[spec.element_dtype]).astype(jnp.uint8)
+    codes_ref[...] = fb.encode(y[0], fb.FLOATS[spec.element_dtype]).astype(jnp.uint8)
     n, nb = x.shape[1], x.shape[1] // bs
     pick = (jax.lax.broadcasted_iota(jnp.int32, (n, nb), 0)
             == jax.lax.broadcasted_iota(jnp.int32, (n, nb), 1) * bs)
@@ -562,7 +495,7 @@ def _dequantize_blocks_kernel(codes_ref, scales_ref, *refs, spec, nvfp4: bool, a
     """One tile: `f32(code) * f32(scale)`, NVFP4 `f32(code) * (f32(s_b) * s_t)`."""
     del div  # no division
     st_ref, out_ref = refs if nvfp4 else (None, *refs)
-    c = _decode(codes_ref[...].astype(jnp.int32), _FLOATS[spec.element_dtype])
+    c = fb.decode(codes_ref[...].astype(jnp.int32), fb.FLOATS[spec.element_dtype])
     s = _scale_value(scales_ref[...].astype(jnp.int32), spec)
     if nvfp4:
         s = s * st_ref[...]
@@ -573,7 +506,7 @@ def _dequantize_blocks_kernel(codes_ref, scales_ref, *refs, spec, nvfp4: bool, a
 def _dequantize_lanes_kernel(codes_ref, scales_ref, *refs, spec, nvfp4: bool):
     """One `[rows, N]` tile on TPU: each block's scale code spread over its lanes by a one-hot matmul."""
     st_ref, out_ref = refs if nvfp4 else (None, *refs)
-    c = _decode(codes_ref[...].astype(jnp.int32), _FLOATS[spec.element_dtype])
+    c = fb.decode(codes_ref[...].astype(jnp.int32), fb.FLOATS[spec.element_dtype])
     n, nb = c.shape[1], scales_ref.shape[1]
     spread = (jax.lax.broadcasted_iota(jnp.int32, (nb, n), 1) >> int(math.log2(spec.block_size))
               == jax.lax.broadcasted_iota(jnp.int32, (nb, n), 0))
