@@ -14,6 +14,7 @@ import pytest
 import jaxrl_lp.train.program  # noqa: F401 - imported once here, so the timings measure validation
 from jaxrl_lp.cli.help import config_keys, field_docs
 from jaxrl_lp.cli.main import main
+from jaxrl_lp.kernels import kernel_backend
 from jaxrl_lp.train import TrainConfig, apply_overrides, default_config, load_config
 
 FILE = "<a file>"  # replaced by the path of an existing regular file
@@ -64,8 +65,9 @@ BAD = {
     "grpo.micro_batches": ["0", "3"],
     "grpo.advantage": ["abc"],
     "grpo.logprobs": ["abc"],
-    "grpo.learner_policy": ["abc"],
-    "grpo.sampler_policy": ["p=f99"],
+    # k=on: compiled kernels, which a CPU host has none of (a run executes here).
+    "grpo.learner_policy": ["abc", *(["bf16,k=on"] if kernel_backend() is None else [])],
+    "grpo.sampler_policy": ["p=f99", *(["fp32,k=on"] if kernel_backend() is None else [])],
     "grpo.exit_rule": ["abc", "fixed:0", "fixed:3"],  # fixed:3: the model has 2 loop steps
     "grpo.compute_mode": ["abc"],
     "grpo.temperature": ["0", "-1", "nan"],

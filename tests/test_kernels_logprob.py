@@ -186,6 +186,25 @@ def test_a_tile_over_the_shared_memory_is_an_error_under_on_and_replanned_under_
     assert len(kernel_calls(replanned, "cuda")) == 3
 
 
+def test_a_tpu_tile_over_the_vmem_is_an_error_under_on():
+    """512 x 1024 tiles at D 2560 in f32 need far more than v5p's 16 MiB of scoped VMEM: under
+    `on` lowering for tpu names the kernel, the tile, the need and the limit, while the same trace
+    lowers for cuda; under `auto` the tpu branch runs the reference."""
+    from jaxrl_lp.kernels.logprob_tpu import TpuLogprobTiles, TpuTiles
+
+    big = TpuLogprobTiles(*[TpuTiles(512, 1024)] * 3)
+    args = _abstract(1024, 2560, 151936, jnp.float32)
+    traced = trace_for(_loss("fp32,k=on", tpu_tiles=big), args, targets=["tpu-v5p"])
+    with pytest.raises(KernelUnavailableError,
+                       match=r"'logprob' \(kernels=on\) does not fit tpu: the tile forward 512 x "
+                             r"1024 at D=2560 needs .* MiB of VMEM .*over tpu-v5p's limit of "
+                             r"16.0 MiB"):
+        lower_for(traced, "tpu", "tpu-v5p")
+    assert len(kernel_calls(lower_for(traced, "cuda"), "cuda")) == 3
+    auto = lower_for(trace_for(_loss("fp32", tpu_tiles=big), args, targets=["tpu-v5p"]), "tpu")
+    assert kernel_calls(auto, "tpu") == []
+
+
 # ---------------------------------------------------------------- memory: no [tokens, vocab] in f32
 def test_grpo_like_loss_peak_memory_drops_by_more_than_the_f32_logits():
     """value_and_grad of a PPO-style loss over 4096 tokens, vocab 151936, hidden 1024 (compiled only)."""

@@ -82,6 +82,10 @@ def test_bench_lowering_prints_the_table(capsys, tmp_path):
     assert "| sampler_decode ouro-1.4b bf16 | lowers (decode_attention, logprob) |" in out["table"]
     assert any(line.startswith("| kernel mxfp8_quantize (k=on) | lowers (quantize)")
                for line in table)
+    assert main(["bench", "lowering", "--presets", "ouro-1.4b", "--policies", "bf16",
+                 "--programs", "exporter", "--no-kernel-rows", "--markdown"]) == 0
+    assert capsys.readouterr().out.splitlines()[2] == \
+        "| exporter ouro-1.4b bf16 | lowers (no kernel) | lowers (no kernel) |"
     assert main(["bench", "lowering", "--programs", "nope"]) == 2
     assert "unknown program 'nope'" in capsys.readouterr().err
 

@@ -44,7 +44,8 @@ import jax.numpy as jnp
 from jaxrl_lp.bench.sampler import _race  # the one alternating race of the benchmarks
 from jaxrl_lp.kernels import KernelUnavailableError, kernel_backend
 from jaxrl_lp.kernels import quantize as kq
-from jaxrl_lp.kernels.decode_attention import chunk_slots, decode_attention
+from jaxrl_lp.kernels.decode_attention import decode_attention, plan_chunk
+from jaxrl_lp.kernels.dispatch import interpreting
 from jaxrl_lp.kernels.logprob import BLOCK_V, fused_logprobs
 from jaxrl_lp.models.layers import attention
 from jaxrl_lp.numerics.policy import Policy
@@ -174,7 +175,12 @@ def _decode_case(b, h, k, dh, s, policy: Policy, mode: str):
     ref_policy, ker_policy = policy.replace(kernels="off"), policy.replace(kernels=mode)
     fns = {"reference": lambda *a: attention(*a, ref_policy),
            "kernel": lambda *a: decode_attention(*a, ker_policy)}
-    return args, inputs, fns, {"tokens": b, "chunk": chunk_slots(s)}
+    # The chunk of the version that runs here: this host's platform's plan (the GPU version's
+    # when interpreted), at the query rows the kernel pads the G heads of a kv head to.
+    platform = "tpu" if kernel_backend() == "tpu" or interpreting(mode) == "tpu" else "cuda"
+    rows = max(16, 1 << (h // k - 1).bit_length())
+    chunk, _ = plan_chunk(platform, s, rows, dh, carrier)
+    return args, inputs, fns, {"tokens": b, "chunk": chunk, "chunk_platform": platform}
 
 
 # ----------------------------------------------------------------- measuring one case

@@ -13,8 +13,10 @@ V 4096), MXFP8 / MXFP4 / NVFP4 quantize and dequantize of a weight, and decode
 attention (B 8, H 16 / K 8, S 1024, Dh 128). `table` is the result as the
 markdown table of the GPU and TPU first-contact issue.
 
-    jaxrl-lp bench lowering                       # 3 presets x bf16, mxfp8, nvfp4 (~3 min)
+    jaxrl-lp bench lowering --markdown            # 3 presets x bf16, mxfp8, nvfp4 (~4 min)
     jaxrl-lp bench lowering --presets qwen3-0.6b --policies bf16 --programs sampler_decode
+
+Exit status 1 when a cell does not lower or lacks a kernel it should carry.
 
 What it proves and what it cannot: `kernels.lowering`'s docstring.
 """
@@ -29,7 +31,7 @@ import jax
 import jax.numpy as jnp
 
 __all__ = ["KERNEL_CASES", "add_arguments", "expected_kernels", "kernel_family", "lower_cell",
-           "report", "run", "table"]
+           "main", "report", "table"]
 
 PRESETS = ("qwen3-0.6b", "qwen3-4b", "ouro-1.4b")
 POLICIES = ("bf16", "mxfp8", "nvfp4")
@@ -59,6 +61,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "tile fits; on: an error where it does not)")
     parser.add_argument("--no-kernel-rows", action="store_true",
                         help="leave out the kernels-alone rows")
+    parser.add_argument("--markdown", action="store_true",
+                        help="print the table instead of the JSON (--out still gets the JSON)")
+    parser.add_argument("--out", default=None, help="also write the JSON to this file")
 
 
 def kernel_family(name: str) -> str:
@@ -141,10 +146,19 @@ def _split(text: str) -> list[str]:
     return [x.strip() for x in text.split(",") if x.strip()]
 
 
-def run(args) -> dict:
-    return report(_split(args.presets), _split(args.policies), _split(args.platforms),
-                  _split(args.programs), _split(args.targets), kernels=args.kernels,
-                  kernel_rows=not args.no_kernel_rows)
+def main(args) -> int:
+    """Prints the report as JSON (or, with `--markdown`, its table); `--out` gets the JSON."""
+    import json
+
+    out = report(_split(args.presets), _split(args.policies), _split(args.platforms),
+                 _split(args.programs), _split(args.targets), kernels=args.kernels,
+                 kernel_rows=not args.no_kernel_rows)
+    text = json.dumps(out, indent=2)
+    print(out["table"] if args.markdown else text)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(text + "\n")
+    return 0 if out["summary"]["with_expected_kernels"] == out["summary"]["cells"] else 1
 
 
 def report(presets, policies, platforms=PLATFORMS, programs=None, targets=TARGETS, *,

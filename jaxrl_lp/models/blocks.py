@@ -184,4 +184,7 @@ def lm_logits(params: dict, h_xD: jax.Array, cfg: ModelConfig, policy: Policy) -
     """Output logits from the final normed hidden state, f32 (rounded to `logits_dtype`)."""
     w = lm_head(params, cfg)
     logits = policy.round_logits(dot(h_xD, w, policy))
-    return constrain(logits, ("batch", "sequence", "vocab")[3 - logits.ndim:])
+    # Rows first: [B, T, V], or [rows, V] (a decode step's [B, V], flattened chunks), whose
+    # rows are the batch's (left whole, every device would compute every row's logits).
+    axes = ("batch", "sequence", "vocab") if logits.ndim == 3 else ("batch", "vocab")
+    return constrain(logits, axes[-logits.ndim:])

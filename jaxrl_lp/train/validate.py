@@ -19,6 +19,8 @@ import os
 from pathlib import Path
 from typing import Any, NamedTuple
 
+import jax
+
 from jaxrl_lp.models.config import ModelConfig
 from jaxrl_lp.models.loop import LoopSpec
 from jaxrl_lp.numerics.policy import Policy
@@ -115,6 +117,20 @@ def model_config(cfg: TrainConfig, task) -> ModelConfig:
         raise ValueError(user_key(str(e), "ModelConfig", "model")) from None
 
 
+def _check_kernels_run_here(*policies: tuple[str, Policy]) -> None:
+    """A run executes on this host: `kernels=on` needs a GPU or TPU here (its programs would
+    fail to lower for this CPU at their first compile, after the run directory is made)."""
+    from jaxrl_lp.kernels import kernel_backend
+
+    for key, policy in policies:
+        if policy.kernels == "on" and kernel_backend() is None:
+            raise ValueError(
+                f"{key}={policy}: kernels=on runs the compiled Pallas kernels, which this host "
+                f"({jax.default_backend()}) has none of (they compile for GPU and TPU); use "
+                "k=auto (the jnp references here), or k=interpret to run the kernels "
+                "interpreted")
+
+
 def validate(cfg: TrainConfig) -> RunPlan:
     """Builds every object a run of `cfg` needs, without compiling or writing anything.
 
@@ -131,6 +147,7 @@ def validate(cfg: TrainConfig) -> RunPlan:
     mcfg = model_config(cfg, task)
     g = cfg.grpo
     lpol, spol = Policy.parse(g.learner_policy), Policy.parse(g.sampler_policy)
+    _check_kernels_run_here(("grpo.learner_policy", lpol), ("grpo.sampler_policy", spol))
     try:
         loop = LoopSpec(g.exit_rule, g.compute_mode).resolve(mcfg)
     except ValueError as e:
