@@ -40,9 +40,9 @@ TARGETS = ("h100", "tpu-v5p")
 KERNEL_CASES = ("logprob_forward", "logprob_gradient", "mxfp8_quantize", "mxfp4_quantize",
                 "nvfp4_quantize", "decode_attention")
 _BLOCK_FORMATS = ("mxfp8", "mxfp4", "nvfp4")
-# Programs that read log-probs out of a hidden state, and those that run one-token decode steps.
-_READOUT = ("grpo_step_dense", "grpo_step_hybrid", "sft_step", "behaviour_logprobs",
-            "sampler_prefill", "sampler_decode", "replay", "speculative_verify")
+# Programs with the learner's read-out from the hidden state (the sampler and the replay take
+# their log-probs from the logits they sample from), and those with one-token decode steps.
+_READOUT = ("grpo_step_dense", "grpo_step_hybrid", "sft_step", "behaviour_logprobs")
 _DECODES = ("grpo_step_hybrid", "behaviour_logprobs", "sampler_decode", "replay")
 
 

@@ -159,16 +159,12 @@ def _sampler_state(cfg: ModelConfig, policy: Policy, shp: ProgramShapes):
     return params, cache
 
 
-def _pick(params, cfg, policy, out, key, fused):
+def _pick(params, cfg, policy, out, key):
     """The sampler's token choice and recorded log-prob (`generate`'s `pick`)."""
     from jaxrl_lp.rollout.sampling import SamplingConfig, sample_tokens
-    from jaxrl_lp.rollout.step import step_logits, step_logprobs
+    from jaxrl_lp.rollout.step import step_logits
 
-    logits = step_logits(params, cfg, policy, out)
-    tok, lp = sample_tokens(logits, key, SamplingConfig(temperature=1.0))
-    if fused:
-        lp = step_logprobs(params, cfg, policy, out, tok, 1.0, logits)
-    return tok, lp
+    return sample_tokens(step_logits(params, cfg, policy, out), key, SamplingConfig(temperature=1.0))
 
 
 def _prefill(cfg: ModelConfig, policy: Policy, shp: ProgramShapes):
@@ -179,7 +175,7 @@ def _prefill(cfg: ModelConfig, policy: Policy, shp: ProgramShapes):
     def run(params, prompt_BxP, positions_BxP, cache, key):
         out, cache, exits, _ = prefill(params, cfg, policy, loop, prompt_BxP, positions_BxP,
                                        cache, hidden=fused)
-        return _pick(params, cfg, policy, out, key, fused), cache, exits
+        return _pick(params, cfg, policy, out, key), cache, exits
 
     params, cache = _sampler_state(cfg, policy, shp)
     b, p = shp.rows, shp.prompt_len
@@ -195,7 +191,7 @@ def _decode(cfg: ModelConfig, policy: Policy, shp: ProgramShapes):
     def run(params, tokens_B, positions_B, cache, index, key):
         out, cache, exits, _ = decode_step(params, cfg, policy, loop, tokens_B, positions_B, cache,
                                            index, hidden=fused)
-        return _pick(params, cfg, policy, out, key, fused), cache, exits
+        return _pick(params, cfg, policy, out, key), cache, exits
 
     params, cache = _sampler_state(cfg, policy, shp)
     b = shp.rows

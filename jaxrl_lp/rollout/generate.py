@@ -33,7 +33,6 @@ from jaxrl_lp.rollout.step import (
     fused_readout,
     prefill,
     step_logits,
-    step_logprobs,
 )
 
 __all__ = ["Rollout", "bucket_length", "generate", "pad_prompts", "split_rows", "take_rows"]
@@ -175,16 +174,12 @@ def _sample(params, prompt_BxP, positions_BxP, lengths_B, key, version, *, cfg, 
     # Sliced once, here: inside the loop a scan over stacked weights copies them every step.
     params = unstack_layers(params)
     cache = unstack_cache(init_cache(cfg, policy, b, p + n), cfg)
-    # With the fused read-out the steps return the hidden state: the token is sampled from
-    # its logits, its log-prob is `step_logprobs`' (the replay's computation).
+    # With the fused read-out the steps return the hidden state: the token is sampled from its
+    # logits, and its log-prob is theirs (`token_logprobs`, what `step_logprobs` replays).
     fused = fused_readout(policy)
 
     def pick(out, key):
-        logits = step_logits(params, cfg, policy, out)
-        tok, lp = sample_tokens(logits, key, sampling)
-        if fused:
-            lp = step_logprobs(params, cfg, policy, out, tok, sampling.temperature, logits)
-        return tok, lp
+        return sample_tokens(step_logits(params, cfg, policy, out), key, sampling)
 
     out, cache, exit0, _ = prefill(params, cfg, policy, loop, prompt_BxP, positions_BxP, cache,
                                    hidden=fused)

@@ -165,10 +165,7 @@ def _speculate(params, dparams, prompt_BxP, positions_BxP, lengths_B, key, versi
     out, cache, exit0, _ = prefill(params, cfg, policy, loop, prompt_BxP, positions_BxP, cache,
                                    hidden=fused)
     key, sub = jax.random.split(key)
-    logits = step_logits(params, cfg, policy, out)
-    tok, lp = sample_tokens(logits, sub, sampling)
-    if fused:  # as `generate` records it
-        lp = step_logprobs(params, cfg, policy, out, tok, sampling.temperature, logits)
+    tok, lp = sample_tokens(step_logits(params, cfg, policy, out), sub, sampling)
     t_k1 = jnp.arange(k + 1)[None]
     evals = cfg.loop_steps  # a dense-mode verification runs every loop step
 

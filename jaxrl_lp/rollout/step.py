@@ -8,14 +8,14 @@ Neither is jitted itself: both are traced inside `generate`'s and the
 learner's jitted programs, where `cfg`, `policy` and `loop` are static.
 
 The sampled tokens' log-probs come from a step's output by `step_logprobs`,
-which the sampler and the replay both call. Where the policy lets the fused
-log-prob kernel run (`kernels.logprob.fused_readout`: kernels not off, no
-matmul format) the steps are run with `hidden=True` and return the final
-hidden state: the sampler takes its logits from it (`step_logits`) to choose
-a token, and both take the log-prob by `kernels.readout_logprobs`: the fused
-kernel of the platform the program is lowered for, or, where none runs (CPU),
-`token_logprobs` of those same logits. Elsewhere the steps return logits and
-the log-prob is `token_logprobs`.
+which the sampler and the replay both call: `token_logprobs` of the step's
+logits, on every platform. Where the policy lets the fused log-prob kernel run
+(`kernels.logprob.fused_readout`) the steps return the final hidden state and
+the logits are `step_logits` of it; elsewhere the steps return the logits.
+The sampler needs a step's `[B, V]` logits to choose its token anyway, so the
+fused kernel (`kernels.readout_logprobs`) would only read the lm head a second
+time: it serves the learner's dense read-out and the SFT loss, where it saves
+the `[B, N, V]` logits (docs/design.md).
 """
 
 from __future__ import annotations
@@ -23,8 +23,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jaxrl_lp.kernels.logprob import fused_readout, readout_logprobs
-from jaxrl_lp.models.blocks import lm_head, lm_logits
+from jaxrl_lp.kernels.logprob import fused_readout
+from jaxrl_lp.models.blocks import lm_logits
 from jaxrl_lp.models.config import ModelConfig
 from jaxrl_lp.models.loop import ExitSchedule, LoopSpec
 from jaxrl_lp.models.model import forward
@@ -44,18 +44,13 @@ def step_logprobs(params, cfg: ModelConfig, policy: Policy, out_BxX, tokens_B,
     """Log-probs [B] f32 of `tokens_B` from a step's output (the sampler's and the replay's).
 
     `out_BxX` is what `prefill` / `decode_step` returned with
-    `hidden=fused_readout(policy)`: from the hidden state, the fused kernel's
-    log-prob where one runs, else `token_logprobs` of `logits_BxV` (the
-    step's `step_logits`, computed here when not given: the sampler passes
-    the ones it sampled from); from logits, `token_logprobs` of them.
+    `hidden=fused_readout(policy)`; the log-probs are `token_logprobs` of its
+    logits: `logits_BxV` (the ones the sampler sampled from), else
+    `step_logits` of it, computed here on the same shapes.
     """
-    if not fused_readout(policy):
-        return token_logprobs(out_BxX, tokens_B, temperature)
     if logits_BxV is None:
         logits_BxV = step_logits(params, cfg, policy, out_BxX)
-    return readout_logprobs(out_BxX, lm_head(params, cfg), tokens_B, temperature, policy,
-                            plain=lambda: token_logprobs(logits_BxV, tokens_B, temperature),
-                            entropy=False)
+    return token_logprobs(logits_BxV, tokens_B, temperature)
 
 
 def prefill(params, cfg: ModelConfig, policy: Policy, loop: LoopSpec, prompt_BxP, positions_BxP,
