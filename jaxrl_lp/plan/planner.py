@@ -64,7 +64,7 @@ from jaxrl_lp.plan.roofline import cost_figures, memory_figures, roofline
 from jaxrl_lp.plan.targets import Target
 from jaxrl_lp.rl.logprobs import jit_learner_logprobs
 from jaxrl_lp.rl.train_step import make_grpo_step
-from jaxrl_lp.rollout.step import LoopSpec, decode_step
+from jaxrl_lp.rollout.step import LoopSpec, decode_step, fused_readout, step_logits
 from jaxrl_lp.train.config import TrainConfig
 
 __all__ = ["plan"]
@@ -185,9 +185,13 @@ def plan(cfg: TrainConfig, mesh: str, devices: int, target: str = "h100", *,
                  jax.ShapeDtypeStruct((), jnp.int32, sharding=replicated(m)), active)
 
         def decode(params, tokens_B, positions_B, cache, index, active_B):
+            # As `generate` runs it: the hidden state where the read-out may fuse, its logits.
             with use_mesh(m):
-                return decode_step(params, mcfg, spol, loop, tokens_B, positions_B, cache, index,
-                                   active_B=active_B)
+                fused = fused_readout(spol)
+                out, cache, exits, evals = decode_step(params, mcfg, spol, loop, tokens_B,
+                                                       positions_B, cache, index,
+                                                       active_B=active_B, hidden=fused)
+                return step_logits(params, mcfg, spol, out), cache, exits, evals
 
         # Logits by batch and vocabulary; the cache keeps its sharding and is updated in
         # place (donated), as in the sampler's loop.

@@ -35,8 +35,14 @@ __all__ = ["LoopSpec", "decode_step", "fused_readout", "prefill", "step_logits",
 
 
 def step_logits(params, cfg: ModelConfig, policy: Policy, out_BxX) -> jax.Array:
-    """The logits [B, V] of a step's output (the lm head applied when it is the hidden state)."""
-    return lm_logits(params, out_BxX, cfg, policy) if fused_readout(policy) else out_BxX
+    """The logits [B, V] (or [B, T, V]) of a step's output: the lm head applied when it is
+    the hidden state, to `[B, 1, D]` rows as the forward applies it (so XLA compiles the same
+    product: on CPU a `[B, D]` one read the f32 head every step instead of its bf16 copy)."""
+    if not fused_readout(policy):
+        return out_BxX
+    if out_BxX.ndim == 2:
+        return lm_logits(params, out_BxX[:, None], cfg, policy)[:, 0]
+    return lm_logits(params, out_BxX, cfg, policy)
 
 
 def step_logprobs(params, cfg: ModelConfig, policy: Policy, out_BxX, tokens_B,
