@@ -23,7 +23,7 @@ Scale: `run.mesh=fsdp=8` is one 8-GPU node (docs/scale.md). Plan it first:
 
 Each GPU of the 8 holds 8 sequences of a micro-batch (8 micro-batches of the
 512 sequences a step makes), which keeps the learner step's activations
-within an 80 GB GPU: the plan puts its peak at 61 GB a device. On 64 devices
+within an 80 GB GPU: the plan puts its peak at 59 GB a device. On 64 devices
 (eight 8-GPU nodes) a micro-batch needs a sequence on each of them:
 
     jaxrl-lp plan --config configs/grpo_gsm8k_qwen3_0p6b.py --mesh data=8,fsdp=8 --devices 64 \
