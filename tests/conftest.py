@@ -77,3 +77,21 @@ def finished_runs(tmp_path_factory):
                 done.touch()
             runs[name] = (run, json.loads((run / "summary.json").read_text()))
     return runs
+
+
+@pytest.fixture
+def tpu_interpreter(monkeypatch):
+    """Interprets a kernel's tpu version with Pallas's TPU interpreter, uninitialized memory NaN:
+    what a ragged block's padding may hold on a TPU (the default interpreter pads otherwise)."""
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import tpu as pltpu
+
+    call = pl.pallas_call
+
+    def tpu_interpreted(*args, **kwargs):
+        if kwargs.get("interpret") is True and isinstance(kwargs.get("compiler_params"),
+                                                          pltpu.CompilerParams):
+            kwargs["interpret"] = pltpu.InterpretParams(uninitialized_memory="nan")
+        return call(*args, **kwargs)
+
+    monkeypatch.setattr(pl, "pallas_call", tpu_interpreted)

@@ -29,3 +29,26 @@ FINISHED_STEPS = 8
 # GRPO steps.
 FAIR_CAST = ["sync.exporter=bf16:error_feedback", "sync.loss_on_served=true",
              "sync.check_every=2"]
+
+
+def exactness_grads(cfg, policy, ro, loop):
+    """`grads(params)` of the exactness cells: ((hybrid gradient, hybrid log-probs), (dense
+    gradient, dense log-probs), replay log-probs) of a fixed random weighting of the rollout's
+    learner log-probs (`learner_logprobs`), to be jitted by the caller."""
+    import jax
+    import jax.numpy as jnp
+
+    from jaxrl_lp.rl.logprobs import learner_logprobs
+
+    w = jax.random.normal(jax.random.PRNGKey(7), ro.logprobs.shape)
+
+    def f(params, method):
+        logp, _ = learner_logprobs(params, cfg, policy, ro, method, loop=loop)
+        return jnp.sum(logp * ro.completion_mask * w), logp
+
+    def grads(params):
+        return (jax.grad(f, has_aux=True)(params, "hybrid"),
+                jax.grad(f, has_aux=True)(params, "dense"),
+                learner_logprobs(params, cfg, policy, ro, "replay", loop=loop)[0])
+
+    return grads

@@ -86,26 +86,8 @@ def test_fp32_kernel_matches_the_reference(shape, chunk, mode):
     assert float(jnp.abs(ref).max()) > 0.5
 
 
-@pytest.fixture
-def _tpu_interpreter(monkeypatch):
-    """Interprets the tpu version with Pallas's TPU interpreter, uninitialized memory NaN: what a
-    ragged chunk's padding may hold on a TPU (the default interpreter pads otherwise)."""
-    from jax.experimental import pallas as pl
-    from jax.experimental.pallas import tpu as pltpu
-
-    call = pl.pallas_call
-
-    def tpu_interpreted(*args, **kwargs):
-        if kwargs.get("interpret") is True and isinstance(kwargs.get("compiler_params"),
-                                                          pltpu.CompilerParams):
-            kwargs["interpret"] = pltpu.InterpretParams(uninitialized_memory="nan")
-        return call(*args, **kwargs)
-
-    monkeypatch.setattr(pl, "pallas_call", tpu_interpreted)
-
-
 @pytest.mark.slow
-@pytest.mark.usefixtures("_tpu_interpreter")
+@pytest.mark.usefixtures("tpu_interpreter")
 @pytest.mark.parametrize("shape", [dict(h=8, kh=2, s=300), dict(h=6, kh=2, s=37)])
 def test_tpu_version_under_the_tpu_interpreter(shape):
     q, ck, cv, q_pos, k_pos = _case(**shape)

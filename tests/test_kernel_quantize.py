@@ -137,26 +137,8 @@ def test_tpu_version_is_bit_equal_to_the_reference(fmt, case):
     _check_case(fmt, *TPU_CASES[case], mode="interpret-tpu", dtype=ml_dtypes.bfloat16)
 
 
-@pytest.fixture
-def _tpu_interpreter(monkeypatch):
-    """Interprets the tpu version with Pallas's TPU interpreter, uninitialized memory NaN: what a
-    ragged block's padding may hold on a TPU (the default interpreter pads otherwise)."""
-    from jax.experimental import pallas as pl
-    from jax.experimental.pallas import tpu as pltpu
-
-    call = pl.pallas_call
-
-    def tpu_interpreted(*args, **kwargs):
-        if kwargs.get("interpret") is True and isinstance(kwargs.get("compiler_params"),
-                                                          pltpu.CompilerParams):
-            kwargs["interpret"] = pltpu.InterpretParams(uninitialized_memory="nan")
-        return call(*args, **kwargs)
-
-    monkeypatch.setattr(pl, "pallas_call", tpu_interpreted)
-
-
 @pytest.mark.slow
-@pytest.mark.usefixtures("_tpu_interpreter")
+@pytest.mark.usefixtures("tpu_interpreter")
 @pytest.mark.parametrize("case", list(TPU_CASES))
 @pytest.mark.parametrize("fmt", BLOCK_FORMATS)
 def test_tpu_version_under_the_tpu_interpreter(fmt, case):

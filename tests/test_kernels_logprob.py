@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from helpers import exactness_grads
 
 from jaxrl_lp.bench.exactness import KINDS, exactness_model, exactness_rollout, masked_max_abs_diff
 from jaxrl_lp.kernels.dispatch import KernelUnavailableError
@@ -258,17 +259,8 @@ def test_replay_and_hybrid_stay_exact_with_the_kernel_on(pol, kind):
     cfg, params, policy, loop, ro = _cell(pol, kind)
     assert "pallas_call" in str(jax.make_jaxpr(
         lambda p: learner_logprobs(p, cfg, policy, ro, "hybrid", loop=loop))(params))
-    w = jax.random.normal(jax.random.PRNGKey(7), ro.logprobs.shape)
-
-    def grads(params):
-        def f(params, method):
-            logp, _ = learner_logprobs(params, cfg, policy, ro, method, loop=loop)
-            return jnp.sum(logp * ro.completion_mask * w), logp
-        return (jax.grad(f, has_aux=True)(params, "hybrid"),
-                jax.grad(f, has_aux=True)(params, "dense"),
-                learner_logprobs(params, cfg, policy, ro, "replay", loop=loop)[0])
-
-    (g_hybrid, hybrid), (g_dense, dense), replay = jax.jit(grads)(params)
+    (g_hybrid, hybrid), (g_dense, dense), replay = jax.jit(exactness_grads(cfg, policy, ro, loop))(
+        params)
     mask = ro.completion_mask
     assert masked_max_abs_diff(replay, ro.logprobs, mask) == 0.0
     assert masked_max_abs_diff(hybrid, ro.logprobs, mask) == 0.0

@@ -14,11 +14,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import exactness_grads
 
 from jaxrl_lp.bench.exactness import exactness_model, exactness_rollout, masked_max_abs_diff
 from jaxrl_lp.numerics.policy import Policy, native_low_precision
 from jaxrl_lp.plan.programs import native
-from jaxrl_lp.rl.logprobs import learner_logprobs
 
 PROMPTS = ((1, 5, 7), (2, 9, 4, 11, 3, 8), (6,))
 
@@ -44,17 +44,7 @@ def test_replay_and_hybrid_are_exact_with_bf16_stored(kind, kernels):
     policy = Policy.parse(f"bf16,k={kernels}")
     ro = exactness_rollout(params, cfg, policy, loop, prompts=PROMPTS, num_samples=2,
                            max_new_tokens=8)
-    w = jax.random.normal(jax.random.PRNGKey(7), ro.logprobs.shape)
-
-    def grads(params):
-        def f(params, method):
-            logp, _ = learner_logprobs(params, cfg, policy, ro, method, loop=loop)
-            return jnp.sum(logp * ro.completion_mask * w), logp
-        return (jax.grad(f, has_aux=True)(params, "hybrid"),
-                jax.grad(f, has_aux=True)(params, "dense"),
-                learner_logprobs(params, cfg, policy, ro, "replay", loop=loop)[0])
-
-    traced = jax.jit(grads).trace(params)
+    traced = jax.jit(exactness_grads(cfg, policy, ro, loop)).trace(params)
     # The bf16 path is the one traced: activations are bf16 arrays, not f32 carriers.
     assert "bf16" in str(traced.jaxpr)
     (g_hybrid, hybrid), (g_dense, dense), replay = traced.lower().compile()(params)
