@@ -14,6 +14,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import jax
@@ -61,7 +62,11 @@ def state_shardings(tree: Any, params: Any, param_sh: Any, mesh: Mesh) -> Any:
 
 
 def batch_shardings(tree: Any, mesh: Mesh, rules: ShardingRules = DEFAULT_RULES) -> Any:
-    """Leading axis over the data shards for every array leaf of rank >= 1; scalars replicated."""
+    """Leading axis over the data shards for every array leaf of rank >= 1; scalars replicated.
+
+    A dataclass tree may name fields that are not per row in a `replicated_fields`
+    class attribute (a rollout's weights fingerprint): those are replicated.
+    """
 
     def pick(leaf):
         nd = np.ndim(leaf)
@@ -69,7 +74,9 @@ def batch_shardings(tree: Any, mesh: Mesh, rules: ShardingRules = DEFAULT_RULES)
             return replicated(mesh)
         return NamedSharding(mesh, spec_for(("batch",) + (None,) * (nd - 1), rules, mesh))
 
-    return jax.tree.map(pick, tree)
+    out = jax.tree.map(pick, tree)
+    whole = [f for f in getattr(tree, "replicated_fields", ()) if getattr(tree, f) is not None]
+    return dataclasses.replace(out, **{f: replicated(mesh) for f in whole}) if whole else out
 
 
 def put_global(host: Any, sharding: NamedSharding) -> jax.Array:

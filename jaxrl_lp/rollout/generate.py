@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Sequence
-from typing import NamedTuple
+from typing import ClassVar, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -22,6 +22,7 @@ from jax.sharding import Mesh
 from jaxrl_lp.models.blocks import unstack_layers
 from jaxrl_lp.models.cache import init_cache, unstack_cache
 from jaxrl_lp.models.config import ModelConfig
+from jaxrl_lp.numerics.fingerprint import tree_fingerprint
 from jaxrl_lp.numerics.policy import Policy
 from jaxrl_lp.parallel.context import use_mesh
 from jaxrl_lp.parallel.rules import DEFAULT_RULES, ShardingRules
@@ -63,6 +64,11 @@ class Rollout:
       verify_tokens: tokens per verification chunk, k + 1 (static); 0 for a
         plain rollout (one-token decode steps). The learner's replay re-runs
         these chunks.
+      weights_digest: [2] uint32 `numerics.fingerprint.tree_fingerprint` of the
+        weights the sampler ran on (`generate` and `speculative_generate` record
+        it), or None (unknown). The training program compares it with the
+        weights an update computes with: equal, with matched policies, the
+        recorded log-probs are the replay's values (`rl.reuse`).
     """
 
     prompt_tokens: jax.Array
@@ -79,6 +85,10 @@ class Rollout:
     temperature: float = dataclasses.field(default=1.0, metadata={"static": True})
     verify_counts: jax.Array | None = None
     verify_tokens: int = dataclasses.field(default=0, metadata={"static": True})
+    weights_digest: jax.Array | None = None
+
+    # Not per row: replicated where the rows are laid over a mesh (`parallel.batch_shardings`).
+    replicated_fields: ClassVar[tuple[str, ...]] = ("weights_digest",)
 
 
 _ROW_FIELDS = ("prompt_tokens", "prompt_lengths", "completion_tokens", "completion_mask",
@@ -96,8 +106,11 @@ def split_rows(ro: Rollout, m: int) -> Rollout:
     if b % m:
         raise ValueError(f"batch of {b} sequences does not split into {m} micro-batches")
     rows = {f: getattr(ro, f).reshape(m, b // m, *getattr(ro, f).shape[1:]) for f in _row_fields(ro)}
+    digest = None if ro.weights_digest is None else jnp.broadcast_to(
+        ro.weights_digest, (m, *ro.weights_digest.shape))
     return dataclasses.replace(ro, **rows, loop_evals=jnp.broadcast_to(ro.loop_evals, (m,)),
-                               weights_version=jnp.broadcast_to(ro.weights_version, (m,)))
+                               weights_version=jnp.broadcast_to(ro.weights_version, (m,)),
+                               weights_digest=digest)
 
 
 def take_rows(ro: Rollout, idx) -> Rollout:
@@ -327,4 +340,5 @@ def generate(
                    pad_id=pad_id, mesh=mesh, rules=rules)
     if ro.prompt_tokens.shape[0] != rows:  # the padding rows
         ro = jax.tree.map(lambda x: x[:rows] if np.ndim(x) else x, ro)
-    return ro
+    # What the learner compares its weights with (`Rollout.weights_digest`).
+    return dataclasses.replace(ro, weights_digest=tree_fingerprint(params))

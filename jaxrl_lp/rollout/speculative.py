@@ -42,6 +42,7 @@ Design decisions:
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Sequence
 from typing import NamedTuple
@@ -53,6 +54,7 @@ import numpy as np
 from jaxrl_lp.models.blocks import unstack_layers
 from jaxrl_lp.models.cache import init_cache, unstack_cache
 from jaxrl_lp.models.config import ModelConfig
+from jaxrl_lp.numerics.fingerprint import tree_fingerprint
 from jaxrl_lp.numerics.policy import Policy
 from jaxrl_lp.rollout.drafter import DraftState, draft, init_draft, sampling_probs
 from jaxrl_lp.rollout.generate import Rollout, pad_prompts, sample_rows
@@ -328,6 +330,7 @@ def speculative_generate(
                            jnp.asarray(lengths), key, weights_version, cfg=cfg, dcfg=dcfg,
                            spec=spec, policy=policy, loop=loop, sampling=sampling,
                            max_new_tokens=max_new_tokens, eos_id=eos_id, pad_id=pad_id)
+    ro = dataclasses.replace(ro, weights_digest=tree_fingerprint(params))  # the target's weights
     return (ro, stats) if with_stats else ro
 
 
