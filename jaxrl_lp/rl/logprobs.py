@@ -300,7 +300,8 @@ def replay_logprobs(params: dict, cfg: ModelConfig, policy: Policy, ro: Rollout,
 
 def learner_logprobs(params: dict, cfg: ModelConfig, policy: Policy, ro: Rollout,
                      method: LogprobMethod = "hybrid", *, loop: LoopSpec | None = None,
-                     remat: bool = False, packed_rows: tuple[int, int] | None = None):
+                     remat: bool = False, packed_rows: tuple[int, int] | None = None,
+                     replay_BxN: jax.Array | None = None):
     """Log-probs [B, N] (and entropies [B, N], from the dense forward; zeros for replay).
 
     Args:
@@ -311,8 +312,16 @@ def learner_logprobs(params: dict, cfg: ModelConfig, policy: Policy, ro: Rollout
         None to take the rollout's.
       remat: recompute layer activations in the dense backward.
       packed_rows: the dense forward without the padding (`dense_logprobs`).
+      replay_BxN: `hybrid` only: the replay's values where the caller already
+        has them, and the replay is not run. The training program passes the
+        rollout's own log-probs when the update's weights are the ones the
+        sampler ran and the policies match (`rl.reuse`): then they are the
+        replay's bits on the completion mask, and the hybrid costs the dense
+        forward alone.
     """
     rollout_loop(ro, cfg, loop)  # refuses a rollout sampled otherwise than expected
+    if replay_BxN is not None and method != "hybrid":
+        raise ValueError(f"replay_BxN is the hybrid's value; method={method!r} does not use it")
     if method == "replay":
         return replay_logprobs(params, cfg, policy, ro), jnp.zeros(ro.logprobs.shape)
     dense, entropy = dense_logprobs(params, cfg, policy, ro, remat=remat, packed_rows=packed_rows)
@@ -320,8 +329,11 @@ def learner_logprobs(params: dict, cfg: ModelConfig, policy: Policy, ro: Rollout
         return dense, entropy
     if method != "hybrid":
         raise ValueError(f"log-prob method must be 'dense', 'replay' or 'hybrid'; got {method!r}")
-    # stop_gradient on the *input*: a JVP-traced replay compiles differently (1 ulp off the sampler).
-    replay = jax.lax.stop_gradient(replay_logprobs(jax.lax.stop_gradient(params), cfg, policy, ro))
+    if replay_BxN is None:
+        # stop_gradient on the *input*: a JVP-traced replay compiles differently (1 ulp off
+        # the sampler).
+        replay_BxN = replay_logprobs(jax.lax.stop_gradient(params), cfg, policy, ro)
+    replay = jax.lax.stop_gradient(replay_BxN)
     return replay + (dense - jax.lax.stop_gradient(dense)), entropy
 
 
@@ -329,6 +341,9 @@ def jit_learner_logprobs(cfg: ModelConfig, policy: Policy, method: LogprobMethod
                          loop: LoopSpec | None = None, mesh: Mesh | None = None,
                          rules: ShardingRules = DEFAULT_RULES, micro_batches: int = 1):
     """`fn(params, rollout) -> log-probs [B, N]`, jitted (no gradient; the learner's values).
+
+    `hybrid` computes its value alone: the replay (the dense part adds exactly
+    0.0 to it and only carries the gradient).
 
     With `micro_batches` > 1 the rows are taken in that many slices one after
     the other (`lax.map`), so the replay's KV cache and the logits exist for one
@@ -342,8 +357,11 @@ def jit_learner_logprobs(cfg: ModelConfig, policy: Policy, method: LogprobMethod
     the behaviour log-probs, and by the tests.
     """
 
+    # Without a gradient the hybrid's value is the replay's bits: the dense forward is not run.
+    value = "replay" if method == "hybrid" else method
+
     def one(params, ro):
-        return learner_logprobs(params, cfg, policy, ro, method, loop=loop)[0]
+        return learner_logprobs(params, cfg, policy, ro, value, loop=loop)[0]
 
     def fn(params, ro):
         with use_mesh(mesh, rules):

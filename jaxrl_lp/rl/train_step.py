@@ -98,7 +98,8 @@ def make_grpo_step(cfg: ModelConfig, policy: Policy, loss_cfg: LossConfig,
                    micro_batches: int = 1, remat: bool = False, mesh: Mesh | None = None,
                    rules: ShardingRules = DEFAULT_RULES, weights=None,
                    pack_buckets: int = PACK_BUCKETS):
-    """Builds `step(params, opt_state, rollout, advantages_B, old_logp_BxN, ref_logp_BxN, served)`.
+    """Builds `step(params, opt_state, rollout, advantages_B, old_logp_BxN, ref_logp_BxN, served,
+    replay_BxN)`.
 
     The returned function is jitted; `params` and `opt_state` are donated. The
     rollout's static fields (policy, loop spec, temperature) are static: a
@@ -138,6 +139,11 @@ def make_grpo_step(cfg: ModelConfig, policy: Policy, loss_cfg: LossConfig,
     the served copy with a straight-through gradient to the master (Fair Cast):
     `w_used = sg(served) + (master - sg(master))`.
 
+    With `replay_BxN` (`hybrid` only) the hybrid's value is taken from it and
+    the replay is not run: the training program passes the rollout's own
+    log-probs where the update computes with the weights the sampler ran
+    (`rl.reuse`). A step called with and without it compiles two programs.
+
     Returns:
       `step(...) -> (params, opt_state, metrics)`, metrics a dict of f32 scalars.
     """
@@ -145,13 +151,14 @@ def make_grpo_step(cfg: ModelConfig, policy: Policy, loss_cfg: LossConfig,
         raise ValueError("make_grpo_step: a weight representation (weights=) runs on one "
                          "device; drop mesh")
 
-    def mb_loss(params, mb, adv, anchor, keep, weights_, denom, ref, num_tokens, served, rows):
+    def mb_loss(params, mb, adv, anchor, keep, weights_, denom, ref, recorded, num_tokens, served,
+                rows):
         if weights is not None:  # the float view of the train tree -> the model's params
             params = weights.model_params(params)
         if served is not None:
             params = straight_through_served(params, served)
         logp, ent = learner_logprobs(params, cfg, policy, mb, method, remat=remat,
-                                     packed_rows=rows)
+                                     packed_rows=rows, replay_BxN=recorded)
         loss, m = policy_loss(logp, anchor, adv, keep, weights_, denom, loss_cfg, ref,
                               num_tokens=num_tokens)
         m = dict(m, entropy=jnp.sum(ent * keep) / num_tokens)
@@ -163,7 +170,7 @@ def make_grpo_step(cfg: ModelConfig, policy: Policy, loss_cfg: LossConfig,
              and method in ("dense", "hybrid"))
 
     def step(params, opt_state, ro: Rollout, adv_B, old_logp_BxN, ref_logp_BxN=None,
-             served=None, packed_rows=None):
+             served=None, replay_BxN=None, packed_rows=None):
         train = params
         if weights is not None:  # gradients w.r.t. f32 codes (int8 has none)
             params = weights.differentiable(params)
@@ -182,7 +189,7 @@ def make_grpo_step(cfg: ModelConfig, policy: Policy, loss_cfg: LossConfig,
         b = adv_B.shape[0]
         rows = lambda x: None if x is None else x.reshape(m, b // m, *x.shape[1:])
         xs = (split_rows(ro, m), rows(adv_B), rows(anchor), rows(keep), rows(cweights),
-              rows(denom), rows(ref_logp_BxN))
+              rows(denom), rows(ref_logp_BxN), rows(replay_BxN))
 
         def accumulate(acc, x):
             (loss, metrics), g = grad_fn(params, *x, num_tokens, served, packed_rows)
@@ -210,7 +217,7 @@ def make_grpo_step(cfg: ModelConfig, policy: Policy, loss_cfg: LossConfig,
                                                 buckets=pack_buckets)
         return _PackedStep(jitted, rows_of) if packs else jitted
     return MeshStep(step, cfg, mesh, rules, ("params", "state", "batch", "batch", "batch", "batch",
-                                             "params"))
+                                             "params", "batch"))
 
 
 class _PackedStep:
@@ -343,7 +350,7 @@ class MeshStep:
     def __init__(self, step, cfg: ModelConfig, mesh: Mesh, rules: ShardingRules,
                  kinds: tuple[str, ...]):
         self.step, self.cfg, self.mesh, self.rules, self.kinds = step, cfg, mesh, rules, kinds
-        self._jit = None
+        self._jits = {}  # by which optional arguments are None: each is a program of its own
 
     def shardings(self, *args):
         """The in-shardings of `args` (by kind) and the out-shardings of the step."""
@@ -358,18 +365,19 @@ class MeshStep:
         return ins, (ins[0], ins[1], replicated(self.mesh))
 
     def __call__(self, *args):
-        if self._jit is None:
+        pattern = tuple(a is None for a in args)
+        if pattern not in self._jits:
             ins, outs = self.shardings(*args)
 
             def traced(*a):
                 with use_mesh(self.mesh, self.rules):
                     return self.step(*a)
 
-            self._ins = ins
-            self._jit = jax.jit(traced, in_shardings=ins, out_shardings=outs,
-                                donate_argnums=(0, 1))
+            self._jits[pattern] = (ins, jax.jit(traced, in_shardings=ins, out_shardings=outs,
+                                                donate_argnums=(0, 1)))
+        ins, jitted = self._jits[pattern]
         # Inputs placed as the program expects (a no-op for those already there; rows
         # sliced out of a sharded rollout, host arrays).
         args = tuple(a if sh is None else jax.device_put(a, sh)
-                     for a, sh in zip(args, self._ins, strict=False))
-        return self._jit(*args)
+                     for a, sh in zip(args, ins, strict=False))
+        return jitted(*args)
