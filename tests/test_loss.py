@@ -336,6 +336,19 @@ def test_kl_estimators_hand_values():
     np.testing.assert_allclose(float(grad[0, 0]), 0.1 * (1 - math.exp(x)), rtol=1e-6)
 
 
+def test_k3_keeps_its_digits_near_the_reference():
+    """Near the reference k3 is about x^2 / 2; f32 exp(x) - 1 - x gets it wrong by its own
+    size there (f32 resolves 1e-7 at 1), expm1(x) - x to about ulp(x) / k3."""
+    x = np.array([1e-4, -3e-4, 1e-3, -2e-5], np.float64)
+    logp = jnp.zeros((1, 4), jnp.float32)
+    ref = jnp.asarray(x[None], jnp.float32)
+    exact = np.expm1(np.asarray(ref, np.float64)) - np.asarray(ref, np.float64)  # the f32 x's
+    got = np.asarray(kl_penalty(logp, ref, "k3"), np.float64)
+    np.testing.assert_allclose(got, exact, rtol=2e-2)
+    naive = np.asarray(jnp.exp(ref) - 1.0 - ref, np.float64)
+    assert np.max(np.abs(naive - exact) / exact) > 0.1  # what the naive form gives
+
+
 def test_kl_beta_zero_accepts_no_reference():
     logp, anchor, adv, mask = _batch(4)
     loss, m, _ = _full(logp, anchor, adv, mask, LossConfig(kl_beta=0.0), None)

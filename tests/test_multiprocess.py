@@ -26,8 +26,8 @@ from jaxrl_lp.train import apply_overrides, default_config, run_train
 from jaxrl_lp.train.checkpoint import Checkpointer
 
 # 2 warm-start and 3 GRPO steps; 8 prompts and 16 warm-start rows split over 8 data shards.
-RUN = [*short_run(sft_steps=2, grpo_steps=3), "grpo.prompts_per_step=8", "sft.batch_size=16",
-       "run.mesh=fsdp=8", "run.checkpoint_every=1", "run.keep_checkpoints=5"]
+RUN = [*short_run(sft_steps=2, grpo_steps=3), "grpo.verify_every=1", "grpo.prompts_per_step=8",
+       "sft.batch_size=16", "run.mesh=fsdp=8", "run.checkpoint_every=1", "run.keep_checkpoints=5"]
 STEPS = 5
 pytestmark = pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 (simulated) devices")
 
@@ -102,7 +102,9 @@ def test_two_processes_equal_one_process_with_eight_devices(two_processes, one_p
     recs = [json.loads(x) for x in (two_processes / "metrics.jsonl").read_text().splitlines()]
     assert len({(r["step"], r["phase"]) for r in recs}) == len(recs)
     assert [r["step"] for r in recs if r["phase"] == "grpo"] == [3, 4, 5]
-    assert all(r["mismatch_max_abs_dlogp"] == 0.0 for r in recs if r["phase"] == "grpo")
+    # Every GRPO step verified (`grpo.verify_every=1`): the replay equals the sampler.
+    assert all(r["mismatch_max_abs_dlogp"] == 0.0 and r["replay_verified"] == 1.0
+               for r in recs if r["phase"] == "grpo")
 
 
 @pytest.mark.slow

@@ -14,6 +14,7 @@ from helpers import FINISHED, sets
 from jaxrl_lp.cli.main import main as cli_main
 from jaxrl_lp.train import apply_overrides, default_config, run_train
 from jaxrl_lp.train.checkpoint import Checkpointer
+from jaxrl_lp.train.logger import without_wall_clock
 from jaxrl_lp.train.run_lock import RunLock
 
 SHORT = FINISHED  # 8 steps, a checkpoint every 2: the session's shared `plain` run
@@ -36,7 +37,7 @@ def _snapshot(run_dir: Path, lock: bool = True) -> dict:
 
 def _records(run_dir: Path) -> list[dict]:
     recs = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return [{k: v for k, v in r.items() if k != "tokens_per_s"} for r in recs]
+    return [without_wall_clock(r) for r in recs]
 
 
 def _params(run_dir: Path):

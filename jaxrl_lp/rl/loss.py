@@ -94,6 +94,9 @@ class LossConfig:
       kl_beta: weight of the KL-to-reference term, >= 0; 0 disables it and the
         reference log-probs are not needed.
       kl_estimator: `k1`, `k2` or `k3` (see `kl_penalty`).
+      reference: the frozen KL reference of the training program (`kl_beta > 0`):
+        '' for the GRPO phase's starting weights, or a Hugging Face checkpoint
+        directory of the same architecture and vocabulary.
       correction: training-inference mismatch correction (`correction_weights`):
         `none`, `tis`, `mis`, `seq_tis`, `seq_mis`.
       correction_cap: `C > 1`, the cap of TIS and the band `[1/C, C]` of MIS.
@@ -111,6 +114,7 @@ class LossConfig:
     ratio_level: RatioLevel = "token"
     kl_beta: float = 0.0
     kl_estimator: KlEstimator = "k3"
+    reference: str = ""
     correction: Correction = "none"
     correction_cap: float = 2.0
     ratio_anchor: RatioAnchor = "sampler"
@@ -141,6 +145,12 @@ class LossConfig:
                 )
         if not (_is_number(self.kl_beta) and self.kl_beta >= 0):
             raise ValueError(f"LossConfig.kl_beta must be a number >= 0, got {self.kl_beta!r}")
+        if not isinstance(self.reference, str):
+            raise ValueError(f"LossConfig.reference must be a checkpoint directory or '', got "
+                             f"{self.reference!r}")
+        if self.reference and self.kl_beta == 0:
+            raise ValueError(f"LossConfig.reference={self.reference!r} is the KL reference and "
+                             "kl_beta is 0, so it would be ignored; set kl_beta > 0 or drop it")
         if not (_is_number(self.correction_cap) and self.correction_cap > 1):
             raise ValueError(
                 f"LossConfig.correction_cap must be a number > 1, got {self.correction_cap!r}"
@@ -170,7 +180,7 @@ def kl_penalty(logp_BxN: jax.Array, ref_logp_BxN: jax.Array, estimator: KlEstima
     """Per-token estimate of `KL(pi_theta || pi_ref)` from sampled tokens.
 
     With `x = log pi_ref - log pi_theta` per token (Schulman, 2020):
-    `k1 = -x`, `k2 = x^2 / 2`, `k3 = exp(x) - 1 - x` (`x` clipped to
+    `k1 = -x`, `k2 = x^2 / 2`, `k3 = exp(x) - 1 - x` (as `expm1(x) - x`; `x` clipped to
     `+-LOG_RATIO_CLIP` before `exp`). k1 is unbiased, k3 unbiased and >= 0,
     k2 biased but low-variance; its gradient is the true KL gradient
     on-policy.
@@ -193,7 +203,9 @@ def kl_penalty(logp_BxN: jax.Array, ref_logp_BxN: jax.Array, estimator: KlEstima
         return 0.5 * jnp.square(x_BxN)
     if estimator == "k3":
         x_BxN = jnp.clip(x_BxN, -LOG_RATIO_CLIP, LOG_RATIO_CLIP)
-        return jnp.exp(x_BxN) - 1.0 - x_BxN
+        # expm1, not exp - 1: near the reference (|x| ~ 1e-4) exp(x) - 1 loses every digit of
+        # the x^2 / 2 it should leave, to f32's 1e-7 at 1.
+        return jnp.expm1(x_BxN) - x_BxN
     raise ValueError(f"estimator must be one of {KL_ESTIMATORS}, got {estimator!r}")
 
 

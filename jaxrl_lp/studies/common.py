@@ -44,8 +44,14 @@ QUICK_OVERRIDES: tuple[str, ...] = (
 
 
 def make_config(overrides: list[str] | tuple[str, ...]) -> TrainConfig:
-    """The default config (read at call time) with `a.b=c` overrides applied in order."""
-    return apply_overrides(default_config(), list(overrides))
+    """The default config (read at call time) with `a.b=c` overrides applied in order.
+
+    A study measures the mismatch at every GRPO step: `grpo.verify_every=1`
+    (a study's own overrides may change it), so where the learner takes the
+    sampler's recorded log-probs (`grpo.replay=auto`) the batch is still
+    replayed and compared, and the `mismatch_*` metrics are logged each step.
+    """
+    return apply_overrides(default_config(), ["grpo.verify_every=1", *overrides])
 
 
 def check_overrides(study: str, overrides, owned) -> None:

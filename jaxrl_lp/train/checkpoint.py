@@ -84,16 +84,19 @@ def _drop_orphaned_reads() -> None:
 class Checkpointer:
     """Saves and restores `{"state": pytree, "meta": json}` under `<run_dir>/checkpoints`."""
 
-    def __init__(self, run_dir: str | Path, keep: int = 2, *, create: bool = True):
-        """Opens (with `create`, makes) `<run_dir>/checkpoints`.
+    def __init__(self, run_dir: str | Path, keep: int = 2, *, create: bool = True,
+                 subdir: str = "checkpoints"):
+        """Opens (with `create`, makes) `<run_dir>/<subdir>`.
 
         Args:
           run_dir: the run directory.
           keep: checkpoints kept when saving.
           create: False for readers: nothing is written, and a run directory
             without checkpoints is a FileNotFoundError naming it.
+          subdir: `checkpoints` (the run's), or `reference` (the KL reference the
+            training program writes once, `train.program`).
         """
-        self.dir = Path(run_dir).absolute() / "checkpoints"
+        self.dir = Path(run_dir).absolute() / subdir
         if not create:
             if not Path(run_dir).is_dir():
                 raise FileNotFoundError(f"run directory {str(run_dir)!r} does not exist")

@@ -122,6 +122,13 @@ class GRPOConfig:
       micro_batches: gradient-accumulation slices per minibatch (same result, less memory).
       advantage: `grpo`, `drgrpo` or `rloo`.
       logprobs: learner log-probs, `dense` or `hybrid`.
+      replay: `auto`: where an update computes with the weights the sampler ran, under
+        its policy, the hybrid's value and the behaviour log-probs are the rollout's
+        recorded ones and the replay is not run (`train.behaviour`); `always`: every
+        update replays (the behaviour before this key existed).
+      verify_every: every this many GRPO steps (from the first) the batch is replayed
+        anyway and must equal the sampler's recorded bits where `auto` would take them
+        (else the run stops with `ReplayMismatchError`); 0: never.
       learner_policy: the learner's precision policy, e.g. `fp32`, `bf16`, `p=f32,c=bf16`.
       sampler_policy: the sampler's precision policy (matched when equal to the learner's).
       exit_rule: the looped sampler's exit rule: `model` (the model's own default:
@@ -148,6 +155,8 @@ class GRPOConfig:
     micro_batches: int = 1
     advantage: Literal["grpo", "drgrpo", "rloo"] = "grpo"
     logprobs: Literal["dense", "hybrid"] = "hybrid"
+    replay: Literal["auto", "always"] = "auto"
+    verify_every: int = 10
     learner_policy: str = "fp32"
     sampler_policy: str = "fp32"
     exit_rule: str = "model"
@@ -186,6 +195,8 @@ class GRPOConfig:
                      why=" (it divides the logits; the sampler records log-probs at it)")
         check_choice("grpo.advantage", self.advantage, ("grpo", "drgrpo", "rloo"))
         check_choice("grpo.logprobs", self.logprobs, ("dense", "hybrid"))
+        check_choice("grpo.replay", self.replay, ("auto", "always"))
+        check_int("grpo.verify_every", self.verify_every, minimum=0, why=" (0: never)")
         check_choice("grpo.compute_mode", self.compute_mode, ("dense", "deferred"))
         check_bool("grpo.dynamic_sampling", self.dynamic_sampling)
         check_bool("grpo.remat", self.remat)

@@ -8,7 +8,19 @@ from typing import NamedTuple
 
 import numpy as np
 
-__all__ = ["PANELS", "MetricsLogger", "PlotSpec", "plot_metrics", "plot_specs"]
+__all__ = ["PANELS", "MetricsLogger", "PlotSpec", "is_wall_clock", "plot_metrics", "plot_specs",
+           "without_wall_clock"]
+
+
+def is_wall_clock(key: str) -> bool:
+    """Whether a metric is a wall-clock figure (`timing_s/*`, `*tokens_per_s`): it differs
+    between two runs that are otherwise bit-identical."""
+    return key.startswith("timing_s/") or key.endswith("tokens_per_s")
+
+
+def without_wall_clock(record: dict) -> dict:
+    """A metric record without its wall-clock figures (what a rerun reproduces exactly)."""
+    return {k: v for k, v in record.items() if not is_wall_clock(k)}
 
 
 class MetricsLogger:
@@ -112,6 +124,9 @@ PANELS = (
     ("mismatch.png", "grpo", ["mismatch_k3", "mismatch_max_abs_dlogp"],
      "sampler vs learner log-probs (0 = exact agreement)",
      "mismatch (0 = exact agreement)", "symlog"),
+    ("timing.png", "grpo", [f"timing_s/{p}" for p in ("export", "sample", "score", "behaviour",
+                                                       "reference", "update", "sync")],
+     "GRPO iteration time by phase", "seconds", "linear"),
 )
 
 
@@ -131,7 +146,8 @@ def plot_specs(records: list[dict]) -> list[PlotSpec]:
 
 
 def plot_metrics(records: list[dict], out_dir: str | Path) -> list[Path]:
-    """Writes sft_loss.png, reward.png, accuracy.png and mismatch.png; returns their paths."""
+    """Writes sft_loss.png, reward.png, accuracy.png, mismatch.png and timing.png; returns
+    their paths."""
     # A bare Figure draws with Agg and touches no global state: `matplotlib.use("Agg")`
     # here would switch off a notebook's inline plots for the rest of its session.
     from matplotlib.figure import Figure

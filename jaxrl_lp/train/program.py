@@ -33,9 +33,10 @@ from jaxrl_lp.rl.train_step import make_grpo_step, make_sft_step
 from jaxrl_lp.rollout.generate import generate
 from jaxrl_lp.rollout.sampling import SamplingConfig
 from jaxrl_lp.rollout.step import LoopSpec
+from jaxrl_lp.train.behaviour import ReplayRule
 from jaxrl_lp.train.checkpoint import Checkpointer
 from jaxrl_lp.train.config import TrainConfig
-from jaxrl_lp.train.grpo_iteration import grpo_iteration
+from jaxrl_lp.train.grpo_iteration import IterationPrograms, Reference, grpo_iteration
 from jaxrl_lp.train.logger import MetricsLogger, plot_metrics
 from jaxrl_lp.train.progress import PhaseProgress
 from jaxrl_lp.train.resume import restore_newest_intact
@@ -184,6 +185,51 @@ def evaluate_run(cfg: TrainConfig, size: int | None = None, *, step: int | None 
     return out
 
 
+# The progress bar's figures: the loss and reward, and a GRPO iteration's split by phase.
+_BAR_PHASES = ("sample", "behaviour", "update")
+
+
+def _postfix(m: dict) -> dict:
+    out = {k: m[k] for k in ("loss", "reward_mean") if k in m}
+    out.update({f"{p}_s": m[f"timing_s/{p}"] for p in _BAR_PHASES if f"timing_s/{p}" in m})
+    return out
+
+
+def _reference_params(cfg: TrainConfig, plan: RunPlan, run_dir: Path, start) -> dict:
+    """The frozen KL reference's params (`loss.kl_beta > 0`), sharded like the model's.
+
+    `loss.reference=PATH`: that Hugging Face checkpoint (`validate` checked its
+    architecture and vocabulary). Otherwise the GRPO phase's starting weights:
+    `start` (the model's params at the first GRPO step) is copied and written
+    once to `<run_dir>/reference` (orbax, atomic), which a run resumed inside
+    GRPO (`start=None`) reads back. Nothing is added to the run's checkpoints.
+    """
+    mcfg, mesh = plan.model, plan.mesh
+    shardings = None if mesh is None else param_shardings(
+        jax.eval_shape(lambda: init_params(mcfg, jax.random.PRNGKey(0))), mcfg, mesh)
+    if cfg.loss.reference:
+        from jaxrl_lp.models.hf_io import load_hf_params
+
+        return load_hf_params(cfg.loss.reference, mcfg, shardings=shardings)
+    store = Checkpointer(run_dir, keep=1, subdir="reference")
+    try:
+        step = cfg.sft.steps
+        if start is not None and store.latest_step() != step:
+            ref = jax.tree.map(jnp.copy, start)  # the learner step donates the master
+            store.save(step, {"params": ref},
+                       {"model": json.loads(json.dumps(dataclasses.asdict(mcfg)))})
+            return ref
+        if store.latest_step() != step:
+            raise ValueError(
+                f"loss.kl_beta={cfg.loss.kl_beta}: the run in {run_dir} is inside its GRPO phase "
+                f"but has no KL reference ({store.dir}/{step}): it started GRPO with kl_beta = 0. "
+                "Set loss.reference to a checkpoint directory, or start a new run.out_dir")
+        params, _ = store.restore_params(step, mcfg)
+    finally:
+        store.close()
+    return params if shardings is None else put_tree(params, shardings)
+
+
 def _complete(run_dir: Path, ckpt: Checkpointer, total: int) -> dict | None:
     """The saved summary of a run that has done all `total` steps, else None."""
     steps = ckpt.steps()
@@ -279,9 +325,22 @@ def _train(cfg: TrainConfig, plan: RunPlan, run_dir: Path, ckpt: Checkpointer, t
                                remat=g.remat, weights=weights)
     # What the sampler, evaluation and export read: the model's params.
     model_params = (lambda p: p) if weights is None else jax.jit(weights.materialize)
-    # The behaviour log-probs of the whole batch, one micro-batch's rows at a time.
+    # The behaviour log-probs of the whole batch, one micro-batch's rows at a time (and the
+    # KL reference's, with its params: the same program).
     old_logp_fn = jit_learner_logprobs(mcfg, lpol, g.logprobs, loop=loop, mesh=mesh,
                                        micro_batches=g.minibatches * g.micro_batches)
+    # A verification replays the batch as the sampler ran it, in one pass: on XLA:CPU a
+    # replay in row slices rounds otherwise than the sampler's whole batch (docs/design.md).
+    slices = g.minibatches * g.micro_batches
+    verify_fn = None if slices == 1 else jit_learner_logprobs(mcfg, lpol, g.logprobs, loop=loop,
+                                                              mesh=mesh)
+    programs = IterationPrograms(
+        grpo_step=grpo_step, behaviour_logprobs=old_logp_fn,
+        rule=ReplayRule(g.replay, g.logprobs, matched=str(lpol) == str(spol)),
+        verify_logprobs=verify_fn, model_params=None if weights is None else model_params)
+    if cfg.loss.kl_beta > 0 and meta["initial_accuracy"] is not None:  # resumed inside GRPO
+        programs = programs._replace(reference=Reference(
+            _reference_params(cfg, plan, run_dir, None), old_logp_fn))
     total = cfg.sft.steps + g.steps
     evaluate_now = lambda p: evaluate(model_params(p), mcfg, task, spol, loop,
                                       cfg.run.eval_size, max_new, mesh)
@@ -308,18 +367,19 @@ def _train(cfg: TrainConfig, plan: RunPlan, run_dir: Path, ckpt: Checkpointer, t
                     state["sync"], state["params"] = hooks.start(state["sync"], state["params"])
                 else:  # sync.bf16_start is refused for these (validate)
                     state["sync"], _ = hooks.start(state["sync"], model_params(state["params"]))
+                if cfg.loss.kl_beta > 0:  # frozen here: the GRPO phase's starting weights
+                    programs = programs._replace(reference=Reference(_reference_params(
+                        cfg, plan, run_dir, model_params(state["params"])), old_logp_fn))
                 meta["initial_accuracy"] = evaluate_now(state["params"])
                 logger.log(step, "eval", {"accuracy": meta["initial_accuracy"]})
-            m = grpo_iteration(state, step, cfg, task, mcfg, spol, loop, max_new, grpo_step,
-                               old_logp_fn, prompt_it, hooks, mesh,
-                               **({} if weights is None else {"model_params": model_params}))
+            m = grpo_iteration(state, step, cfg, plan, programs, prompt_it, hooks)
             phase = "grpo"
         m = {k: float(v) for k, v in m.items()}
         meta["nonfinite_in_row"] = meta["nonfinite_in_row"] + 1 if m["skipped"] else 0
         meta["skipped_total"] += int(m["skipped"] > 0)
         step += 1
         logger.log(step, phase, m)
-        bar.update(step, {k: m[k] for k in ("loss", "reward_mean") if k in m})
+        bar.update(step, _postfix(m))
         if meta["nonfinite_in_row"] >= g.max_nonfinite_in_row:
             save(step)
             bar.close()

@@ -15,6 +15,7 @@ written, so a bad value costs the user a fraction of a second and one line:
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -169,6 +170,7 @@ def validate(cfg: TrainConfig) -> RunPlan:
             f"least {prompt + max(max_new, answer)} or lower grpo.max_new_tokens")
     weights = _weights(cfg)
     _speculative(cfg, mcfg)
+    _reference(cfg, mcfg)
     return RunPlan(task=task, model=mcfg, max_new_tokens=max_new, seq_len=seq_len,
                    learner_policy=lpol, sampler_policy=spol, loop=loop, sampling=sampling,
                    exporter=exporter, optimizers=_optimizers(cfg), mesh=_mesh(cfg, mcfg),
@@ -194,6 +196,36 @@ def _weights(cfg: TrainConfig):
                              f"sft.optimizer={cfg.sft.optimizer!r} does not have; set "
                              "sync.bf16_start=false or sft.optimizer=adamw")
     return weights
+
+
+# Fields a KL reference checkpoint may differ in from the trained model: token ids.
+_REFERENCE_FREE = ("bos_token_id", "eos_token_id", "pad_token_id")
+
+
+def _reference(cfg: TrainConfig, mcfg: ModelConfig) -> None:
+    """`loss.reference` (a Hugging Face directory) checked against the model trained."""
+    path = cfg.loss.reference
+    if not path:
+        return
+    if not os.path.isdir(path):
+        raise ValueError(f"loss.reference={path!r} is not a directory; pass a Hugging Face "
+                         "checkpoint directory (config.json + model.safetensors), or '' for the "
+                         "GRPO phase's starting weights")
+    from jaxrl_lp.models.hf_config import read_hf_config
+
+    ref = _named("loss.reference", read_hf_config, path)
+    if ref.vocab_size != mcfg.vocab_size:
+        raise ValueError(f"loss.reference={path!r} has a vocabulary of {ref.vocab_size} ids and "
+                         f"the model trained {mcfg.vocab_size}; a KL reference scores the same "
+                         "tokens: pass a checkpoint of the same vocabulary")
+    have, want = dataclasses.asdict(ref), dataclasses.asdict(mcfg)
+    diff = {k: (have[k], v) for k, v in want.items() if k not in _REFERENCE_FREE and have[k] != v}
+    if diff:
+        raise ValueError(f"loss.reference={path!r} is another architecture than the model trained "
+                         f"(field: (reference, model) = {diff}); pass a checkpoint of the same "
+                         "architecture, or '' for the GRPO phase's starting weights")
+    if not any(Path(path).glob("*.safetensors")):
+        raise ValueError(f"loss.reference={path!r} has no *.safetensors weights")
 
 
 def _speculative(cfg: TrainConfig, mcfg: ModelConfig) -> None:

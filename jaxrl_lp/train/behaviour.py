@@ -1,0 +1,109 @@
+"""Which log-probs the learner computes, and which it takes from the sampler (`grpo.replay`).
+
+The hybrid learner's value is the replay of the sampler's computation: with
+the sampler's weights and policy it is the sampler's recorded log-probs, bit
+for bit (`rl.logprobs`). Where an update computes with exactly the weights
+the sampler ran, under the sampler's policy, the replay would recompute
+numbers the rollout already holds. `ReplayRule` decides that on the host, per
+update: the rollout's `weights_digest` (a fingerprint of the weights the
+sampler held, `numerics.fingerprint`) against the fingerprint of the weights
+the update computes with, and the policies matched. Where it holds, the
+behaviour log-probs and the hybrid's value are the rollout's own (the
+gradient is the dense one, as always); elsewhere (a later minibatch, `mu`
+> 1, a served copy the loss does not use, unmatched policies) the replay runs.
+
+Nothing here is taken on trust: every `grpo.verify_every` GRPO steps the
+training program replays the batch anyway and `check_replay_equal` compares
+the bits, raising `ReplayMismatchError` where they differ.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from contextlib import contextmanager
+
+import jax
+import numpy as np
+
+from jaxrl_lp.numerics.fingerprint import fingerprint_equal, tree_fingerprint
+from jaxrl_lp.rollout.generate import Rollout
+
+__all__ = ["PhaseTimer", "ReplayMismatchError", "ReplayRule", "check_replay_equal"]
+
+
+class ReplayMismatchError(RuntimeError):
+    """A verification replay of a training batch differed from the sampler's recorded bits."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ReplayRule:
+    """When the rollout's recorded log-probs are the learner's replay values.
+
+    Attributes:
+      replay: `auto` (take the recorded values where they are the replay's) or
+        `always` (replay every update, as before `grpo.replay` existed).
+      method: the learner's `grpo.logprobs`; only `hybrid` has a replay value.
+      matched: the learner's policy is the sampler's.
+    """
+
+    replay: str
+    method: str
+    matched: bool
+
+    @property
+    def can_reuse(self) -> bool:
+        return self.replay == "auto" and self.method == "hybrid" and self.matched
+
+    def recorded(self, ro: Rollout, weights) -> bool:
+        """Whether `ro.logprobs` are the replay's values under `weights` (a host decision).
+
+        `weights` are the model's params the update's forward computes with
+        (the served copy under `sync.loss_on_served`, else the master). False
+        where the rollout records no digest.
+        """
+        if not self.can_reuse or ro.weights_digest is None:
+            return False
+        return fingerprint_equal(tree_fingerprint(weights), ro.weights_digest)
+
+
+def check_replay_equal(replayed, ro: Rollout, step: int) -> None:
+    """Raises `ReplayMismatchError` unless `replayed` equals `ro.logprobs` bit for bit on the mask."""
+    mask = np.asarray(jax.device_get(ro.completion_mask)) > 0
+    got = np.asarray(jax.device_get(replayed), np.float32)
+    want = np.asarray(jax.device_get(ro.logprobs), np.float32)
+    differ = mask & (got.view(np.uint32) != want.view(np.uint32))
+    if differ.any():
+        worst = float(np.max(np.abs(np.where(differ, got - want, 0.0))))
+        raise ReplayMismatchError(
+            f"grpo.verify_every: at step {step} the learner's replay of the training batch under "
+            f"the weights the sampler ran differs from the sampler's recorded log-probs on "
+            f"{int(differ.sum())} of {int(mask.sum())} tokens (max |dlogp| {worst:.3g}). Replay "
+            "== sampler does not hold for this configuration, so the recorded log-probs are not "
+            "the learner's values; run with grpo.replay=always (every update replays, and the "
+            "mismatch metrics measure the difference) and report the configuration")
+
+
+class PhaseTimer:
+    """Wall-clock seconds per phase of a GRPO iteration (`timing_s/<phase>` metrics).
+
+    `with timer("sample"): ...` adds the block's seconds to its phase; call
+    `jax.block_until_ready` on the phase's outputs inside the block, or the
+    asynchronous dispatch moves its time into the next phase.
+    """
+
+    def __init__(self):
+        self.seconds: dict[str, float] = {}
+
+    @contextmanager
+    def __call__(self, phase: str):
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds[phase] = self.seconds.get(phase, 0.0) + time.perf_counter() - t0
+
+    def metrics(self) -> dict[str, float]:
+        out = {f"timing_s/{k}": v for k, v in self.seconds.items()}
+        out["timing_s/iteration"] = sum(self.seconds.values())
+        return out
