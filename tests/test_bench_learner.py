@@ -12,12 +12,20 @@ def test_bench_learner_prints_one_json_object_with_both_methods(capsys):
     res = json.loads(capsys.readouterr().out)
     assert res["target"] == "learner" and res["tunix"] == {"available": False,
                                                            "reason": "--no-tunix"}
-    for m in ("dense", "hybrid"):
+    for m in ("dense", "hybrid", "hybrid-recorded"):
         assert res[m]["tokens_per_s"] > 0 and res[m]["mfu"] > 0
         assert res[m]["compiled_flops"] > 0 and res[m]["compiled_temp_bytes"] > 0
     # The same update: hybrid's gradient is the dense forward's (only its value is the replay's).
     assert abs(res["hybrid"]["grad_norm_first"] - res["dense"]["grad_norm_first"]) < 1e-5
     assert "hybrid_over_dense_time<=1.5" in res["targets_met"]
+    # Given the recorded values, the hybrid's program is the dense one's plus nothing that
+    # multiplies: the same dot FLOPs (the replay's are gone), and the same update (a replay
+    # traced for a gradient rounds its value about 1 ulp off the forward-only one).
+    rec = res["hybrid-recorded"]
+    assert rec["compiled_flops"] == res["dense"]["compiled_flops"] < res["hybrid"]["compiled_flops"]
+    assert abs(rec["grad_norm_first"] - res["hybrid"]["grad_norm_first"]) < 1e-5
+    assert abs(rec["loss_first"] - res["hybrid"]["loss_first"]) < 1e-5
+    assert "hybrid_recorded_over_dense_time<=1.05" in res["targets_met"]
     # Our step skipped padding: fewer packed rows than the grid's B x T and B x N slots.
     body, head = res["packed_rows"]
     assert res["pack_buckets"] == 16 and body < 4 * 24 and head < 4 * 16
@@ -29,4 +37,5 @@ def test_bench_learner_refuses_bad_packing_and_methods(capsys):
     assert "--pack-buckets must be >= 0 (0: no packing); got -1" in capsys.readouterr().err
     assert main(["bench", "learner", "--size", "tiny", "--methods", "dense,sparse",
                  "--no-tunix"]) == 2
-    assert "allowed: dense, hybrid, dense-unpacked, hybrid-unpacked" in capsys.readouterr().err
+    allowed = "allowed: dense, hybrid, hybrid-recorded, dense-unpacked, hybrid-unpacked"
+    assert allowed in capsys.readouterr().err

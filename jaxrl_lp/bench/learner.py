@@ -9,6 +9,12 @@ random rewards (`group_advantages`), and old log-probs our learner's own at
 these weights. Timed, alternately after a warm-up so a change in load falls
 on all (`bench.sampler._race`, the fastest run reported):
 
+- `hybrid-recorded`: the hybrid step given the rollout's log-probs as its
+  value (`replay_BxN`), what the training program runs where an update
+  computes with the sampler's weights (`grpo.replay=auto`: the first update
+  at mu = 1; `train.behaviour`). The weights move by 1e-6 a call here, so
+  after the first the values are the recorded ones only in kind; the time is
+  the same. Its target: at most 1.05x the dense step.
 - `dense`, `hybrid`: our jitted step (`make_grpo_step`, PPO-clip epsilon 0.2,
   `seq_mean_token_mean`, one micro-batch) under `--policy`. It skips the
   padding (`models.packing`: the real tokens in `--pack-buckets` sizes of
@@ -68,7 +74,7 @@ SIZES = {"tiny": "tiny-qwen3", "small": "small-qwen3"}
 PAD_ID, EOS_ID = 0, 2  # random tokens are drawn from [3, V): no pad or EOS inside a sequence
 CPU_PEAK_FLOPS = 190e9  # SPEC section 11: f32 matmul on the 2-core development machines
 LOSS = LossConfig(epsilon=0.2, aggregation="seq_mean_token_mean")
-TARGET_VS_TUNIX, TARGET_HYBRID_OVER_DENSE = 1.2, 1.5
+TARGET_VS_TUNIX, TARGET_HYBRID_OVER_DENSE, TARGET_RECORDED_OVER_DENSE = 1.2, 1.5, 1.05
 
 
 def grpo_batch(cfg: ModelConfig, policy: Policy, params: dict, *, batch: int, prompt_len: int,
@@ -129,16 +135,18 @@ def _keep_first(fn):
     return call
 
 
-def _ours(cfg, policy, params, ro, adv, optimizer, method, pack_buckets):
+def _ours(cfg, policy, params, ro, adv, optimizer, method, pack_buckets, recorded=False):
     step = make_grpo_step(cfg, policy, LOSS, optimizer, method=method, pack_buckets=pack_buckets)
     state = {"params": jax.tree.map(jnp.copy, params), "opt": optimizer.init(params)}
+    # `recorded`: the hybrid's value handed in (the rollout's log-probs), as the training
+    # program does where the update's weights are the sampler's; no replay runs.
+    args = (ro, adv, ro.logprobs, None, None, ro.logprobs if recorded else None)
 
     def call():
-        state["params"], state["opt"], m = step(state["params"], state["opt"], ro, adv,
-                                                ro.logprobs)
+        state["params"], state["opt"], m = step(state["params"], state["opt"], *args)
         return jax.block_until_ready({"loss": m["loss"], "grad_norm": m["grad_norm"]})
     return _keep_first(call), lambda: _compiled_figures(
-        step.lower(state["params"], state["opt"], ro, adv, ro.logprobs).compile())
+        step.lower(state["params"], state["opt"], *args).compile())
 
 
 def _compiled_figures(compiled) -> dict:
@@ -172,9 +180,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--group", type=int, default=4, help="GRPO group size G (divides B)")
     parser.add_argument("--policy", default="fp32",
                         help="precision policy of our step; Tunix gets its compute dtype")
-    parser.add_argument("--methods", default="dense,hybrid",
-                        help="our steps to time: dense, hybrid, and either with '-unpacked' "
-                             "(every slot computed, as with --pack-buckets 0)")
+    parser.add_argument("--methods", default="dense,hybrid,hybrid-recorded",
+                        help="our steps to time: dense, hybrid (the replay runs: a later "
+                             "minibatch, grpo.replay=always), hybrid-recorded (the value is the "
+                             "rollout's: the first update at mu = 1), and dense or hybrid with "
+                             "'-unpacked' (every slot computed, as with --pack-buckets 0)")
     parser.add_argument("--repeats", type=int, default=5,
                         help="timed runs of each after warm-up (at least; see --min-time)")
     parser.add_argument("--min-time", type=float, default=3.0,
@@ -199,7 +209,7 @@ def run(args: argparse.Namespace) -> dict:
     if args.pack_buckets < 0:
         raise ValueError(f"--pack-buckets must be >= 0 (0: no packing); got {args.pack_buckets}")
     methods = [m for m in args.methods.split(",") if m]
-    allowed = ("dense", "hybrid", "dense-unpacked", "hybrid-unpacked")
+    allowed = ("dense", "hybrid", "hybrid-recorded", "dense-unpacked", "hybrid-unpacked")
     if bad := [m for m in methods if m not in allowed]:
         raise ValueError(f"--methods: unknown {bad}; allowed: {', '.join(allowed)}")
     cfg, policy = get_preset(SIZES[args.size]), Policy.parse(args.policy)
@@ -207,8 +217,10 @@ def run(args: argparse.Namespace) -> dict:
     ro, adv = grpo_batch(cfg, policy, params, batch=args.batch, prompt_len=args.prompt_len,
                          seq_len=args.seq_len, group=args.group, seed=args.seed)
     optimizer = optax.chain(optax.clip_by_global_norm(1.0), optax.adam(1e-6))
-    ours = {m: _ours(cfg, policy, params, ro, adv, optimizer, m.removesuffix("-unpacked"),
-                     0 if m.endswith("-unpacked") else args.pack_buckets)
+    ours = {m: _ours(cfg, policy, params, ro, adv, optimizer,
+                     m.removesuffix("-unpacked").removesuffix("-recorded"),
+                     0 if m.endswith("-unpacked") else args.pack_buckets,
+                     recorded=m.endswith("-recorded"))
             for m in methods}
     calls = {m: call for m, (call, _) in ours.items()}
     why_not = "--no-tunix" if args.no_tunix else tunix_ref.unavailable()
@@ -269,6 +281,11 @@ def run(args: argparse.Namespace) -> dict:
         ratios["hybrid_over_dense_time"] = round(res["hybrid"]["step_s"] / res["dense"]["step_s"], 3)
         checks[f"hybrid_over_dense_time<={TARGET_HYBRID_OVER_DENSE}"] = (
             ratios["hybrid_over_dense_time"] <= TARGET_HYBRID_OVER_DENSE)
+    if "dense" in res and "hybrid-recorded" in res:
+        ratios["hybrid_recorded_over_dense_time"] = round(
+            res["hybrid-recorded"]["step_s"] / res["dense"]["step_s"], 3)
+        checks[f"hybrid_recorded_over_dense_time<={TARGET_RECORDED_OVER_DENSE}"] = (
+            ratios["hybrid_recorded_over_dense_time"] <= TARGET_RECORDED_OVER_DENSE)
     for m in ("dense", "hybrid"):  # what skipping the padding saves, raced in this run
         if m in res and f"{m}-unpacked" in res:
             ratios[f"{m}_packing_speedup"] = round(res[f"{m}-unpacked"]["step_s"]
