@@ -65,6 +65,8 @@ BAD = {
     "grpo.micro_batches": ["0", "3"],
     "grpo.advantage": ["abc"],
     "grpo.logprobs": ["abc"],
+    "grpo.replay": ["sometimes"],
+    "grpo.verify_every": ["-1", "abc"],
     # k=on: compiled kernels, which a CPU host has none of (a run executes here).
     "grpo.learner_policy": ["abc", *(["bf16,k=on"] if kernel_backend() is None else [])],
     "grpo.sampler_policy": ["p=f99", *(["fp32,k=on"] if kernel_backend() is None else [])],
@@ -80,6 +82,9 @@ BAD = {
     "loss.ratio_level": ["abc"],
     "loss.kl_beta": ["-1"],
     "loss.kl_estimator": ["k4"],
+    # beta 0: the reference would be ignored; a missing directory; a file
+    "loss.reference": ["/nonexistent/ref", ("/nonexistent/ref", ["loss.kl_beta=0.01"]),
+                       (FILE, ["loss.kl_beta=0.01"])],
     "loss.correction": ["abc"],
     "loss.correction_cap": ["1"],
     "loss.ratio_anchor": ["abc"],
