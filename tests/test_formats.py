@@ -312,3 +312,32 @@ def test_qarray_is_a_pytree_through_jit_and_tree_map():
     assert len(jax.tree.leaves(qt)) == 2  # tensor_scale None has no leaves
     stacked = jax.tree.map(lambda a, b: jnp.stack([a, b]), qt, qt)
     assert stacked.codes.shape == (2, 2, 32, 16)
+
+
+# What a NaN or an inf at one element reaches in the dequantized tensor: the 32-element block
+# for MX, the tensor for the per-tensor scales (fp8, the NVFP4 tensor scale, mean|W|).
+NON_FINITE_REACH = {"fp8": "tensor", "fp8_e5m2": "tensor", "mxfp8": "block", "mxfp4": "block",
+                    "nvfp4": "tensor", "ternary": "tensor", "binary": "tensor"}
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+@pytest.mark.parametrize("fmt", sorted(NON_FINITE_REACH))
+def test_a_non_finite_element_makes_its_block_or_tensor_nan(fmt, bad):
+    """A diverged weight never dequantizes to finite numbers; values out of reach stay as
+    they were (torchao marks such MX blocks NaN too). Layer-batched: only that layer."""
+    from jaxrl_lp.numerics.qarray import dequantize
+
+    rng = np.random.RandomState(3)
+    x = rng.randn(2, 4, 64).astype(np.float32)
+    x[1, 2, 40] = bad
+    got = np.asarray(dequantize(quantize(jnp.asarray(x), fmt, axis=2, batch_axes=(0,))))
+    clean = np.asarray(dequantize(quantize(jnp.asarray(x[:1]), fmt, axis=2, batch_axes=(0,))))
+    reach = np.zeros(x.shape, bool)
+    if NON_FINITE_REACH[fmt] == "block":
+        reach[1, 2, 32:64] = True
+    else:
+        reach[1] = True
+    assert np.isnan(got[reach]).all()
+    assert np.isfinite(got[~reach]).all()
+    # The other layer is untouched (to the rounding of its mean over another batch shape).
+    np.testing.assert_allclose(got[0], clean[0], rtol=1e-6)

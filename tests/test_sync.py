@@ -19,6 +19,7 @@ from jaxrl_lp.sync import (
     cast,
     chain,
     check_requantize_fixed_point,
+    check_scales,
     expected_layout,
     hash_served,
     kl_from_logits,
@@ -369,3 +370,23 @@ def test_kl_and_staleness():
     state, m = update(state, {"w": jnp.asarray([0.0, 1.0, 2.0, 0.0])})
     np.testing.assert_array_equal(state.age[0], [2, 1, 0, 2])
     assert float(m["retention"]) == 0.25 and int(m["staleness_max"]) == 2
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf])
+@pytest.mark.parametrize("name", ["bf16_nearest", "fp8", "mxfp8", "mxfp4", "nvfp4", "ternary",
+                                  "binary", "ef_then_mxfp8"])
+def test_a_non_finite_master_fails_check_3_whatever_the_served_format(master, name, bad):
+    """A diverged master (one NaN or inf in a matmul weight and in a norm) is never served as
+    finite numbers: the served copy's values there are NaN and check 3 names both tensors."""
+    q = master["layers"]["q_proj"]
+    diverged = {**master, "layers": {**master["layers"], "q_proj": q.at[0, 5, 7].set(bad)},
+                "final_norm": master["final_norm"].at[2].set(bad)}
+    served, _ = _export(name, diverged)
+    forward = served_params_for_forward(served)
+    assert np.isnan(np.asarray(forward["layers"]["q_proj"][0, 5, 7])) or name.startswith("bf16")
+    assert not np.isfinite(np.asarray(forward["final_norm"][2]))
+    report = check_scales(_transfer(served))
+    assert not report.passed
+    assert "q_proj" in str(report) and "final_norm" in str(report), str(report)
+    # The clean master's served copy passes.
+    assert check_scales(_transfer(_export(name, master)[0])).passed

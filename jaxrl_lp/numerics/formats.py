@@ -30,9 +30,15 @@ smallest normal f32 (`1.18e-38`); E8M0 exponents are clamped to [-126, 127]
 (2^-127 is an f32 subnormal, which XLA on CPU flushes to zero); ternary
 `gamma` is floored at `TERNARY_EPS = 1e-5` (the clamp of the BitNet b1.58
 reference code); an NVFP4 block whose scale rounds to zero gets zero codes.
-NaN inputs propagate: a NaN makes its block's (and, for per-tensor scales,
-its tensor's) amax NaN in every program (`_amax`). f32 subnormal inputs may be
-flushed to zero on CPU.
+Non-finite inputs: a NaN or an inf makes every dequantized value of its
+scale's reach NaN, in every program and in the kernels alike. MXFP8 and
+MXFP4: the block (its E8M0 scale is NaN, 0xFF); FP8, FP8-E5M2 and NVFP4: the
+tensor, or the index of its `batch_axes` (the f32 tensor scale is NaN or
+inf, and a NaN block scale or a 0 * inf makes each value NaN); ternary and
+binary: the tensor (`gamma = mean|W|` is NaN or inf). A diverged weight is
+never exported as finite numbers, and sync check 3 refuses the non-finite
+scale. The amax propagates NaN in every program (`_amax`). f32 subnormal
+inputs may be flushed to zero on CPU.
 """
 
 from __future__ import annotations
@@ -152,6 +158,7 @@ def _quantize_tensor_f32(x, spec: FormatSpec, reduce_axes):
 def _quantize_mean_abs(x, spec: FormatSpec, reduce_axes):
     """Ternary (round half up of W / gamma, clipped to [-1, 1]) or binary (sign)."""
     mean_abs = jnp.mean(jnp.abs(x), axis=reduce_axes, keepdims=True, dtype=jnp.float32)
+    mean_abs = jnp.where(jnp.isfinite(mean_abs), mean_abs, jnp.nan)  # an inf: NaN, as a NaN
     if spec.name == "ternary":
         gamma = jnp.maximum(mean_abs, TERNARY_EPS)
         # Round half up by comparisons: `floor(y + 0.5)` rounds the add (y = 0.5 - 2^-25 gives
@@ -211,11 +218,13 @@ def mx_block_values(xb: jax.Array, spec: FormatSpec, block_axis: int):
     Returns:
       `(y, scale)`: `y` like `xb`, `clip(xb / 2^e, -max, max)` (cast it to the
       element dtype for the codes, RNE); `scale` f32 `2^e` with `block_axis` removed,
-      `e = clip(ceil(log2(amax / max)), -126, 127)` (cast it to E8M0: exact).
+      `e = clip(ceil(log2(amax / max)), -126, 127)` (cast it to E8M0: exact), NaN
+      for a block holding a NaN or an inf (E8M0's NaN code, 0xFF).
     """
     amax = _amax(xb, (block_axis,), keepdims=False)
     e = jnp.clip(_ceil_exponent(amax, spec.max_value), -126, 127)
-    scale = _pow2(e)
+    # A NaN or an inf in the block: its scale is E8M0's NaN, and so its every value.
+    scale = jnp.where(jnp.isfinite(amax), _pow2(e), jnp.nan)
     # Division by a power of two is exact; the clip only guards NaN-free saturation.
     y = jnp.clip(xb / jnp.expand_dims(scale, block_axis), -spec.max_value, spec.max_value)
     return y, scale

@@ -135,15 +135,30 @@ def _scale_counts(v: jax.Array, zero_ok: bool) -> tuple[jax.Array, jax.Array, ja
             jnp.sum(finite & (v > 0) & (mant != 0.5)))
 
 
+@jax.jit
+def _non_finite(v: jax.Array) -> jax.Array:
+    return jnp.sum(~jnp.isfinite(v.astype(jnp.float32)))
+
+
 def check_scales(held: Any, expected: dict[str, TensorSpec] | None = None) -> CheckResult:
-    """Check 3: scales finite, positive, well-shaped on their block axis, E8M0 powers of two."""
+    """Check 3: scales finite, positive, well-shaped on their block axis, E8M0 powers of two;
+    every unquantized served tensor finite.
+
+    A non-finite master quantizes to non-finite scales (`numerics.formats`: the NaN
+    reaches every value of its block or tensor), so a diverged run fails here
+    whatever its served format.
+    """
     problems, n = [], 0
     for path, leaf in flatten_served(held).items():
         if is_qarray(leaf):
             n += 1
             spec = (expected or {}).get(f"{path}.codes")
             problems += _scale_problems(path, leaf, None if spec is None else spec.axis)
-    return result("scales", problems, f"scales of {n} quantized tensors are valid")
+        elif jnp.issubdtype(jnp.asarray(leaf).dtype, jnp.floating):
+            if bad := int(_non_finite(jnp.asarray(leaf))):
+                problems.append(f"{path}: {bad} non-finite value(s)")
+    return result("scales", problems, f"scales of {n} quantized tensors are valid and every "
+                                      "unquantized tensor is finite")
 
 
 def check_version(learner_version: int, sampler: SamplerState) -> CheckResult:
