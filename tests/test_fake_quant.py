@@ -7,7 +7,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxrl_lp.numerics import FORMATS, fake_quant, quantized_matmul
+from jaxrl_lp.kernels.fake_quant import fake_quant, quantized_matmul
+from jaxrl_lp.numerics import FORMATS
 
 HI = jax.lax.Precision.HIGHEST
 

@@ -1,4 +1,4 @@
-"""The flash-decoding kernel (`kernels.decode_attention`) against `models.layers.attention`.
+"""The flash-decoding kernel (`kernels.decode_attention`) against `models.attention.attention`.
 
 Both versions run in Pallas interpret mode on CPU: `k=interpret` (cuda) and
 `k=interpret-tpu` (tpu), with ragged last chunks, GQA and padding slots and
@@ -30,7 +30,7 @@ from jaxrl_lp.kernels import KernelUnavailableError
 from jaxrl_lp.kernels.decode_attention import chunk_slots, decode_attention, plan_chunk
 from jaxrl_lp.kernels.dispatch import pow2_misfit
 from jaxrl_lp.kernels.lowering import kernel_calls, lower_for, trace_for
-from jaxrl_lp.models.layers import attention
+from jaxrl_lp.models.attention import attention
 from jaxrl_lp.numerics.policy import Policy
 
 MODES = ("interpret", "interpret-tpu")

@@ -36,6 +36,7 @@ from jax._src.pallas.triton import pallas_call_registration as _triton_registrat
 from pallas_helpers import pallas_kernels
 
 from jaxrl_lp.kernels import KernelUnavailableError
+from jaxrl_lp.kernels.fake_quant import fake_quant, quantized_matmul
 from jaxrl_lp.kernels.float_bits import E2M1, E4M3, decode, encode, from_bits, to_bits
 from jaxrl_lp.kernels.lowering import kernel_calls, lower_for, trace_for
 from jaxrl_lp.kernels.quantize import TPU_TILES, QuantTiles, _tpu_misfit, dequantize, quantize
@@ -43,7 +44,6 @@ from jaxrl_lp.models.config import get_preset
 from jaxrl_lp.models.layers import dot
 from jaxrl_lp.models.model import param_shapes
 from jaxrl_lp.numerics import formats
-from jaxrl_lp.numerics.fake_quant import fake_quant, quantized_matmul
 from jaxrl_lp.numerics.policy import Policy
 from jaxrl_lp.sync.export import quantize as quantize_exporter
 

@@ -15,7 +15,7 @@ import pytest
 from jaxrl_lp.kernels import quantize as kq
 from jaxrl_lp.kernels.decode_attention import decode_attention
 from jaxrl_lp.kernels.logprob import fused_logprobs
-from jaxrl_lp.models.layers import attention
+from jaxrl_lp.models.attention import attention
 from jaxrl_lp.numerics import formats
 from jaxrl_lp.numerics.policy import Policy
 from jaxrl_lp.numerics.qarray import dequantize as dequantize_reference
@@ -95,7 +95,7 @@ def test_quantize_compiled_is_bit_equal(fmt, shape, axis):
 @pytest.mark.parametrize("b,h,k,s,dh", [(8, 16, 8, 1024, 128), (4, 32, 8, 700, 128)])
 def test_decode_attention_compiled_matches_the_reference(policy, atol, b, h, k, s, dh):
     """One query per row over a cache with left padding (position -1) and a ragged last chunk:
-    f32 within 1e-6 of `models.layers.attention`, bf16 within 2e-2 (the rounding sites of
+    f32 within 1e-6 of `models.attention.attention`, bf16 within 2e-2 (the rounding sites of
     the kernel's module docstring)."""
     ks = jax.random.split(jax.random.PRNGKey(2), 3)
     dtype = jnp.bfloat16 if policy == "bf16" else jnp.float32

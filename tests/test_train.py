@@ -106,11 +106,12 @@ def test_nonfinite_steps_are_skipped_and_stop_the_run(tmp_path, monkeypatch):
     # config refuses grpo.lr=inf, so the GRPO optimizer is patched to use it.
     import optax
 
-    from jaxrl_lp.train import program
+    from jaxrl_lp.train import validate
+    from jaxrl_lp.train.optimizers import make_optimizers
 
-    optimizers = program._optimizers
-    monkeypatch.setattr(program, "_optimizers", lambda cfg: (optimizers(cfg)[0], optax.chain(
-        optax.clip_by_global_norm(1.0), optax.adam(float("inf")))))
+    monkeypatch.setattr(validate, "make_optimizers", lambda cfg: (
+        make_optimizers(cfg)[0], optax.chain(optax.clip_by_global_norm(1.0),
+                                             optax.adam(float("inf")))))
     cfg = _cfg(tmp_path, "sft.steps=0", "grpo.max_nonfinite_in_row=2")
     with pytest.raises(NonFiniteError, match="2 steps in a row"):
         run_train(cfg)

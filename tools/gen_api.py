@@ -61,7 +61,11 @@ def _own_doc(name: str, obj: object) -> str | None:
 
 
 def _defining_module(package: str, name: str) -> str:
-    """The module whose source assigns `name`: the one the package imports it from."""
+    """The module whose source assigns `name`: the one the package imports it from (or,
+    for a package that loads its names on first use, the module its `_WHERE` names)."""
+    lazy = getattr(importlib.import_module(package), "_WHERE", {})
+    if name in lazy:
+        return f"{package}.{lazy[name]}"
     init = Path(importlib.import_module(package).__file__)
     for node in ast.walk(ast.parse(init.read_text())):
         if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:

@@ -11,7 +11,7 @@ production sizes):
   `[in, out]` along axis 0, as the quantize exporter does (`kernels.quantize`
   against `numerics.formats.quantize` / `qarray.dequantize`).
 - `decode_attention`: one token per sequence over a full KV cache with left
-  padding (`kernels.decode_attention` against `models.layers.attention`).
+  padding (`kernels.decode_attention` against `models.attention.attention`).
 
 Each implementation is jitted once (`jax.jit(f).lower(...).compile()`); its
 memory is XLA's analysis of that program (`plan.roofline.memory_figures`:
@@ -47,7 +47,7 @@ from jaxrl_lp.kernels import quantize as kq
 from jaxrl_lp.kernels.decode_attention import decode_attention, plan_chunk
 from jaxrl_lp.kernels.dispatch import interpreting
 from jaxrl_lp.kernels.logprob import BLOCK_V, fused_logprobs
-from jaxrl_lp.models.layers import attention
+from jaxrl_lp.models.attention import attention
 from jaxrl_lp.numerics.policy import Policy
 from jaxrl_lp.plan.roofline import memory_figures
 
@@ -157,7 +157,7 @@ def _quantize_cases(rows, cols, policy: Policy, mode: str):
 
 
 def _decode_case(b, h, k, dh, s, policy: Policy, mode: str):
-    """The flash-decoding kernel against `layers.attention`: one query token per sequence."""
+    """The flash-decoding kernel against `models.attention.attention`: one query token per sequence."""
     carrier = policy.carrier_dtype
     args = (jax.ShapeDtypeStruct((b, 1, h, dh), carrier),
             *[jax.ShapeDtypeStruct((b, k, s, dh), carrier)] * 2,

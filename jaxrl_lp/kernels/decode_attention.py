@@ -1,6 +1,6 @@
 """Decode attention over the KV cache (flash-decoding) as a Pallas kernel, for GPU and TPU.
 
-The jnp reference is `jaxrl_lp.models.layers.attention` (same arguments, same
+The jnp reference is `jaxrl_lp.models.attention.attention` (same arguments, same
 masks); what runs is `kernels.dispatch.by_platform("decode_attention", ...)`'s
 choice for the platform the program is lowered for. Shape letters: B batch,
 T query tokens (1 when decoding; small T works), H query heads, K kv heads,
@@ -76,7 +76,7 @@ from jax.experimental.pallas import triton as pltriton
 
 from jaxrl_lp.kernels import dispatch
 from jaxrl_lp.kernels.targets import budget_misfit
-from jaxrl_lp.models.layers import MASK_VALUE, attention
+from jaxrl_lp.models.attention import MASK_VALUE, attention
 from jaxrl_lp.numerics.policy import Policy
 
 __all__ = ["MAX_CHUNK", "MIN_CHUNK", "TARGET_CHUNKS", "chunk_slots", "decode_attention",
@@ -101,7 +101,7 @@ def chunk_slots(num_slots: int) -> int:
 def decode_attention(q_BxTxHxDh: jax.Array, k_BxKxSxDh: jax.Array, v_BxKxSxDh: jax.Array,
                      q_pos_BxT: jax.Array, k_pos_BxS: jax.Array, policy: Policy | str, *,
                      chunk: int | None = None) -> jax.Array:
-    """`models.layers.attention` over a KV cache, by the platform's flash-decoding kernel.
+    """`models.attention.attention` over a KV cache, by the platform's flash-decoding kernel.
 
     Not jitted itself; every platform's version is traced (`dispatch.by_platform`).
 

@@ -79,8 +79,6 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas import triton as pltriton
 
-# The module, not its names: `numerics` imports this file (fake_quant) while `dispatch`
-# may still be importing `numerics.policy`.
 from jaxrl_lp.kernels import dispatch
 from jaxrl_lp.kernels import float_bits as fb
 from jaxrl_lp.kernels.targets import budget_misfit

@@ -1,14 +1,30 @@
 """Dense (Qwen3) and looped (Ouro) decoders, their configs, caches and checkpoints."""
 
-from jaxrl_lp.models.blocks import unstack_layers
-from jaxrl_lp.models.cache import init_cache, unstack_cache
-from jaxrl_lp.models.config import PRESETS, ModelConfig, get_preset
-from jaxrl_lp.models.dense import dense_forward
-from jaxrl_lp.models.hf_io import save_hf_checkpoint
-from jaxrl_lp.models.loop import ExitRule, ExitSchedule, LoopSpec, exit_distribution
-from jaxrl_lp.models.looped import LoopedOutput, looped_forward
-from jaxrl_lp.models.model import CausalLM, forward, init_params, param_shapes
-from jaxrl_lp.models.packing import Packing, make_packing, pack, unpack
+import importlib
+
+# The package spans three floors (docs/design.md, "Floors"): `config` and `loop` sit
+# below `parallel`, `attention` below `kernels`, the rest above both. So its names
+# load on first use (PEP 562): importing `jaxrl_lp.models.config` runs nothing else.
+_WHERE = {
+    "unstack_layers": "blocks", "init_cache": "cache", "unstack_cache": "cache",
+    "PRESETS": "config", "ModelConfig": "config", "get_preset": "config",
+    "dense_forward": "dense", "save_hf_checkpoint": "hf_io", "ExitRule": "loop",
+    "ExitSchedule": "loop", "LoopSpec": "loop", "exit_distribution": "loop",
+    "LoopedOutput": "looped", "looped_forward": "looped", "CausalLM": "model",
+    "forward": "model", "init_params": "model", "param_shapes": "model",
+    "Packing": "packing", "make_packing": "packing", "pack": "packing", "unpack": "packing",
+}
+
+
+def __getattr__(name: str):
+    if name in _WHERE:
+        return getattr(importlib.import_module(f"jaxrl_lp.models.{_WHERE[name]}"), name)
+    raise AttributeError(f"module 'jaxrl_lp.models' has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(__all__)
+
 
 __all__ = [
     "PRESETS",

@@ -11,8 +11,9 @@ import jax.numpy as jnp
 # The module, not its function: the kernel module imports `models.layers`, so either
 # package may be the one still initializing when the other is imported.
 from jaxrl_lp.kernels import decode_attention as decode_kernel
+from jaxrl_lp.models.attention import attention
 from jaxrl_lp.models.config import ModelConfig
-from jaxrl_lp.models.layers import attention, dot, rms_norm, rope, swiglu
+from jaxrl_lp.models.layers import dot, rms_norm, rope, swiglu
 from jaxrl_lp.numerics.policy import Policy
 from jaxrl_lp.parallel.context import constrain
 

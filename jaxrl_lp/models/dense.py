@@ -5,6 +5,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from jaxrl_lp.models.attention import attention
 from jaxrl_lp.models.blocks import (
     attend,
     embed,
@@ -17,7 +18,7 @@ from jaxrl_lp.models.blocks import (
 )
 from jaxrl_lp.models.cache import write_positions
 from jaxrl_lp.models.config import ModelConfig
-from jaxrl_lp.models.layers import attention, dot, rms_norm
+from jaxrl_lp.models.layers import dot, rms_norm
 from jaxrl_lp.models.packing import Packing, pack, unpack
 from jaxrl_lp.numerics.policy import Policy
 

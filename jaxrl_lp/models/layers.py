@@ -1,5 +1,8 @@
 """Decoder building blocks as pure functions of arrays and a `Policy`.
 
+Attention is in `models.attention`, a floor below the kernels (the decode
+kernel's reference); these use the kernels (`dot`'s quantized matmul).
+
 Every function rounds exactly where the policy says: activations that leave a
 region are rounded to `compute_dtype` by `policy.round`; inside an f32 region
 (`policy.has(...)`) the arithmetic is f32 from inputs to output.
@@ -14,12 +17,10 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from jaxrl_lp.kernels.fake_quant import quantized_matmul
 from jaxrl_lp.numerics.policy import Policy
 
-__all__ = ["attention", "dot", "rms_norm", "rope", "swiglu", "MASK_VALUE"]
-
-# Finite so that a fully masked row (a padding query) gives a uniform average, not NaN.
-MASK_VALUE = -1e30
+__all__ = ["dot", "rms_norm", "rope", "swiglu"]
 
 
 def dot(x_xK: jax.Array, w_KxN: jax.Array, policy: Policy) -> jax.Array:
@@ -31,8 +32,6 @@ def dot(x_xK: jax.Array, w_KxN: jax.Array, policy: Policy) -> jax.Array:
     """
     w = policy.round_params(w_KxN)
     if policy.matmul_format is not None:
-        from jaxrl_lp.numerics.fake_quant import quantized_matmul
-
         # One activation scale per token (batch_axes = every leading axis), so a
         # token's output never depends on the other tokens in the batch: decoding
         # one token at a time matches the learner's whole-sequence forward.
@@ -79,50 +78,6 @@ def rope(x_BxTxHxDh: jax.Array, positions_BxT: jax.Array, theta: float, policy: 
         return policy.round(x * cos + rot.astype(jnp.float32) * sin)
     cos, sin = policy.round(cos), policy.round(sin)
     return policy.round(policy.round(x_BxTxHxDh * cos) + policy.round(rot * sin))
-
-
-def attention(
-    q_BxTxHxDh: jax.Array,
-    k_BxKxSxDh: jax.Array,
-    v_BxKxSxDh: jax.Array,
-    q_pos_BxT: jax.Array,
-    k_pos_BxS: jax.Array,
-    policy: Policy,
-) -> jax.Array:
-    """Causal grouped-query attention by positions; returns [B, T, H*Dh] in compute precision.
-
-    Keys and values are heads-first, `[B, K, S, Dh]`, the KV cache's layout
-    (`models.cache`). A key slot is visible to a query when its position is
-    >= 0 (written, not padding) and <= the query's position. With the
-    `softmax` region the scores stay f32 accumulators through the softmax;
-    without it the scores are rounded and the softmax runs in compute
-    precision.
-    """
-    b, t, h, dh = q_BxTxHxDh.shape
-    kh = k_BxKxSxDh.shape[1]
-    q = q_BxTxHxDh.reshape(b, t, kh, h // kh, dh)
-    s = jnp.einsum(
-        "btkgd,bksd->bkgts", q, k_BxKxSxDh.astype(q.dtype),
-        preferred_element_type=jnp.float32, precision=jax.lax.Precision.HIGHEST,
-    )
-    scale = dh**-0.5
-    mask = (k_pos_BxS[:, None, :] >= 0) & (k_pos_BxS[:, None, :] <= q_pos_BxT[:, :, None])
-    mask = mask[:, None, None]  # [B, 1, 1, T, S]
-    if policy.has("softmax"):
-        s = jnp.where(mask, s * scale, MASK_VALUE)
-        p = jax.nn.softmax(s, axis=-1)
-        p = policy.round(p)
-    else:
-        s = jnp.where(mask, policy.round(policy.round(s) * scale), MASK_VALUE)
-        e = policy.round(jnp.exp(s - jnp.max(s, axis=-1, keepdims=True)))
-        p = policy.round(e / policy.round(jnp.sum(e, axis=-1, keepdims=True)))
-    o = jnp.einsum(
-        "bkgts,bksd->bkgtd", p, v_BxKxSxDh.astype(p.dtype),
-        preferred_element_type=jnp.float32, precision=jax.lax.Precision.HIGHEST,
-    )
-    # Heads to the back after the matmul (free when T == 1): asking the dot for
-    # a [B, T, K, G, Dh] result makes XLA on CPU fall back to a slow kernel.
-    return policy.round(jnp.moveaxis(o, 3, 1)).reshape(b, t, h * dh)
 
 
 def swiglu(gate_acc: jax.Array, up_acc: jax.Array, policy: Policy) -> jax.Array:

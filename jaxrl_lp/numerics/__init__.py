@@ -4,11 +4,12 @@
 - `rounding`: f32 -> bf16/f16 by nearest, stochastic or error-feedback rounding.
 - `qarray` / `formats`: `QArray` and `quantize` / `dequantize` for FP8, MX, NVFP4,
   ternary and binary formats (`FORMATS`).
-- `fake_quant`: straight-through fake quantization and `quantized_matmul` with
-  the `reuse` / `fresh` backward.
+- `fingerprint`: a 64-bit identity of a pytree of arrays, on device.
+
+Fake quantization and `quantized_matmul` run the platform's quantize kernel,
+so they live a floor up, in `jaxrl_lp.kernels.fake_quant`.
 """
 
-from jaxrl_lp.numerics.fake_quant import fake_quant, quantized_matmul
 from jaxrl_lp.numerics.formats import TERNARY_EPS, quantize
 from jaxrl_lp.numerics.policy import (
     ALL_REGIONS,
@@ -34,11 +35,9 @@ __all__ = [
     "dequantize",
     "dtype_name",
     "error_feedback_round",
-    "fake_quant",
     "native_low_precision",
     "parse_dtype",
     "quantize",
-    "quantized_matmul",
     "round_nearest",
     "round_stochastic",
     "ulp",

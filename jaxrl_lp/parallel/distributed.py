@@ -26,6 +26,8 @@ import time
 
 import jax
 
+from jaxrl_lp.fields import check_int, check_str
+
 __all__ = ["DistributedConfig", "initialize"]
 
 
@@ -49,9 +51,6 @@ class DistributedConfig:
     timeout_s: int = 300
 
     def __post_init__(self):
-        # Here, not at the top: `jaxrl_lp.train` imports this module (its config section).
-        from jaxrl_lp.train.fields import check_int, check_str
-
         check_str("distributed.coordinator", self.coordinator, what="'', 'auto' or HOST:PORT")
         check_int("distributed.num_processes", self.num_processes, minimum=-1)
         check_int("distributed.process_id", self.process_id, minimum=-1)

@@ -27,13 +27,12 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-if TYPE_CHECKING:  # annotations only: `jaxrl_lp.models` imports `parallel.context`, which imports this
-    from jaxrl_lp.models.config import ModelConfig
+from jaxrl_lp.models.config import ModelConfig  # a floor below (`models/__init__` loads lazily)
 
 __all__ = ["DEFAULT_RULES", "ShardingRules", "check_divisible", "logical_size",
            "param_logical_axes", "param_shardings", "spec_for"]

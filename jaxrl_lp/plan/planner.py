@@ -136,13 +136,13 @@ def plan(cfg: TrainConfig, mesh: str, devices: int, target: str = "h100", *,
     if jax.device_count() < devices:
         raise ValueError(f"plan needs {devices} devices but jax has {jax.device_count()}; run "
                          f"`jaxrl-lp plan`, which simulates them")
-    from jaxrl_lp.train.program import _optimizers
+    from jaxrl_lp.train.optimizers import make_optimizers
 
     m = make_mesh(spec, jax.devices()[:devices])
     g = cfg.grpo
     lpol, spol = Policy.parse(g.learner_policy), Policy.parse(g.sampler_policy)
     loop = LoopSpec(g.exit_rule, g.compute_mode).resolve(mcfg)
-    grpo_opt = _optimizers(cfg)[1]
+    grpo_opt = make_optimizers(cfg)[1]
     lowered_for: dict = {}
     with native(), for_target(tgt.name):
         params, psh = abstract_params(mcfg, m)

@@ -10,10 +10,7 @@ import typing
 from pathlib import Path
 from typing import Any, Literal
 
-from jaxrl_lp.models.config import ModelConfig
-from jaxrl_lp.parallel.distributed import DistributedConfig
-from jaxrl_lp.rl.loss import LossConfig
-from jaxrl_lp.train.fields import (
+from jaxrl_lp.fields import (
     check_bool,
     check_choice,
     check_int,
@@ -21,6 +18,9 @@ from jaxrl_lp.train.fields import (
     check_str,
     user_key,
 )
+from jaxrl_lp.models.config import ModelConfig
+from jaxrl_lp.parallel.distributed import DistributedConfig
+from jaxrl_lp.rl.loss import LossConfig
 from jaxrl_lp.train.sync_hooks import SyncConfig
 
 __all__ = ["DistributedConfig", "GRPOConfig", "RunConfig", "SFTConfig", "SyncConfig", "TaskConfig",

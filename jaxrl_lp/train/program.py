@@ -19,7 +19,6 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 
 from jaxrl_lp.data import prompt_loader, sft_loader
 from jaxrl_lp.models.model import init_params
@@ -107,29 +106,6 @@ def evaluate(params, mcfg, task, policy, loop, size: int, max_new: int, mesh=Non
                   sampling=SamplingConfig(greedy=True), max_new_tokens=max_new,
                   eos_id=tok.eos_id, pad_id=tok.pad_id, loop=loop, mesh=mesh)
     return float(np.mean(task.rewards(to_host(ro.completion_tokens), problems)))
-
-
-def _optimizers(cfg: TrainConfig):
-    """The warm-start optimizer (AdamW, warmup + cosine) and the GRPO one (clipped Adam).
-
-    With `sft.optimizer=error_diffusion:...` the codes are trained by error
-    diffusion beside them (`OptimizerSpec.transform`): in the warm-start its
-    step follows the AdamW schedule's shape, in GRPO it is scaled by
-    `grpo.lr / sft.lr`; `latent_ste` uses these optimizers on its latents.
-    """
-    from jaxrl_lp.optim import OptimizerSpec
-
-    s = cfg.sft
-    warmup = max(1, min(s.warmup_steps, s.steps // 2))
-    schedule = optax.warmup_cosine_decay_schedule(0.0, s.lr, warmup, max(warmup + 1, s.steps))
-    sft = optax.adamw(schedule, weight_decay=0.0)
-    grpo_adam = optax.adam(cfg.grpo.lr)
-    spec = OptimizerSpec.parse(s.optimizer, "sft.optimizer")
-    if spec.kind == "error_diffusion":
-        sft = spec.transform(sft, lambda c: schedule(c) / s.lr, seed=cfg.run.seed)
-        grpo_adam = spec.transform(grpo_adam, cfg.grpo.lr / s.lr, seed=cfg.run.seed + 1)
-    grpo = optax.chain(optax.clip_by_global_norm(1.0), grpo_adam)
-    return sft, grpo
 
 
 def evaluate_run(cfg: TrainConfig, size: int | None = None, *, step: int | None = None,

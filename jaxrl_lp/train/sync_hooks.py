@@ -14,6 +14,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from jaxrl_lp.fields import check_bool, check_int, check_str
 from jaxrl_lp.sync import (
     SamplerState,
     cast,
@@ -30,7 +31,6 @@ from jaxrl_lp.sync import (
     ulp_distance,
 )
 from jaxrl_lp.sync.ternary import ternary
-from jaxrl_lp.train.fields import check_bool, check_int, check_str
 
 __all__ = ["SyncCheckError", "SyncConfig", "SyncHooks", "make_exporter"]
 

@@ -22,12 +22,13 @@ from typing import Any, NamedTuple
 
 import jax
 
+from jaxrl_lp.fields import user_key
 from jaxrl_lp.models.config import ModelConfig
 from jaxrl_lp.models.loop import LoopSpec
 from jaxrl_lp.numerics.policy import Policy
 from jaxrl_lp.rollout.sampling import SamplingConfig
 from jaxrl_lp.train.config import TrainConfig
-from jaxrl_lp.train.fields import user_key
+from jaxrl_lp.train.optimizers import make_optimizers
 from jaxrl_lp.train.sync_hooks import make_exporter
 
 __all__ = ["RunPlan", "build_task", "check_out_dir", "model_config", "validate"]
@@ -141,8 +142,6 @@ def validate(cfg: TrainConfig) -> RunPlan:
     Returns:
       The `RunPlan` of what was built.
     """
-    from jaxrl_lp.train.program import _optimizers
-
     check_out_dir(cfg.run.out_dir)
     task = build_task(cfg)
     mcfg = model_config(cfg, task)
@@ -173,7 +172,7 @@ def validate(cfg: TrainConfig) -> RunPlan:
     _reference(cfg, mcfg)
     return RunPlan(task=task, model=mcfg, max_new_tokens=max_new, seq_len=seq_len,
                    learner_policy=lpol, sampler_policy=spol, loop=loop, sampling=sampling,
-                   exporter=exporter, optimizers=_optimizers(cfg), mesh=_mesh(cfg, mcfg),
+                   exporter=exporter, optimizers=make_optimizers(cfg), mesh=_mesh(cfg, mcfg),
                    weights=weights)
 
 
