@@ -106,6 +106,7 @@ BAD = {
                          "self:loops=2,k=4",  # the default model has 2 loop steps
                          ("self:loops=1,k=4", ["run.mesh=fsdp=8"])],
     "run.mesh": ["batch=8", "fsdp=0", "fsdp=3"],  # unknown axis, size 0, 3 != 8 devices
+    "run.save_on_signal": ["sometimes"],
     "distributed.coordinator": ["nohost", "host:port"],
     "distributed.num_processes": ["0", "abc"],
     "distributed.process_id": ["-2", "abc"],

@@ -41,8 +41,9 @@ KERNEL_CASES = ("logprob_forward", "logprob_gradient", "mxfp8_quantize", "mxfp4_
                 "nvfp4_quantize", "decode_attention")
 _BLOCK_FORMATS = ("mxfp8", "mxfp4", "nvfp4")
 # Programs with the learner's read-out from the hidden state (the sampler and the replay take
-# their log-probs from the logits they sample from), and those with one-token decode steps.
-_READOUT = ("grpo_step_dense", "grpo_step_hybrid", "sft_step", "behaviour_logprobs")
+# their log-probs from the logits they sample from; the behaviour log-probs of a hybrid
+# learner are its replay alone), and those with one-token decode steps.
+_READOUT = ("grpo_step_dense", "grpo_step_hybrid", "sft_step")
 _DECODES = ("grpo_step_hybrid", "behaviour_logprobs", "sampler_decode", "replay")
 
 

@@ -235,6 +235,9 @@ class RunConfig:
       mesh: the device mesh, e.g. fsdp=8 or data=2,fsdp=2,tensor=2 (axes data,
         fsdp, tensor; the product is the device count of all processes); '' runs
         on one device.
+      save_on_signal: on SIGTERM or SIGINT finish the step, save a checkpoint and
+        exit with status 75 (a second signal exits at once); false: the signals'
+        usual effect.
     """
 
     out_dir: str = "runs/default"
@@ -245,9 +248,11 @@ class RunConfig:
     keep_checkpoints: int = 2
     progress: bool = True
     mesh: str = ""
+    save_on_signal: bool = True
 
     def __post_init__(self):
         check_str("run.out_dir", self.out_dir, nonempty=True, what="a directory path")
+        check_bool("run.save_on_signal", self.save_on_signal)
         check_int("run.seed", self.seed, minimum=0)
         for f in ("eval_every", "eval_size", "checkpoint_every", "keep_checkpoints"):
             check_int(f"run.{f}", getattr(self, f), minimum=1)

@@ -37,6 +37,7 @@ from jaxrl_lp.train.checkpoint import Checkpointer
 from jaxrl_lp.train.config import TrainConfig
 from jaxrl_lp.train.grpo_iteration import IterationPrograms, Reference, grpo_iteration
 from jaxrl_lp.train.logger import MetricsLogger, plot_metrics
+from jaxrl_lp.train.preemption import Preempted, SignalGuard
 from jaxrl_lp.train.progress import PhaseProgress
 from jaxrl_lp.train.resume import restore_newest_intact
 from jaxrl_lp.train.run_lock import RunLock
@@ -242,13 +243,15 @@ def run_train(cfg: TrainConfig, *, stop_after: int | None = None, refresh: bool 
     plan = validate(cfg)  # every setting, before anything is built or written
     run_dir = Path(cfg.run.out_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
-    # One lock per run: process 0 holds it for all the run's processes.
-    with RunLock(run_dir) if jax.process_index() == 0 else contextlib.nullcontext():
-        return _run_locked(cfg, plan, run_dir, t_start, stop_after, refresh)
+    # One lock per run: process 0 holds it for all the run's processes. SIGTERM and SIGINT
+    # stop the run after the step they arrive in, with a checkpoint (`train.preemption`).
+    with RunLock(run_dir) if jax.process_index() == 0 else contextlib.nullcontext(), \
+            SignalGuard(cfg.run.save_on_signal) as guard:
+        return _run_locked(cfg, plan, run_dir, t_start, stop_after, refresh, guard)
 
 
 def _run_locked(cfg: TrainConfig, plan: RunPlan, run_dir: Path, t_start: float,
-                stop_after: int | None, refresh: bool) -> dict:
+                stop_after: int | None, refresh: bool, guard: SignalGuard) -> dict:
     g = cfg.grpo
     total = cfg.sft.steps + g.steps
     ckpt = Checkpointer(run_dir, keep=cfg.run.keep_checkpoints)
@@ -259,13 +262,13 @@ def _run_locked(cfg: TrainConfig, plan: RunPlan, run_dir: Path, t_start: float,
                   "nothing was changed (--refresh redoes its final evaluation, summary and "
                   "plots)", file=sys.stderr)
             return {**done, "complete": True}
-        return _train(cfg, plan, run_dir, ckpt, t_start, stop_after)
+        return _train(cfg, plan, run_dir, ckpt, t_start, stop_after, guard)
     finally:
         ckpt.close()
 
 
 def _train(cfg: TrainConfig, plan: RunPlan, run_dir: Path, ckpt: Checkpointer, t_start: float,
-           stop_after: int | None) -> dict:
+           stop_after: int | None, guard: SignalGuard) -> dict:
     task, mcfg, loop = plan.task, plan.model, plan.loop
     lpol, spol, max_new = plan.learner_policy, plan.sampler_policy, plan.max_new_tokens
     sft_opt, grpo_opt = plan.optimizers
@@ -366,8 +369,15 @@ def _train(cfg: TrainConfig, plan: RunPlan, run_dir: Path, ckpt: Checkpointer, t
         # Periodic evaluation; the last step's is the final evaluation below.
         if cfg.sft.steps < step < total and (step - cfg.sft.steps) % cfg.run.eval_every == 0:
             logger.log(step, "eval", {"accuracy": evaluate_now(state["params"])})
-        if step % cfg.run.checkpoint_every == 0 or step == total:
+        saved = step % cfg.run.checkpoint_every == 0 or step == total
+        if saved:
             save(step)
+        if signum := guard.agreed():  # every process stops after the same step
+            if not saved:
+                save(step)
+            bar.close()
+            logger.close()
+            raise Preempted(step, signum, str(run_dir))
     bar.close()
     if step < total:  # interrupted on purpose (stop_after)
         save(step)

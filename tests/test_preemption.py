@@ -1,0 +1,139 @@
+"""SIGTERM and SIGINT stop a run with a checkpoint; the resumed run ends bit-identical.
+
+In process, the signal is sent by the run to itself at chosen moments (a
+warm-start step, a checkpoint save, a GRPO step): each stop leaves a
+checkpoint of the step it reached, and the run resumed after three stops
+ends with the parameters and metric records of the uninterrupted shared run
+(`finished_runs["plain"]`, the same config). In a subprocess, `jaxrl-lp
+train` gets a real SIGTERM: exit status 75 in seconds and one line; two
+signals: it exits at once, and the newest checkpoint still resumes.
+"""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import jax
+import numpy as np
+import pytest
+from helpers import FINISHED, sets
+
+from jaxrl_lp.train import apply_overrides, default_config, run_train
+from jaxrl_lp.train.checkpoint import Checkpointer
+from jaxrl_lp.train.logger import MetricsLogger, without_wall_clock
+from jaxrl_lp.train.preemption import EXIT_PREEMPTED, Preempted
+
+
+def _cfg(out, *extra):
+    return apply_overrides(default_config(), [*FINISHED, f"run.out_dir={out}", *extra])
+
+
+def _records(run_dir):
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    return [without_wall_clock(json.loads(x)) for x in lines]
+
+
+def _params(run_dir):
+    ckpt = Checkpointer(run_dir)
+    try:
+        return ckpt.latest_step(), ckpt.manager.restore(ckpt.latest_step())["state"]["params"]
+    finally:
+        ckpt.close()
+
+
+def test_signals_at_three_moments_and_the_resume_is_bit_identical(tmp_path, monkeypatch,
+                                                                    finished_runs):
+    run = tmp_path / "run"
+    moment = {}
+    log, save = MetricsLogger.log, Checkpointer.save
+
+    def log_then_signal(self, step, phase, metrics):
+        log(self, step, phase, metrics)
+        if (step, phase) == moment.get("log"):
+            os.kill(os.getpid(), moment["signal"])
+
+    def signal_inside_save(self, step, state, meta):
+        if step == moment.get("save"):
+            os.kill(os.getpid(), signal.SIGTERM)  # arrives while the checkpoint is written
+        save(self, step, state, meta)
+
+    monkeypatch.setattr(MetricsLogger, "log", log_then_signal)
+    monkeypatch.setattr(Checkpointer, "save", signal_inside_save)
+    # FINISHED: 2 warm-start steps, 6 GRPO steps, a checkpoint every 2 steps.
+    for where, stop in (({"log": (1, "sft"), "signal": signal.SIGINT}, 1),  # warm-start
+                        ({"save": 4}, 4),  # during the cadence save of step 4
+                        ({"log": (5, "grpo"), "signal": signal.SIGTERM}, 5)):  # in GRPO
+        moment.clear()
+        moment.update(where)
+        with pytest.raises(Preempted, match=f"after step {stop}; its checkpoint is in"):
+            run_train(_cfg(run))
+        assert _params(run)[0] == stop  # the step the signal reached, saved
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # handlers restored
+    moment.clear()
+    summary = run_train(_cfg(run))
+    plain = finished_runs["plain"][0]
+    assert summary["final_accuracy"] == json.loads((plain / "summary.json").read_text())[
+        "final_accuracy"]
+    assert _records(run) == _records(plain)
+    (s1, p1), (s2, p2) = _params(run), _params(plain)
+    assert s1 == s2 == 8
+    jax.tree.map(np.testing.assert_array_equal, p1, p2)
+
+
+def test_save_on_signal_false_keeps_the_usual_effect(tmp_path, monkeypatch):
+    def interrupt(self, step, phase, metrics):
+        raise KeyboardInterrupt  # what SIGINT does without the guard
+
+    monkeypatch.setattr(MetricsLogger, "log", interrupt)
+    with pytest.raises(KeyboardInterrupt):
+        run_train(_cfg(tmp_path / "run", "run.save_on_signal=false", "sft.steps=1"))
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+def _start(run_dir, steps):
+    cmd = [sys.executable, "-m", "jaxrl_lp.cli.main", "train",
+           *sets(*FINISHED, f"sft.steps={steps}", "grpo.steps=0", "run.checkpoint_every=1000",
+                 f"run.out_dir={run_dir}")]
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "JAX_PLATFORMS": "cpu"})
+
+
+def _wait_for_records(run_dir, n, proc, timeout=120):
+    t0 = time.time()
+    while time.time() - t0 < timeout:
+        path = run_dir / "metrics.jsonl"
+        if path.exists() and len(path.read_text().splitlines()) >= n:
+            return
+        assert proc.poll() is None, proc.communicate()
+        time.sleep(0.05)
+    raise AssertionError("the run did not start")
+
+
+def test_sigterm_to_the_command_saves_and_exits_75_and_two_exit_at_once(tmp_path):
+    run = tmp_path / "one"
+    proc = _start(run, 4000)
+    _wait_for_records(run, 20, proc)
+    t0 = time.time()
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == EXIT_PREEMPTED, err
+    assert time.time() - t0 < 30
+    assert "stopped by SIGTERM after step" in err and "run the same command to resume" in err
+    step = _params(run)[0]
+    assert 20 <= step < 4000
+    # Two signals: out at once (128 + 15), writing nothing; the newest checkpoint resumes.
+    proc = _start(run, 4000)
+    _wait_for_records(run, step + 20, proc)
+    proc.send_signal(signal.SIGTERM)
+    time.sleep(0.01)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 128 + signal.SIGTERM, err
+    assert "exiting at once" in err
+    assert _params(run)[0] >= step
+    cfg = apply_overrides(default_config(), [*FINISHED, "sft.steps=4000", "grpo.steps=0",
+                                             f"run.out_dir={run}"])
+    assert run_train(cfg, stop_after=_params(run)[0] + 2)["interrupted"]
