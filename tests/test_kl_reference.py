@@ -43,7 +43,12 @@ def _params(run_dir):
 
 
 def test_kl_beta_trains_logs_the_kl_from_zero_and_resumes_bit_for_bit(tmp_path):
+    import shutil
+
     whole, cut = tmp_path / "whole", tmp_path / "cut"
+    # One warm-start for both runs: trained to its last step, then copied.
+    run_train(_cfg(whole, *LEARNS, *KL), stop_after=300)
+    shutil.copytree(whole, cut)
     summary = run_train(_cfg(whole, *LEARNS, *KL))
     assert (whole / "reference" / "300").is_dir()  # written once, at the first GRPO step
     grpo = [r for r in _records(whole) if r["phase"] == "grpo"]

@@ -107,11 +107,13 @@ def test_warm_start_resumes_with_another_exporter_but_a_grpo_run_does_not(tmp_pa
 def test_nonfinite_steps_are_skipped_and_stop_the_run(tmp_path, monkeypatch):
     # A learning rate of inf makes every update non-finite from the first GRPO step. The
     # config refuses grpo.lr=inf, so the GRPO optimizer is patched to use it.
+    import importlib
+
     import optax
 
-    from jaxrl_lp.train import validate
     from jaxrl_lp.train.optimizers import make_optimizers
 
+    validate = importlib.import_module("jaxrl_lp.train.validate")  # the module, not the function
     monkeypatch.setattr(validate, "make_optimizers", lambda cfg: (
         make_optimizers(cfg)[0], optax.chain(optax.clip_by_global_norm(1.0),
                                              optax.adam(float("inf")))))

@@ -19,10 +19,17 @@ is set aside for that.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import gc
+import io
 import json
+import logging
+import os
+import re
+import shutil
 import sys
+import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -30,7 +37,7 @@ from typing import Any
 import jax
 import orbax.checkpoint as ocp
 
-__all__ = ["Checkpointer", "DamagedCheckpointError", "check_model"]
+__all__ = ["CheckpointWriteError", "Checkpointer", "DamagedCheckpointError", "check_model"]
 
 
 class DamagedCheckpointError(ValueError):
@@ -81,6 +88,56 @@ def _drop_orphaned_reads() -> None:
         sys.unraisablehook = hook
 
 
+def _write_reason(e: BaseException) -> str:
+    """Why a write failed, as the OS says it ("no space left on device", errno 28), where
+    tensorstore wraps the OS error in a message of a few hundred characters."""
+    while e.__cause__ is not None or (e.__context__ is not None and not e.__suppress_context__):
+        e = e.__cause__ or e.__context__
+    code = e.errno if isinstance(e, OSError) and e.errno else None
+    if code is None and (m := re.search(r"os_error_code='?(\d+)", str(e))):
+        code = int(m.group(1))
+    if code:
+        return f"{os.strerror(code).lower()}, errno {code}"
+    return _first_line(e)
+
+
+class CheckpointWriteError(OSError):
+    """A checkpoint could not be written (one line: path, free space, newest intact step).
+
+    An OSError: the command line reports it as one line (exit 2), and a run that
+    catches write failures sees it as one.
+    """
+
+
+@contextlib.contextmanager
+def _quiet_orbax():
+    """Orbax reports a failed write from its worker threads and event loops, traceback by
+    traceback (about 400 lines for one full disk); `CheckpointWriteError` says it in one.
+    During the write its loggers are muted and what is printed to stderr is held back: it
+    is printed after a write that succeeds, and dropped (with the tasks the failure left,
+    collected here) after one that fails."""
+    loggers = [logging.getLogger(n) for n in ("absl", "orbax", "asyncio")]
+    levels = [lg.level for lg in loggers]
+    hooks = threading.excepthook, sys.unraisablehook
+    stderr, held = sys.stderr, io.StringIO()
+    failed = [False]
+    for lg in loggers:
+        lg.setLevel(logging.CRITICAL)
+    threading.excepthook, sys.unraisablehook = (lambda args: None), (lambda u: None)
+    sys.stderr = held
+    try:
+        yield failed
+    finally:
+        if failed[0]:
+            gc.collect()  # the failed write's tasks, with their "never retrieved" logs
+        sys.stderr = stderr
+        threading.excepthook, sys.unraisablehook = hooks
+        for lg, lv in zip(loggers, levels, strict=True):
+            lg.setLevel(lv)
+        if not failed[0] and held.getvalue():
+            stderr.write(held.getvalue())
+
+
 class Checkpointer:
     """Saves and restores `{"state": pytree, "meta": json}` under `<run_dir>/checkpoints`."""
 
@@ -113,9 +170,52 @@ class Checkpointer:
         return self.manager.latest_step()
 
     def save(self, step: int, state: Any, meta: dict) -> None:
-        self.manager.save(step, args=ocp.args.Composite(
-            state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)))
-        self.manager.wait_until_finished()
+        """Writes checkpoint `step` (atomically: a temporary directory, renamed when complete).
+
+        Raises:
+          CheckpointWriteError: the write failed (a full disk, a permission lost):
+            one line naming the path, the free space there and the newest intact
+            checkpoint; the temporary directory is removed, the earlier
+            checkpoints are untouched.
+        """
+        def write():
+            self.manager.save(step, args=ocp.args.Composite(
+                state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)))
+            self.manager.wait_until_finished()
+
+        why = None
+        with _quiet_orbax() as failed:
+            try:
+                write()
+            except Exception as e:  # noqa: BLE001 - orbax/tensorstore raise plain Exception
+                why = _write_reason(e)
+            failed[0] = why is not None
+        if why is not None:
+            self._fail_write(step, why)
+
+    def _fail_write(self, step: int, why: str) -> None:
+        for tmp in self.dir.glob(f"{step}.orbax-checkpoint-tmp*"):
+            shutil.rmtree(tmp, ignore_errors=True)
+        if (self.dir / str(step)).is_dir() and step not in self._finalized():
+            shutil.rmtree(self.dir / str(step), ignore_errors=True)
+        try:
+            free = f"{shutil.disk_usage(self.dir).free / 2**20:.1f} MiB free there"
+        except OSError:
+            free = "its free space unknown"
+        self.reload()
+        steps = [s for s in self.steps() if s != step]
+        newest = (f"the newest intact checkpoint is step {steps[-1]} ({self.dir / str(steps[-1])})"
+                  if steps else "there is no earlier checkpoint")
+        raise CheckpointWriteError(
+            f"could not write checkpoint step {step} to {self.dir / str(step)} ({why}); {free}; "
+            f"{newest}, and the same command resumes from it once the disk has room")
+
+    def _finalized(self) -> set[int]:
+        try:
+            self.manager.reload()
+            return set(self.manager.all_steps())
+        except Exception:  # noqa: BLE001 - a listing that fails lists nothing
+            return set()
 
     def latest_meta(self) -> dict:
         """The JSON metadata saved with the latest step."""
