@@ -8,6 +8,7 @@ write fails in tensorstore with EFBIG, as a full disk fails with ENOSPC.
 """
 
 import json
+import os
 import subprocess
 import sys
 
@@ -40,9 +41,12 @@ def test_a_failed_save_is_one_line_leaves_nothing_and_the_run_resumes(tmp_path, 
     run = tmp_path / "run"
     cfg = apply_overrides(default_config(), [*FINISHED, f"run.out_dir={run}"])
     run_train(cfg, stop_after=4)  # checkpoints 2 and 4
+    # Without the persistent compilation cache: its entries would hit the limit first.
+    env = {k: v for k, v in os.environ.items() if k != "JAX_COMPILATION_CACHE_DIR"}
     out = subprocess.run([sys.executable, "-c", LIMITED, "train",
                           *sets(*FINISHED, f"run.out_dir={run}")],
-                         capture_output=True, text=True, timeout=300)
+                         capture_output=True, text=True, timeout=300,
+                         env={**env, "JAX_ENABLE_COMPILATION_CACHE": "false"})
     assert out.returncode == 2, out.stderr[-3000:]
     lines = [x for x in out.stderr.splitlines() if x.strip()]
     assert len(lines) == 1, out.stderr[-3000:]

@@ -23,6 +23,7 @@ from jaxrl_lp.bench.exactness import exactness_model, exactness_rollout
 from jaxrl_lp.models import get_preset, init_params
 from jaxrl_lp.numerics.policy import Policy
 from jaxrl_lp.parallel import MeshSpec, make_mesh, param_shardings
+from jaxrl_lp.parallel.rules import DEFAULT_RULES
 from jaxrl_lp.parallel.shard import put_tree, state_shardings
 from jaxrl_lp.rl import LossConfig, make_grpo_step
 from jaxrl_lp.rl.logprobs import jit_learner_logprobs
@@ -250,3 +251,15 @@ def test_sync_checks_and_hashes_on_a_sharded_export():
     bad = run_sync_checks(served, hashes, SamplerState({**served, "embed": flipped}, 3, 3, "fp32"),
                           expected_layout(exporter, params), 3, **kw)
     assert not bad.passed and "hashes" in str(bad)
+
+
+def test_a_mesh_step_refuses_an_argument_it_has_no_kind_for():
+    """`MeshStep` places each argument by its kind; one more than its kinds is an error, not
+    an argument silently dropped."""
+    from jaxrl_lp.rl.train_step import MeshStep
+
+    cfg, params, _ = model("dense")
+    step = MeshStep(lambda p, s: (p, s, {}), cfg, make_mesh("fsdp=8"), DEFAULT_RULES,
+                    ("params", "state"))
+    with pytest.raises(TypeError, match=r"at most 2 arguments \(params, state\); got 3"):
+        step(params, {}, params)

@@ -131,8 +131,9 @@ def test_sigterm_to_the_command_saves_and_exits_75_and_two_exit_at_once(tmp_path
     time.sleep(0.01)
     proc.send_signal(signal.SIGTERM)
     _, err = proc.communicate(timeout=60)
+    # 128 + 15: by the second signal's handler ("exiting at once"), or, when the first one's
+    # save had already ended, by SIGTERM's default once the handlers are restored.
     assert proc.returncode == 128 + signal.SIGTERM, err
-    assert "exiting at once" in err
     assert _params(run)[0] >= step
     cfg = apply_overrides(default_config(), [*FINISHED, "sft.steps=4000", "grpo.steps=0",
                                              f"run.out_dir={run}"])

@@ -144,7 +144,10 @@ def _while_loops(lowered) -> int:
     return lowered.as_text().count("stablehlo.while")
 
 
-@pytest.mark.parametrize("kind,pol", [("looped_deferred", "fp32"), ("dense", "bf16")])
+# The looped deferred step here; the dense packed bf16 one, the speculative and the coded
+# steps under `-m slow` (each compiles two steps: about 25 CPU-s), the sharded one here.
+@pytest.mark.parametrize("kind,pol", [("looped_deferred", "fp32"),
+                                      pytest.param("dense", "bf16", marks=pytest.mark.slow)])
 def test_a_step_on_the_recorded_logprobs_is_the_replaying_step_bit_for_bit(kind, pol):
     cfg, params, loop = _model(kind)
     ro = _rollout(kind, pol)
@@ -159,6 +162,7 @@ def test_a_step_on_the_recorded_logprobs_is_the_replaying_step_bit_for_bit(kind,
     assert _while_loops(lower(ro.logprobs)) < _while_loops(lower(None))
 
 
+@pytest.mark.slow
 def test_speculative_rollouts_on_recorded_logprobs():
     from jaxrl_lp.rollout.sampling import SamplingConfig
     from jaxrl_lp.rollout.speculative import speculative_generate
@@ -174,6 +178,7 @@ def test_speculative_rollouts_on_recorded_logprobs():
     _assert_same_update(out, params)
 
 
+@pytest.mark.slow
 def test_coded_weights_on_recorded_logprobs():
     """`sft.optimizer=error_diffusion`: the train tree's materialized weights sampled."""
     from jaxrl_lp.optim.weights import CodedWeights

@@ -353,7 +353,14 @@ class MeshStep:
         self._jits = {}  # by which optional arguments are None: each is a program of its own
 
     def shardings(self, *args):
-        """The in-shardings of `args` (by kind) and the out-shardings of the step."""
+        """The in-shardings of `args` (by kind) and the out-shardings of the step.
+
+        Raises:
+          TypeError: more arguments than the step has kinds for (none is dropped).
+        """
+        if len(args) > len(self.kinds):
+            raise TypeError(f"this step takes at most {len(self.kinds)} arguments "
+                            f"({', '.join(self.kinds)}); got {len(args)}")
         params = args[0]
         param_sh = param_shardings(params, self.cfg, self.mesh, self.rules)
         by_kind = {
@@ -361,7 +368,8 @@ class MeshStep:
             "state": lambda x: state_shardings(x, params, param_sh, self.mesh),
             "batch": lambda x: None if x is None else batch_shardings(x, self.mesh, self.rules),
         }
-        ins = tuple(by_kind[k](a) for k, a in zip(self.kinds, args, strict=False))
+        # Arguments left off are the step's defaults (None): placed as None.
+        ins = tuple(by_kind[k](a) for k, a in zip(self.kinds[:len(args)], args, strict=True))
         return ins, (ins[0], ins[1], replicated(self.mesh))
 
     def __call__(self, *args):
@@ -379,5 +387,5 @@ class MeshStep:
         # Inputs placed as the program expects (a no-op for those already there; rows
         # sliced out of a sharded rollout, host arrays).
         args = tuple(a if sh is None else jax.device_put(a, sh)
-                     for a, sh in zip(args, ins, strict=False))
+                     for a, sh in zip(args, ins, strict=True))
         return jitted(*args)

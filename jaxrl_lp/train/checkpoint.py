@@ -101,6 +101,17 @@ def _write_reason(e: BaseException) -> str:
     return _first_line(e)
 
 
+class _DropFailedWrite(logging.Filter):
+    """Drops asyncio's reports of the tasks of one failed checkpoint write (its path)."""
+
+    def __init__(self, prefix: Path):
+        super().__init__()
+        self.prefix = str(prefix)
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return self.prefix not in record.getMessage()
+
+
 class CheckpointWriteError(OSError):
     """A checkpoint could not be written (one line: path, free space, newest intact step).
 
@@ -194,6 +205,9 @@ class Checkpointer:
             self._fail_write(step, why)
 
     def _fail_write(self, step: int, why: str) -> None:
+        # Orbax's tasks for the failed write may be collected later (under load, after the
+        # write returned), each logging "Task exception was never retrieved": dropped.
+        logging.getLogger("asyncio").addFilter(_DropFailedWrite(self.dir / f"{step}.orbax"))
         for tmp in self.dir.glob(f"{step}.orbax-checkpoint-tmp*"):
             shutil.rmtree(tmp, ignore_errors=True)
         if (self.dir / str(step)).is_dir() and step not in self._finalized():
