@@ -59,3 +59,14 @@ def exactness_grads(cfg, policy, ro, loop):
                 learner_logprobs(params, cfg, policy, ro, "replay", loop=loop)[0])
 
     return grads
+
+
+def latest_checkpoint(run_dir):
+    """`(steps, params)`: a run directory's finalized checkpoint steps and its latest params."""
+    from jaxrl_lp.train.checkpoint import Checkpointer
+
+    ckpt = Checkpointer(run_dir)
+    try:
+        return ckpt.steps(), ckpt.manager.restore(ckpt.latest_step())["state"]["params"]
+    finally:
+        ckpt.close()

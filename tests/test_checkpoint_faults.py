@@ -14,10 +14,9 @@ import sys
 
 import jax
 import numpy as np
-from helpers import FINISHED, sets
+from helpers import FINISHED, latest_checkpoint, sets
 
 from jaxrl_lp.train import apply_overrides, default_config, run_train
-from jaxrl_lp.train.checkpoint import Checkpointer
 from jaxrl_lp.train.logger import without_wall_clock
 
 LIMITED = r"""
@@ -27,14 +26,6 @@ resource.setrlimit(resource.RLIMIT_FSIZE, (40_000, 40_000))
 from jaxrl_lp.cli.main import main
 sys.exit(main(sys.argv[1:]))
 """
-
-
-def _params(run_dir):
-    ckpt = Checkpointer(run_dir)
-    try:
-        return ckpt.steps(), ckpt.manager.restore(ckpt.latest_step())["state"]["params"]
-    finally:
-        ckpt.close()
 
 
 def test_a_failed_save_is_one_line_leaves_nothing_and_the_run_resumes(tmp_path, finished_runs):
@@ -55,12 +46,12 @@ def test_a_failed_save_is_one_line_leaves_nothing_and_the_run_resumes(tmp_path, 
     assert f"the newest intact checkpoint is step 4 ({run / 'checkpoints' / '4'})" in lines[0]
     leftovers = [p.name for p in (run / "checkpoints").iterdir() if "tmp" in p.name]
     assert leftovers == []
-    assert _params(run)[0] == [2, 4]
+    assert latest_checkpoint(run)[0] == [2, 4]
     run_train(cfg)  # resumes from step 4
     plain = finished_runs["plain"][0]
-    steps, params = _params(run)
+    steps, params = latest_checkpoint(run)
     assert steps[-1] == 8
-    jax.tree.map(np.testing.assert_array_equal, params, _params(plain)[1])
+    jax.tree.map(np.testing.assert_array_equal, params, latest_checkpoint(plain)[1])
     records = lambda d: [without_wall_clock(json.loads(x))
                          for x in (d / "metrics.jsonl").read_text().splitlines()]
     assert records(run) == records(plain)

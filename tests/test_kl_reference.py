@@ -12,12 +12,11 @@ import json
 import jax
 import numpy as np
 import pytest
-from helpers import LEARNS, short_run
+from helpers import LEARNS, latest_checkpoint, short_run
 
 from jaxrl_lp.models.hf_io import save_hf_checkpoint
 from jaxrl_lp.models.model import init_params
 from jaxrl_lp.train import apply_overrides, default_config, run_train
-from jaxrl_lp.train.checkpoint import Checkpointer
 from jaxrl_lp.train.logger import without_wall_clock
 from jaxrl_lp.train.validate import build_task, model_config
 
@@ -32,14 +31,6 @@ def _cfg(out, *extra):
 
 def _records(run_dir):
     return [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
-
-
-def _params(run_dir):
-    ckpt = Checkpointer(run_dir)
-    try:
-        return ckpt.manager.restore(ckpt.latest_step())["state"]["params"]
-    finally:
-        ckpt.close()
 
 
 def test_kl_beta_trains_logs_the_kl_from_zero_and_resumes_bit_for_bit(tmp_path):
@@ -64,7 +55,8 @@ def test_kl_beta_trains_logs_the_kl_from_zero_and_resumes_bit_for_bit(tmp_path):
     assert resumed["final_accuracy"] == summary["final_accuracy"]
     assert [without_wall_clock(r) for r in _records(cut)] == \
         [without_wall_clock(r) for r in _records(whole)]
-    jax.tree.map(np.testing.assert_array_equal, _params(cut), _params(whole))
+    jax.tree.map(np.testing.assert_array_equal, latest_checkpoint(cut)[1],
+                 latest_checkpoint(whole)[1])
 
 
 def test_beta_zero_builds_no_reference(finished_runs):

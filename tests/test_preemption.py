@@ -19,7 +19,7 @@ import time
 import jax
 import numpy as np
 import pytest
-from helpers import FINISHED, sets
+from helpers import FINISHED, latest_checkpoint, sets
 
 from jaxrl_lp.train import apply_overrides, default_config, run_train
 from jaxrl_lp.train.checkpoint import Checkpointer
@@ -34,14 +34,6 @@ def _cfg(out, *extra):
 def _records(run_dir):
     lines = (run_dir / "metrics.jsonl").read_text().splitlines()
     return [without_wall_clock(json.loads(x)) for x in lines]
-
-
-def _params(run_dir):
-    ckpt = Checkpointer(run_dir)
-    try:
-        return ckpt.latest_step(), ckpt.manager.restore(ckpt.latest_step())["state"]["params"]
-    finally:
-        ckpt.close()
 
 
 def test_signals_at_three_moments_and_the_resume_is_bit_identical(tmp_path, monkeypatch,
@@ -70,7 +62,7 @@ def test_signals_at_three_moments_and_the_resume_is_bit_identical(tmp_path, monk
         moment.update(where)
         with pytest.raises(Preempted, match=f"after step {stop}; its checkpoint is in"):
             run_train(_cfg(run))
-        assert _params(run)[0] == stop  # the step the signal reached, saved
+        assert latest_checkpoint(run)[0][-1] == stop  # the step the signal reached, saved
     assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # handlers restored
     moment.clear()
     summary = run_train(_cfg(run))
@@ -78,8 +70,8 @@ def test_signals_at_three_moments_and_the_resume_is_bit_identical(tmp_path, monk
     assert summary["final_accuracy"] == json.loads((plain / "summary.json").read_text())[
         "final_accuracy"]
     assert _records(run) == _records(plain)
-    (s1, p1), (s2, p2) = _params(run), _params(plain)
-    assert s1 == s2 == 8
+    (s1, p1), (s2, p2) = latest_checkpoint(run), latest_checkpoint(plain)
+    assert s1[-1] == s2[-1] == 8
     jax.tree.map(np.testing.assert_array_equal, p1, p2)
 
 
@@ -122,7 +114,7 @@ def test_sigterm_to_the_command_saves_and_exits_75_and_two_exit_at_once(tmp_path
     assert proc.returncode == EXIT_PREEMPTED, err
     assert time.time() - t0 < 30
     assert "stopped by SIGTERM after step" in err and "run the same command to resume" in err
-    step = _params(run)[0]
+    step = latest_checkpoint(run)[0][-1]
     assert 20 <= step < 4000
     # Two signals: out at once (128 + 15), writing nothing; the newest checkpoint resumes.
     proc = _start(run, 4000)
@@ -134,7 +126,7 @@ def test_sigterm_to_the_command_saves_and_exits_75_and_two_exit_at_once(tmp_path
     # 128 + 15: by the second signal's handler ("exiting at once"), or, when the first one's
     # save had already ended, by SIGTERM's default once the handlers are restored.
     assert proc.returncode == 128 + signal.SIGTERM, err
-    assert _params(run)[0] >= step
+    assert latest_checkpoint(run)[0][-1] >= step
     cfg = apply_overrides(default_config(), [*FINISHED, "sft.steps=4000", "grpo.steps=0",
                                              f"run.out_dir={run}"])
-    assert run_train(cfg, stop_after=_params(run)[0] + 2)["interrupted"]
+    assert run_train(cfg, stop_after=latest_checkpoint(run)[0][-1] + 2)["interrupted"]

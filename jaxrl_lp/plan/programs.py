@@ -12,7 +12,8 @@ and traced (`native`), as on a GPU or TPU. The programs (`PROGRAMS`):
   dense model's step packed at the full grid (its largest bucket).
 - `sft_step`: one supervised update (`make_sft_step`).
 - `behaviour_logprobs`: the learner's log-probs of a whole batch before the
-  updates (`jit_learner_logprobs`, hybrid).
+  updates (`jit_learner_logprobs`, hybrid: the replay alone), where the
+  training program does not take the rollout's (`grpo.replay`).
 - `sampler_prefill`, `sampler_decode`: the sampler's prompt prefill and one
   decode step (`rollout.step`) over a per-layer KV cache, with the token
   sampled and its log-prob.
