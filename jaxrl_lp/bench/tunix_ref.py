@@ -23,7 +23,8 @@ import numpy as np
 
 from jaxrl_lp.models.config import ModelConfig
 
-__all__ = ["AGGREGATIONS", "tunix_model_config", "tunix_train_example", "tunix_update", "unavailable"]
+__all__ = ["AGGREGATIONS", "IdTokenizer", "ids_text", "tunix_model_config", "tunix_rollout",
+           "tunix_train_example", "tunix_update", "unavailable"]
 
 # Our loss aggregation names -> Tunix's `loss_agg_mode`.
 AGGREGATIONS = {"token_mean": "token-mean", "seq_mean_token_mean": "sequence-mean-token-mean"}
@@ -132,3 +133,55 @@ def weights_agree(model, cfg: ModelConfig, params: dict) -> float:
 
     emb = nnx.state(model)["embedder"]["input_embedding"]
     return float(np.max(np.abs(np.asarray(emb[...]) - np.asarray(params["embed"], np.float32))))
+
+
+class IdTokenizer:
+    """A tokenizer for Tunix's sampler whose text is the token ids, space-separated.
+
+    Tunix's `Sampler` takes prompt strings; the benchmarks' prompts are token
+    ids, so its text round-trips them exactly. No BOS is added (`bos_id` 0 is
+    falsy to Tunix's tokenize).
+    """
+
+    def __init__(self, pad_id: int, eos_id: int):
+        self._pad, self._eos = pad_id, eos_id
+
+    def encode(self, text: str, **_) -> list[int]:
+        return [int(t) for t in text.split()]
+
+    def decode(self, ids, **_) -> str:
+        return ids_text(ids)
+
+    def bos_id(self) -> int:
+        return 0
+
+    def eos_id(self) -> int:
+        return self._eos
+
+    def pad_id(self) -> int:
+        return self._pad
+
+
+def ids_text(ids) -> str:
+    """`IdTokenizer`'s text of token ids."""
+    return " ".join(str(int(t)) for t in ids)
+
+
+def tunix_rollout(model, cfg: ModelConfig, *, pad_id: int, eos_id: int, prompt_len: int,
+                  new_tokens: int, temperature: float = 1.0):
+    """Tunix's vanilla rollout engine on `model` and its `RolloutConfig`: `(rollout, config)`.
+
+    The KV cache holds exactly `prompt_len + new_tokens` slots; `top_p=1.0`
+    and no top-k is Tunix's plain categorical draw.
+    """
+    from tunix.rl.rollout import base_rollout, vanilla_rollout
+
+    cache = base_rollout.CacheConfig(cache_size=prompt_len + new_tokens,
+                                     num_layers=cfg.num_layers, num_kv_heads=cfg.num_kv_heads,
+                                     head_dim=cfg.head_dim)
+    rollout = vanilla_rollout.VanillaRollout(model, IdTokenizer(pad_id, eos_id), cache)
+    config = base_rollout.RolloutConfig(
+        max_tokens_to_generate=new_tokens, temperature=temperature, top_p=1.0, top_k=None,
+        max_prompt_length=prompt_len, kv_cache_size=prompt_len + new_tokens,
+        eos_tokens=[eos_id])
+    return rollout, config

@@ -16,7 +16,8 @@ import sys
 
 from jaxrl_lp.cli.help import show_defaults
 
-TARGETS = ("sampler", "exactness", "smoke", "learner", "kernels", "speculative", "lowering")
+TARGETS = ("sampler", "exactness", "smoke", "learner", "iteration", "kernels", "speculative",
+           "lowering")
 
 
 def _target_modules() -> dict:

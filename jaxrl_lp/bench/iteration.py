@@ -1,0 +1,367 @@
+"""The iteration benchmark: whole GRPO iterations (rollout + update) of ours against Tunix's.
+
+One GRPO iteration is what the training program does per step
+(`train.grpo_iteration`): sample G completions for each of B / G prompts,
+score them, compute the group advantages, take the behaviour log-probs, and
+run the updates (`--minibatches` optimizer steps on row slices of the batch,
+one pass: mu = 1). Both sides start from the same random `small-qwen3`
+weights (8 layers, hidden 512, vocab 32000), saved as a Hugging Face
+checkpoint that Tunix loads with its own Qwen3 loader, and race alternately
+after a warm-up (`bench.sampler._race`, the fastest iteration reported, with
+its per-phase split).
+
+Ours, per method (`--methods`):
+- `hybrid`: `grpo.logprobs=hybrid`, `grpo.replay=auto`, the default. The
+  rollout records its log-probs and the fingerprint of the weights it ran
+  (`Rollout.weights_digest`); the behaviour log-probs and the first update's
+  hybrid value are the rollout's own, and the updates after the first (the
+  later minibatches) replay, since the weights have moved
+  (`train.behaviour.ReplayRule`). The fingerprint's cost is in `behaviour`.
+- `dense`: `grpo.logprobs=dense`; the behaviour log-probs are one forward of
+  the learner (what the program computes for a dense learner).
+The training program also replays the whole batch every `grpo.verify_every`
+(default 10) steps to prove replay == sampler; that replay is timed apart
+(`verify_replay_s`) and `hybrid_with_verify_tokens_per_s` adds a tenth of it
+to the hybrid iteration.
+
+Tunix (`google-tunix`, the `bench` extra, in its own venv): its vanilla
+rollout engine (`tunix.rl.rollout.vanilla_rollout.VanillaRollout`, the
+`Sampler` its RL cluster drives) on its Qwen3 model, then the completion
+padding and masks its GRPO learner builds (`GRPOLearner.
+_generate_and_compute_advantage`), its registered `grpo` advantage
+estimator, its RL trainer's jitted GRPO update per minibatch
+(`bench.tunix_ref.tunix_update`) and its weight sync to the rollout
+(`RLCluster.sync_weights`: `update_params` of the actor's params). With
+num_iterations = 1 Tunix computes no old log-probs (its ratio is 1 in
+every minibatch, the later ones included); ours replays there, so the
+later minibatches' ratios are the true policy ratios. What both leave out
+is the same: data loading, the reward function (both score the same token
+ids with `_reward`, a toy), metric buffering and logging.
+
+Sampling: temperature 1.0, no top-k/top-p (Tunix's `top_p=1.0` takes the
+same categorical draw), every sequence runs `--new-tokens` tokens (no EOS
+stop; Tunix gets an EOS id that never occurs), so both do the same work.
+Tokens/s counts the B x `--new-tokens` sampled tokens of an iteration.
+
+A looped preset (`--looped-size`, the `small-qwen3` shapes as an Ouro-style
+model, R = 4) runs ours only: Tunix has no looped model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import platform
+import tempfile
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from jaxrl_lp.bench import tunix_ref
+from jaxrl_lp.bench.learner import LOSS, PAD_ID, SIZES
+from jaxrl_lp.bench.sampler import LOOPED_SIZES, _first_call, _race
+from jaxrl_lp.models.config import ModelConfig, get_preset
+from jaxrl_lp.models.hf_io import save_hf_checkpoint
+from jaxrl_lp.models.model import init_params
+from jaxrl_lp.numerics.policy import Policy
+from jaxrl_lp.rl.advantages import group_advantages
+from jaxrl_lp.rl.logprobs import jit_learner_logprobs
+from jaxrl_lp.rl.train_step import make_grpo_step
+from jaxrl_lp.rollout import LoopSpec, SamplingConfig, generate
+from jaxrl_lp.rollout.generate import take_rows
+from jaxrl_lp.train.behaviour import PhaseTimer, ReplayRule
+
+__all__ = ["add_arguments", "run"]
+
+NO_EOS = -1  # an EOS id no sampled token equals: every sequence runs to --new-tokens
+VERIFY_EVERY = 10  # grpo.verify_every's default
+TARGET_VS_TUNIX = 1.5
+
+
+def _reward(completion_BxN: np.ndarray) -> np.ndarray:
+    """The toy reward both sides use: the fraction of even token ids in a completion."""
+    return (np.asarray(completion_BxN) % 2 == 0).mean(axis=1).astype(np.float32)
+
+
+def _prompts(cfg: ModelConfig, n: int, length: int, seed: int) -> list[list[int]]:
+    rng = np.random.RandomState(seed)
+    return rng.randint(3, cfg.vocab_size, (n, length)).tolist()
+
+
+class _Iteration:
+    """Our GRPO iteration, as `train.grpo_iteration` runs it without exporter or sync checks.
+
+    Each call runs one iteration on the state it holds (the weights move) and
+    returns its phase seconds (`PhaseTimer.metrics`) plus what it did.
+    """
+
+    def __init__(self, cfg, policy, params, prompts, optimizer, *, method, group, new_tokens,
+                 minibatches, loop, pack_buckets, seed):
+        self.cfg, self.policy, self.prompts = cfg, policy, prompts
+        self.group, self.new_tokens, self.minibatches = group, new_tokens, minibatches
+        self.loop, self.seed, self.method = loop, seed, method
+        self.step = make_grpo_step(cfg, policy, LOSS, optimizer, method=method,
+                                   pack_buckets=pack_buckets)
+        # The training program's behaviour program (`run_train`): the learner's values in
+        # `minibatches` slices, and the whole-batch replay of a verification.
+        self.behaviour = jit_learner_logprobs(cfg, policy, method, micro_batches=minibatches)
+        self.verify = jit_learner_logprobs(cfg, policy, method)
+        self.rule = ReplayRule("auto", method, matched=True)
+        self.params = jax.tree.map(jnp.copy, params)
+        self.opt = optimizer.init(params)
+        self.count = 0
+        self.last_rollout = None
+
+    def __call__(self) -> dict:
+        timer, i = PhaseTimer(), self.count
+        self.count += 1
+        with timer("sample"):
+            ro = jax.block_until_ready(generate(
+                self.params, self.cfg, self.prompts, policy=self.policy,
+                sampling=SamplingConfig(temperature=1.0), max_new_tokens=self.new_tokens,
+                num_samples=self.group, eos_id=None, pad_id=PAD_ID, loop=self.loop,
+                key=jax.random.fold_in(jax.random.PRNGKey(self.seed), i), weights_version=i))
+        with timer("score"):
+            rewards = _reward(jax.device_get(ro.completion_tokens))
+            adv = np.asarray(group_advantages(jnp.asarray(rewards), self.group))
+        with timer("behaviour"):
+            recorded = self.rule.recorded(ro, self.params)
+            old_logp = ro.logprobs if recorded else jax.block_until_ready(
+                self.behaviour(self.params, ro))
+        size, replayed = len(rewards) // self.minibatches, 0
+        with timer("update"):
+            for k in range(self.minibatches):
+                idx = np.arange(k * size, (k + 1) * size)
+                reuse = recorded if k == 0 else self.rule.recorded(ro, self.params)
+                replayed += int(self.method == "hybrid" and not reuse)
+                self.params, self.opt, m = self.step(
+                    self.params, self.opt, take_rows(ro, idx), jnp.asarray(adv[idx]),
+                    old_logp[idx], None, None, ro.logprobs[idx] if reuse else None)
+            jax.block_until_ready(m["loss"])
+        self.last_rollout = ro
+        return {**timer.metrics(), "replayed_updates": replayed,
+                "behaviour_recomputed": int(not recorded)}
+
+    def verify_seconds(self) -> float:
+        """Seconds of the whole-batch replay a `grpo.verify_every` step adds (compiled first)."""
+        ro = self.last_rollout
+        jax.block_until_ready(self.verify(self.params, ro))
+        t = PhaseTimer()
+        with t("verify"):
+            jax.block_until_ready(self.verify(self.params, ro))
+        return t.seconds["verify"]
+
+
+class _TunixIteration:
+    """Tunix's GRPO iteration on its own model (module docstring); same call contract."""
+
+    def __init__(self, ckpt, cfg, policy, prompts, optimizer, *, group, new_tokens,
+                 minibatches, seed):
+        self.update, self.model = tunix_ref.tunix_update(
+            ckpt, cfg, optimizer, compute_dtype=policy.compute_dtype,
+            aggregation=LOSS.aggregation, epsilon=LOSS.epsilon, num_generations=group,
+            pad_id=PAD_ID, eos_id=NO_EOS)
+        prompt_len = len(prompts[0])
+        self.rollout, self.rollout_config = tunix_ref.tunix_rollout(
+            self.model, cfg, pad_id=PAD_ID, eos_id=NO_EOS, prompt_len=prompt_len,
+            new_tokens=new_tokens)
+        # GRPO repeats each prompt G times before the rollout (prompt-major, as ours).
+        self.texts = [tunix_ref.ids_text(p) for p in prompts for _ in range(group)]
+        self.group, self.new_tokens, self.minibatches = group, new_tokens, minibatches
+        self.seed, self.count = seed, 0
+
+    def __call__(self) -> dict:
+        from flax import nnx
+        from tunix.generate import utils
+        from tunix.rl import function_registry
+        from tunix.rl.grpo import grpo_learner
+
+        timer, i = PhaseTimer(), self.count
+        self.count += 1
+        with timer("sample"):
+            config = dataclasses.replace(self.rollout_config, seed=jax.random.fold_in(
+                jax.random.PRNGKey(self.seed), i))
+            out = self.rollout.generate(self.texts, config)
+            # `_generate_and_compute_advantage`: completions right-padded, masks from pad ids.
+            completion = np.array([utils.pad_to_length(t, target_length=self.new_tokens,
+                                                       pad_value=PAD_ID, left=False)
+                                   for t in out.tokens])
+            prompt_ids = jnp.array(out.left_padded_prompt_tokens)
+            prompt_mask = prompt_ids != PAD_ID
+            completion_ids = jnp.array(completion)
+            completion_mask = jnp.array(completion != PAD_ID)
+            jax.block_until_ready(completion_ids)
+        with timer("score"):
+            estimator = function_registry.get_advantage_estimator("grpo")
+            adv = estimator(rewards=_reward(completion), num_generations=self.group)
+            adv = jax.block_until_ready(jax.device_put(adv))
+        size = completion.shape[0] // self.minibatches
+        with timer("update"):
+            for k in range(self.minibatches):
+                sl = slice(k * size, (k + 1) * size)
+                example = grpo_learner.TrainExample(
+                    prompt_ids=prompt_ids[sl], prompt_mask=prompt_mask[sl],
+                    completion_ids=completion_ids[sl], completion_mask=completion_mask[sl],
+                    ref_per_token_logps=None, advantages=adv[sl], old_per_token_logps=None)
+                loss, _, _ = self.update(example)
+            jax.block_until_ready(loss)
+        with timer("sync"):  # RLCluster.sync_weights: the actor's params into the rollout
+            # (without its `filter_types`: Tunix's reshard needs a mesh, which one device lacks)
+            self.rollout.update_params(nnx.state(self.model, nnx.Param))
+            jax.block_until_ready(jax.tree.leaves(self.rollout.model()))
+        return timer.metrics()
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options of `jaxrl-lp bench iteration`."""
+    parser.add_argument("--size", default="small", choices=sorted(SIZES),
+                        help="dense preset raced against Tunix: small (small-qwen3) or tiny")
+    parser.add_argument("--looped-size", default="small", choices=["", *sorted(LOOPED_SIZES)],
+                        help="looped preset (the dense preset's shapes, Ouro-style, R=4), "
+                             "ours only; '' to skip")
+    parser.add_argument("--batch", type=int, default=8, help="sequences B per iteration")
+    parser.add_argument("--group", type=int, default=4, help="GRPO group size G (divides B)")
+    parser.add_argument("--prompt-len", type=int, default=16)
+    parser.add_argument("--new-tokens", type=int, default=112,
+                        help="sampled tokens per sequence (prompt + these = the learner "
+                             "bench's 128)")
+    parser.add_argument("--minibatches", default="1,4",
+                        help="optimizer steps per iteration to race (comma list; each divides B)")
+    parser.add_argument("--methods", default="hybrid,dense", help="ours: hybrid, dense")
+    parser.add_argument("--policy", default="fp32",
+                        help="our precision policy (fp32 on CPU: SPEC section 11); Tunix gets "
+                             "its compute dtype")
+    parser.add_argument("--repeats", type=int, default=3,
+                        help="timed iterations of each after the warm-up (at least)")
+    parser.add_argument("--min-time", type=float, default=0.0,
+                        help="keep alternating until each took about this many seconds")
+    parser.add_argument("--no-tunix", action="store_true", help="skip the Tunix reference")
+    parser.add_argument("--seed", type=int, default=0)
+
+
+def _check(args) -> tuple[list[int], list[str]]:
+    if args.batch % args.group or args.group < 2:
+        raise ValueError("--group must be >= 2 and divide --batch")
+    for name in ("prompt_len", "new_tokens", "repeats"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
+    mbs = [int(s) for s in args.minibatches.split(",") if s.strip()]
+    if not mbs or any(m < 1 or args.batch % m for m in mbs):
+        raise ValueError(f"--minibatches: each must be >= 1 and divide --batch {args.batch}; "
+                         f"got {args.minibatches!r}")
+    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    if not methods or any(m not in ("hybrid", "dense") for m in methods):
+        raise ValueError(f"--methods: hybrid and/or dense; got {args.methods!r}")
+    return mbs, methods
+
+
+def _summary(times: dict, phases: dict, tokens: int) -> dict:
+    out = {}
+    for name, ts in times.items():
+        best = int(np.argmin(ts))
+        split = phases[name][best]
+        out[name] = {"iteration_s": round(ts[best], 4), "runs": len(ts),
+                     "tokens_per_s": round(tokens / ts[best], 1),
+                     **{k.removeprefix("timing_s/"): round(v, 4) for k, v in split.items()
+                        if k.startswith("timing_s/") and k != "timing_s/iteration"},
+                     **{k: v for k, v in split.items() if not k.startswith("timing_s/")}}
+    return out
+
+
+def _race_iterations(calls: dict, repeats: int, min_time: float):
+    phases = {m: [] for m in calls}
+
+    def recorder(name, fn):
+        def call():
+            out = fn()
+            phases[name].append(out)
+            return out
+        return call
+
+    # Two warm-up iterations each: a jitted step's second call can compile once more (its
+    # inputs are then the first call's committed, donated-into outputs; seen with Tunix's).
+    firsts = {}
+    for m, fn in calls.items():
+        firsts[m] = _first_call(fn)[0]
+    _, times, _ = _race({m: recorder(m, fn) for m, fn in calls.items()}, repeats, min_time)
+    for m in calls:  # the second warm-up's phases are not a timed run's
+        phases[m] = phases[m][1:]
+    return firsts, times, phases
+
+
+def _preset_race(cfg, policy, args, mbs, methods, optimizer, tunix_ckpt=None) -> dict:
+    params = init_params(cfg, jax.random.PRNGKey(args.seed))
+    prompts = _prompts(cfg, args.batch // args.group, args.prompt_len, args.seed)
+    common = dict(group=args.group, new_tokens=args.new_tokens, seed=args.seed)
+    ours = {f"{m}_mb{k}": _Iteration(cfg, policy, params, prompts, optimizer, method=m,
+                                     minibatches=k, loop=LoopSpec(), pack_buckets=16,
+                                     **common)
+            for k in mbs for m in methods}
+    calls = dict(ours)
+    if tunix_ckpt is not None:
+        save_hf_checkpoint(tunix_ckpt, cfg, params, dtype="f32")
+        for k in mbs:
+            calls[f"tunix_mb{k}"] = _TunixIteration(tunix_ckpt, cfg, policy, prompts, optimizer,
+                                                    minibatches=k, **common)
+    firsts, times, phases = _race_iterations(calls, args.repeats, args.min_time)
+    tokens = args.batch * args.new_tokens
+    res = _summary(times, phases, tokens)
+    for name, it in ours.items():
+        res[name]["first_call_s"] = round(firsts[name], 2)
+        if it.method == "hybrid":
+            v = it.verify_seconds()
+            res[name]["verify_replay_s"] = round(v, 4)
+            with_verify = res[name]["iteration_s"] + v / VERIFY_EVERY
+            res[name]["with_verify_tokens_per_s"] = round(tokens / with_verify, 1)
+    for k in mbs:
+        if f"tunix_mb{k}" not in res:
+            continue
+        theirs = res[f"tunix_mb{k}"]["tokens_per_s"]
+        for m in methods:
+            mine = res[f"{m}_mb{k}"]
+            mine["vs_tunix"] = round(mine["tokens_per_s"] / theirs, 3)
+            if "with_verify_tokens_per_s" in mine:
+                mine["with_verify_vs_tunix"] = round(mine["with_verify_tokens_per_s"] / theirs, 3)
+    return {"params": cfg.param_count(), "tokens_per_iteration": tokens, **res}
+
+
+def run(args: argparse.Namespace) -> dict:
+    """Runs the benchmark; returns one JSON-serializable dict."""
+    mbs, methods = _check(args)
+    policy = Policy.parse(args.policy)
+    optimizer = optax.chain(optax.clip_by_global_norm(1.0), optax.adam(1e-6))
+    why_not = "--no-tunix" if args.no_tunix else tunix_ref.unavailable()
+    info = {
+        "target": "iteration",
+        "platform": f"{platform.machine()} {jax.default_backend()}, {os.cpu_count()} cores, "
+                    f"{jax.devices()[0].device_kind}",
+        "jax": jax.__version__, "loadavg_start": round(os.getloadavg()[0], 2),
+        "policy": str(policy), "batch": args.batch, "group": args.group,
+        "prompt_len": args.prompt_len, "new_tokens": args.new_tokens, "mu": 1,
+        "minibatches": mbs, "loss": {"epsilon": LOSS.epsilon, "aggregation": LOSS.aggregation},
+        "optimizer": "clip_by_global_norm(1.0) + adam(1e-6)", "sampling": "temperature 1.0",
+        "tunix": {"available": why_not is None},
+    }
+    if why_not is None:
+        info["tunix"]["version"] = tunix_ref.tunix_version()
+    else:
+        info["tunix"]["reason"] = why_not
+    with tempfile.TemporaryDirectory() as tmp:
+        dense_cfg = get_preset(SIZES[args.size])
+        info[SIZES[args.size]] = _preset_race(dense_cfg, policy, args, mbs, methods, optimizer,
+                                              tunix_ckpt=tmp if why_not is None else None)
+    if args.looped_size:
+        cfg = LOOPED_SIZES[args.looped_size]
+        info[f"{SIZES[args.looped_size]}-looped-r{cfg.loop_steps}"] = _preset_race(
+            cfg, policy, args, mbs, methods, optimizer)
+    checks = {}
+    dense = info[SIZES[args.size]]
+    for k in mbs:
+        if "vs_tunix" in dense.get(f"hybrid_mb{k}", {}):
+            checks[f"hybrid_mb{k}_vs_tunix>={TARGET_VS_TUNIX}"] = (
+                dense[f"hybrid_mb{k}"]["vs_tunix"] >= TARGET_VS_TUNIX)
+    info["loadavg_end"] = round(os.getloadavg()[0], 2)
+    return {**info, "targets_met": checks}
