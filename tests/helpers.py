@@ -70,3 +70,69 @@ def latest_checkpoint(run_dir):
         return ckpt.steps(), ckpt.manager.restore(ckpt.latest_step())["state"]["params"]
     finally:
         ckpt.close()
+
+
+def grpo_loss_reference(learner, old, sampler, adv, mask, loss_cfg, max_tokens=None):
+    """The GRPO step's loss, its gradient in the learner's log-probs and its metrics, by hand.
+
+    numpy in f64, token-level ratio, no KL, written from SPEC section 6 and the formulas of
+    `rl.loss` / `rl.corrections`, not from their code: the correction ratio is
+    `rho = exp(old - sampler)` (its geometric mean over a row for `seq_*`), the PPO ratio
+    `r = exp(learner - anchor)` with `anchor = sampler` or `old` (`loss_cfg.ratio_anchor`),
+    `l = -w min(r A, clip(r, 1 - eps_lo, 1 + eps_hi) A)` on the kept tokens over the
+    aggregation's denominator. Returns a dict: `loss`, `grad` [B, N], `keep` [B, N] and every
+    metric of `correction_weights` and `policy_loss` (`pg_loss`, `ratio_mean`,
+    `clip_frac_low`, `clip_frac_high`, `is_weight_mean`, `frac_truncated`, `frac_masked`,
+    `mismatch_*`).
+    """
+    import numpy as np
+
+    learner, old, sampler, mask = (np.asarray(x, np.float64) for x in (learner, old, sampler,
+                                                                         mask))
+    a = np.asarray(adv, np.float64)[:, None]
+    live = mask > 0
+    cap, corr = float(loss_cfg.correction_cap), loss_cfg.correction
+    log_rho = np.where(live, old - sampler, 0.0)
+    if corr.startswith("seq_"):
+        log_rho = np.broadcast_to(log_rho.sum(1, keepdims=True)
+                                  / np.maximum(mask.sum(1, keepdims=True), 1), mask.shape)
+    rho = np.exp(log_rho)
+    truncated = np.zeros_like(mask)
+    if corr == "none":
+        keep, w = mask, mask
+    elif corr in ("tis", "seq_tis"):
+        keep, w = mask, np.minimum(rho, cap) * mask
+        truncated = np.where(rho > cap, mask, 0.0)
+    else:  # mis, seq_mis: outside [1/C, C] the token (the row) leaves the loss and its count
+        keep = np.where((rho >= 1 / cap) & (rho <= cap), mask, 0.0)
+        w = rho * keep
+    anchor = sampler if loss_cfg.ratio_anchor == "sampler" else old
+    kept = keep > 0
+    r = np.exp(np.where(kept, learner - anchor, 0.0))
+    lo, hi = 1 - loss_cfg.eps_low, 1 + loss_cfg.eps_high
+    unclipped, clipped = r * a, np.clip(r, lo, hi) * a
+    tokens = max(keep.sum(), 1.0)
+    len_b = keep.sum(1)
+    seqs = max((len_b > 0).sum(), 1.0)
+    denom = {"token_mean": np.full(len(keep), tokens),
+             "seq_mean_token_mean": seqs * np.maximum(len_b, 1.0),
+             "seq_mean_token_sum_norm": np.full(len(keep), seqs * (max_tokens or mask.shape[1]))
+             }[loss_cfg.aggregation][:, None]
+    loss = np.sum(np.where(kept, -w * np.minimum(unclipped, clipped), 0.0) / denom)
+    # d/dr of min(r A, clip(r) A) is A where the unclipped term is the smaller, else 0.
+    grad = np.where(kept & (unclipped <= clipped), -w * a * r, 0.0) / denom
+    d = np.where(live, old - sampler, 0.0)
+    real = max(mask.sum(), 1.0)
+    mean = lambda x: np.sum(np.where(live, x, 0.0)) / real
+    return {
+        "loss": loss, "grad": grad, "keep": keep, "pg_loss": loss,
+        "ratio_mean": np.sum(r * keep) / tokens,
+        "clip_frac_low": np.sum(keep * ((a < 0) & (r < lo))) / tokens,
+        "clip_frac_high": np.sum(keep * ((a > 0) & (r > hi))) / tokens,
+        "is_weight_mean": np.sum(w * keep) / tokens,
+        "frac_truncated": truncated.sum() / real,
+        "frac_masked": (mask.sum() - keep.sum()) / real,
+        "mismatch_k1": mean(-d), "mismatch_k3": mean(np.exp(d) - 1 - d),
+        "mismatch_max_abs_dlogp": np.max(np.abs(d)[live]),
+        "mismatch_prob_err": mean(np.exp(np.abs(d))),
+    }

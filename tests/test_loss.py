@@ -1,5 +1,6 @@
 """Tests of the policy loss, its aggregation, mismatch corrections and metrics."""
 
+import dataclasses
 import functools
 import math
 
@@ -7,6 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import grpo_loss_reference
 
 from jaxrl_lp.rl.corrections import correction_weights
 from jaxrl_lp.rl.loss import LossConfig, kl_penalty, loss_denominator, policy_loss, select_anchor
@@ -286,6 +288,84 @@ def test_mismatch_metrics_hand_values():
     # correction_weights reports the same metrics.
     _, _, cm = _corrections(learner, sampler, mask, LossConfig(correction="tis"))
     np.testing.assert_allclose(float(cm["mismatch_k3"]), k3, rtol=1e-6)
+
+
+# --------------------------------------------------------------------------- #
+# The ratio's anchor and the corrections with sampler != learner log-probs.
+
+
+def _three_logprobs(seed=11, num_rows=6, num_cols=5):
+    """Distinct learner (current), learner-old and sampler log-probs, advantages, a ragged mask.
+
+    Rows of 5, 3, 1, 0, 4 and 5 tokens. The sampler is off the old learner by ~0.45 nats and
+    the current learner off the old by ~0.25, so MIS drops, TIS truncates and PPO clips some
+    tokens whichever anchor is used. Padding holds garbage.
+    """
+    rng = np.random.default_rng(seed)
+    sampler = -rng.uniform(0.5, 3.0, (num_rows, num_cols))
+    old = sampler + 0.45 * rng.standard_normal(sampler.shape)
+    learner = old + 0.25 * rng.standard_normal(sampler.shape)
+    adv = rng.standard_normal(num_rows)
+    mask = (np.arange(num_cols)[None] < np.array([5, 3, 1, 0, 4, 5])[:, None]).astype(np.float32)
+    learner, old = np.where(mask > 0, learner, -np.inf), np.where(mask > 0, old, np.nan)
+    return tuple(jnp.asarray(x, jnp.float32) for x in (learner, old, sampler, adv, mask))
+
+
+@functools.partial(jax.jit, static_argnames="cfg")
+def _step_loss(learner, old, sampler, adv, mask, cfg):
+    """What `make_grpo_step` does with one micro-batch: corrections, anchor, denominators, loss."""
+    weights, keep, cmetrics = correction_weights(old, sampler, mask, cfg)
+    anchor = select_anchor(old, sampler, cfg)
+    denom = loss_denominator(keep, cfg)
+    loss, metrics, grad = _loss_and_grad(learner, anchor, adv, keep, weights, denom, cfg)
+    return loss, {**metrics, **cmetrics}, grad, keep
+
+
+ANCHOR_CASES = [  # every anchor with every correction; the aggregations take turns
+    ("sampler", "none", "token_mean"), ("learner", "none", "seq_mean_token_mean"),
+    ("sampler", "tis", "seq_mean_token_sum_norm"), ("learner", "tis", "token_mean"),
+    ("sampler", "mis", "seq_mean_token_mean"), ("learner", "mis", "seq_mean_token_sum_norm"),
+    ("sampler", "seq_tis", "token_mean"), ("learner", "seq_tis", "seq_mean_token_mean"),
+    ("sampler", "seq_mis", "seq_mean_token_sum_norm"), ("learner", "seq_mis", "token_mean"),
+]
+
+
+@pytest.mark.parametrize("anchor,correction,aggregation", ANCHOR_CASES)
+def test_ratio_anchor_and_correction_against_numpy(anchor, correction, aggregation):
+    learner, old, sampler, adv, mask = _three_logprobs()
+    cfg = LossConfig(epsilon=0.2, epsilon_high=0.28, aggregation=aggregation,
+                     correction=correction, correction_cap=1.3, ratio_anchor=anchor)
+    loss, metrics, grad, keep = _step_loss(learner, old, sampler, adv, mask, cfg)
+    want = grpo_loss_reference(learner, old, sampler, adv, mask, cfg)
+    # The case can tell the anchors apart, and the correction's direction (old / sampler).
+    other = dataclasses.replace(cfg, ratio_anchor={"sampler": "learner", "learner": "sampler"}[anchor])
+    assert abs(grpo_loss_reference(learner, old, sampler, adv, mask, other)["loss"]
+               - want["loss"]) > 1e-3
+    if correction != "none":
+        assert abs(grpo_loss_reference(learner, sampler, old, adv, mask, cfg)["loss"]
+                   - want["loss"]) > 1e-3
+    if correction.endswith("mis"):
+        assert 0 < want["keep"].sum() < float(mask.sum())  # something is dropped
+    if correction.endswith("tis"):
+        assert want["frac_truncated"] > 0
+    assert want["clip_frac_low"] + want["clip_frac_high"] > 0
+
+    np.testing.assert_array_equal(np.asarray(keep), want["keep"])
+    # f32 against f64: sums of ~20 O(1) terms.
+    np.testing.assert_allclose(float(loss), want["loss"], rtol=1e-5, atol=TOL)
+    np.testing.assert_allclose(np.asarray(grad), want["grad"], rtol=1e-5, atol=TOL)
+    for name, value in want.items():
+        if name not in ("loss", "grad", "keep"):
+            np.testing.assert_allclose(float(metrics[name]), value, rtol=1e-5, atol=TOL,
+                                       err_msg=name)
+
+
+def test_select_anchor_picks_by_name_and_needs_the_learners():
+    old, sampler = jnp.full((1, 2), -1.0), jnp.full((1, 2), -2.0)
+    assert select_anchor(old, sampler, LossConfig(ratio_anchor="sampler")) is sampler
+    assert select_anchor(old, sampler, LossConfig(ratio_anchor="learner")) is old
+    with pytest.raises(ValueError, match="ratio_anchor='learner' needs learner_old_logp"):
+        select_anchor(None, sampler, LossConfig(ratio_anchor="learner"))
 
 
 # --------------------------------------------------------------------------- #
