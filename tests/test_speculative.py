@@ -168,14 +168,54 @@ def test_sampled_tokens_follow_the_target_distribution_chi_square(spec):
     assert _chi2(counts.sum(2), DRAWS * np.roll(joint.sum(2), 1, axis=1)) < 1e-6
 
 
-def test_dense_drafter_cache_is_bounded_and_positions_rebased():
-    ro, st = greedy(DENSE)
-    spec = SpecConfig.parse(DENSE).resolve(TARGET, DRAFTER)
+def test_dense_drafter_cache_is_bounded_and_positions_rebased(monkeypatch):
+    """The drafter's cache a run carries is the same at two context lengths: sink + window slots.
+
+    The re-basing is read off a run (`greedy(DENSE)`). The cache is read off the sampler's
+    program: `draft` is wrapped to record the arrays of the drafter's cache state that the
+    decode loop hands it (and the target's cache beside them), and `speculative_generate` is
+    traced (`jax.eval_shape`) at two context lengths, prompts of 10 and 30 tokens (bucketed to
+    16 and 32) + 8 new. A jitted loop's state has fixed shapes, so these are the buffers the
+    compiled run allocates; tracing costs no compilation (two compiled runs cost ~16 s of CPU).
+    The two prompt shapes are sampled by no other test here, so `_speculate` is traced anew.
+    """
+    import jaxrl_lp.rollout.speculative as speculative
+
+    _, st = greedy(DENSE)
     # Prompt 5 + 8 new tokens + drafts run past the trained length of 12: re-based, the
     # drafter's positions stay below it (without re-basing they do not: the slow test).
     assert int(st.max_draft_position) < DRAFTER.max_position_embeddings
-    one = drafter_cache_bytes(spec, DRAFTER, "fp32", 1)
-    assert one == drafter_cache_bytes(spec, DRAFTER, "fp32", 1) > 0
+
+    nbytes = lambda tree: sum(int(np.prod(x.shape)) * x.dtype.itemsize
+                              for x in jax.tree.leaves(tree))
+    seen = []  # (drafter cache bytes, its slot axis, target cache bytes), one per trace
+
+    def measured_draft(spec, state, params, cfg, dparams, dcfg, policy, sampling, target_cache,
+                       *args):
+        seen.append((nbytes(state.cache), state.cache["pos"].shape[1], nbytes(target_cache)))
+        return draft(spec, state, params, cfg, dparams, dcfg, policy, sampling, target_cache,
+                     *args)
+
+    draft = speculative.draft
+    monkeypatch.setattr(speculative, "draft", measured_draft)
+    spec = SpecConfig.parse(DENSE).resolve(TARGET, DRAFTER)
+    rng = np.random.RandomState(3)
+    per_context = {}
+    for context in (10, 30):  # both past the trained length (12) and sink + window (7)
+        seen.clear()
+        prompts = [list(rng.randint(0, V, context)) for _ in range(2)]
+        jax.eval_shape(lambda p=prompts: speculative_generate(
+            target_params(), TARGET, p, DENSE, drafter=(drafter_params(), DRAFTER),
+            max_new_tokens=N))
+        assert len(set(seen)) == 1, f"the loop was not traced, or carries other sizes: {seen}"
+        per_context[context] = seen[0]
+    (short_d, short_slots, short_t), (long_d, long_slots, long_t) = per_context.values()
+    assert long_t > short_t  # the target's cache holds the context; the probe sees its size
+    assert long_d == short_d == drafter_cache_bytes(spec, DRAFTER, "fp32", 2) > 0
+    assert long_slots == short_slots == spec.sink + spec.window
+    # k and v [B=2, kv heads, 7 slots, head dim] f32 per layer, and the slots' int32 positions.
+    assert short_d == DRAFTER.num_layers * 2 * (2 * DRAFTER.num_kv_heads * 7
+                                                * DRAFTER.head_dim * 4) + 2 * 7 * 4
     assert drafter_cache_bytes(SpecConfig.parse(SELF), None, "fp32", 1) == 0
 
 
