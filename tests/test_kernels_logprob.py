@@ -264,7 +264,12 @@ def test_replay_and_hybrid_stay_exact_with_the_kernel_on(pol, kind):
     mask = ro.completion_mask
     assert masked_max_abs_diff(replay, ro.logprobs, mask) == 0.0
     assert masked_max_abs_diff(hybrid, ro.logprobs, mask) == 0.0
-    assert masked_max_abs_diff(dense, ro.logprobs, mask) < {"fp32": 1e-4, "bf16": 0.1}[pol[:4]]
+    # Dense is one parallel forward: close to the sampler and not equal to it (so the hybrid's
+    # value, equal to it, is not dense's). Measured on XLA:CPU over the seven cells: max
+    # |dlogp| 9.5e-7 in f32 (13-18 of 45-46 tokens differ), 1.0e-2 in bf16 (40-42 differ);
+    # the tolerances are about 4x those.
+    assert 0.0 < masked_max_abs_diff(dense, ro.logprobs, mask) < {"fp32": 4e-6,
+                                                                  "bf16": 4e-2}[pol[:4]]
     for a, b in zip(jax.tree.leaves(g_hybrid), jax.tree.leaves(g_dense), strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     assert max(float(jnp.abs(a).max()) for a in jax.tree.leaves(g_hybrid)) > 0.0

@@ -52,8 +52,11 @@ def test_replay_and_hybrid_are_exact_with_bf16_stored(kind, kernels):
     assert float(jnp.sum(mask)) > len(PROMPTS) * 2  # the rollout is not trivial
     assert masked_max_abs_diff(replay, ro.logprobs, mask) == 0.0
     assert masked_max_abs_diff(hybrid, ro.logprobs, mask) == 0.0
-    # Dense is a different computation (one parallel forward): close, not equal, in bf16.
-    assert 0.0 < masked_max_abs_diff(dense, ro.logprobs, mask) < 0.25
+    # Dense is a different computation (one parallel forward): close, not equal, in bf16, so
+    # the hybrid's value (the sampler's, above) is not dense's. Measured on XLA:CPU over the
+    # eight cells: max |dlogp| 1.1e-3 to 1.0e-2 (14-41 of 45-46 tokens differ); the tolerance
+    # is about 4x the largest.
+    assert 0.0 < masked_max_abs_diff(dense, ro.logprobs, mask) < 4e-2
     for a, b in zip(jax.tree.leaves(g_hybrid), jax.tree.leaves(g_dense), strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     assert max(float(jnp.abs(a).max()) for a in jax.tree.leaves(g_hybrid)) > 0.0
