@@ -1,4 +1,4 @@
-"""Shared settings of the tests' short training runs (imported by the test modules)."""
+"""Shared settings of the tests' short training runs, and shared references (imported by the test modules)."""
 
 # A model small enough to compile and train in seconds on 2 cores.
 TINY_MODEL = [
