@@ -14,6 +14,8 @@ the steps are exactly as before.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -42,7 +44,31 @@ from jaxrl_lp.rollout.generate import Rollout, split_rows, take_rows
 from jaxrl_lp.rollout.step import LoopSpec
 from jaxrl_lp.sync.export import straight_through_served
 
-__all__ = ["MeshStep", "make_grpo_step", "make_sft_step", "split_rows", "take_rows"]
+__all__ = ["MeshStep", "MicroBatch", "make_grpo_step", "make_sft_step", "split_rows",
+           "take_rows"]
+
+
+class MicroBatch(NamedTuple):
+    """One micro-batch of a GRPO update: what `make_grpo_step`'s loss reads per row slice.
+
+    b = B / micro_batches rows of the minibatch (N completion slots). The step
+    builds them all at once, each field with a leading [micro_batches] axis,
+    and `lax.scan`s over that stack, so the loss sees one slice at a time.
+    The whole-minibatch quantities (the denominators, correction weights and
+    token count) are computed before the split, so the update does not depend
+    on it. An optional field is None in every slice when the step is called
+    without it.
+    """
+
+    rollout: Rollout  # b rows of the rollout (`split_rows`)
+    advantages_b: jax.Array  # [b] f32 per-sequence advantages
+    anchor_bxN: jax.Array  # [b, N] f32 the ratio's denominator log-probs (`select_anchor`)
+    keep_bxN: jax.Array  # [b, N] f32 tokens in the loss (`correction_weights`' keep mask)
+    weights_bxN: jax.Array  # [b, N] f32 training-inference correction weights
+    denominator_b: jax.Array  # [b] f32 loss denominators of the minibatch (`loss_denominator`)
+    ref_logp_bxN: jax.Array | None  # [b, N] f32 KL reference log-probs, or None
+    replay_bxN: jax.Array | None  # [b, N] f32 the hybrid's recorded value (`rl.reuse`), or None
+
 
 def _finite(tree) -> jax.Array:
     return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)]))
@@ -109,7 +135,8 @@ def make_grpo_step(cfg: ModelConfig, policy: Policy, loss_cfg: LossConfig,
     by the training program and the studies. One call is one optimizer update
     on one minibatch. Loss denominators, correction weights and the token
     count are computed on the whole minibatch, then gradients are accumulated
-    over `micro_batches` row slices, so the update does not depend on the split.
+    over `micro_batches` row slices (`MicroBatch`, scanned), so the update does
+    not depend on the split.
 
     Rollouts are checked when the step is traced: their loop spec must be
     `loop` (when given; the learner replays the rollout's own schedule in any
@@ -151,17 +178,16 @@ def make_grpo_step(cfg: ModelConfig, policy: Policy, loss_cfg: LossConfig,
         raise ValueError("make_grpo_step: a weight representation (weights=) runs on one "
                          "device; drop mesh")
 
-    def mb_loss(params, mb, adv, anchor, keep, weights_, denom, ref, recorded, num_tokens, served,
-                rows):
+    def mb_loss(params, mb: MicroBatch, num_tokens, served, rows):
         if weights is not None:  # the float view of the train tree -> the model's params
             params = weights.model_params(params)
         if served is not None:
             params = straight_through_served(params, served)
-        logp, ent = learner_logprobs(params, cfg, policy, mb, method, remat=remat,
-                                     packed_rows=rows, replay_BxN=recorded)
-        loss, m = policy_loss(logp, anchor, adv, keep, weights_, denom, loss_cfg, ref,
-                              num_tokens=num_tokens)
-        m = dict(m, entropy=jnp.sum(ent * keep) / num_tokens)
+        logp, ent = learner_logprobs(params, cfg, policy, mb.rollout, method, remat=remat,
+                                     packed_rows=rows, replay_BxN=mb.replay_bxN)
+        loss, m = policy_loss(logp, mb.anchor_bxN, mb.advantages_b, mb.keep_bxN, mb.weights_bxN,
+                              mb.denominator_b, loss_cfg, mb.ref_logp_bxN, num_tokens=num_tokens)
+        m = dict(m, entropy=jnp.sum(ent * mb.keep_bxN) / num_tokens)
         return loss, m
 
     grad_fn = jax.value_and_grad(mb_loss, has_aux=True)
@@ -188,20 +214,23 @@ def make_grpo_step(cfg: ModelConfig, policy: Policy, loss_cfg: LossConfig,
         m = micro_batches
         b = adv_B.shape[0]
         rows = lambda x: None if x is None else x.reshape(m, b // m, *x.shape[1:])
-        xs = (split_rows(ro, m), rows(adv_B), rows(anchor), rows(keep), rows(cweights),
-              rows(denom), rows(ref_logp_BxN), rows(replay_BxN))
+        # Every field with a leading [micro_batches] axis: what the scan slices.
+        mbs = MicroBatch(rollout=split_rows(ro, m), advantages_b=rows(adv_B),
+                         anchor_bxN=rows(anchor), keep_bxN=rows(keep), weights_bxN=rows(cweights),
+                         denominator_b=rows(denom), ref_logp_bxN=rows(ref_logp_BxN),
+                         replay_bxN=rows(replay_BxN))
 
-        def accumulate(acc, x):
-            (loss, metrics), g = grad_fn(params, *x, num_tokens, served, packed_rows)
+        def accumulate(acc, mb: MicroBatch):
+            (loss, metrics), g = grad_fn(params, mb, num_tokens, served, packed_rows)
             return jax.tree.map(jnp.add, acc, (loss, metrics, g)), None
 
         (loss0, m0), g0 = jax.eval_shape(
-            lambda *a: grad_fn(*a, packed_rows), params, *jax.tree.map(lambda a: a[0], xs),
-            num_tokens, served)
+            lambda p, mb, n, s: grad_fn(p, mb, n, s, packed_rows), params,
+            jax.tree.map(lambda a: a[0], mbs), num_tokens, served)
         zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), (loss0, m0, g0))
         # On a mesh the accumulated gradient is sharded like the parameters.
         zeros = (*zeros[:2], constrain_params(zeros[2]))
-        (loss, metrics, grads), _ = jax.lax.scan(accumulate, zeros, xs)
+        (loss, metrics, grads), _ = jax.lax.scan(accumulate, zeros, mbs)
         grads = constrain_params(grads)
         grad_norm = optax.tree.norm(grads)
         new, opt_state, ok = _apply_if_finite(optimizer, grads, opt_state, train, loss)
