@@ -138,7 +138,7 @@ def test_grpo_step_on_a_mesh_equals_one_device_and_nothing_is_whole(mesh_spec):
     assert moments and all(not_whole(x) for x in moments), "an optimizer moment is whole"
     # A second call with the same shapes reuses the compiled program.
     step(p8, o8, ro, adv, ro.logprobs)
-    assert [jitted._cache_size() for _, jitted in step._jits.values()] == [1]
+    assert step._cache_size() == 1
 
 
 def test_mesh_specs_and_bad_input():
@@ -254,12 +254,15 @@ def test_sync_checks_and_hashes_on_a_sharded_export():
 
 
 def test_a_mesh_step_refuses_an_argument_it_has_no_kind_for():
-    """`MeshStep` places each argument by its kind; one more than its kinds is an error, not
-    an argument silently dropped."""
-    from jaxrl_lp.rl.train_step import MeshStep
+    """A mesh step places each argument by its kind; one more than its kinds is an error, not
+    an argument silently dropped (as on one device)."""
+    from jaxrl_lp.rl.learner_step import LearnerStep
 
     cfg, params, _ = model("dense")
-    step = MeshStep(lambda p, s: (p, s, {}), cfg, make_mesh("fsdp=8"), DEFAULT_RULES,
-                    ("params", "state"))
+    step = LearnerStep(lambda p, s: (p, s, {}), ("params", "state"), mesh=make_mesh("fsdp=8"),
+                       cfg=cfg, rules=DEFAULT_RULES)
     with pytest.raises(TypeError, match=r"at most 2 arguments \(params, state\); got 3"):
         step(params, {}, params)
+    one = LearnerStep(lambda p, s: (p, s, {}), ("params", "state"))
+    with pytest.raises(TypeError, match=r"at most 2 arguments \(params, state\); got 3"):
+        one(params, {}, params)

@@ -154,17 +154,9 @@ def plan(cfg: TrainConfig, mesh: str, devices: int, target: str = "h100", *,
         step = make_grpo_step(mcfg, lpol, cfg.loss, grpo_opt, loop=loop, sampler_policy=spol,
                               method=g.logprobs, micro_batches=g.micro_batches, mesh=m,
                               remat=getattr(g, "remat", False) if remat is None else remat)
-        ins, outs = step.shardings(*args)
-
-        def learner(*a):
-            with use_mesh(m):
-                return step.step(*a)
-
-        # As `MeshStep` jits it: parameters and optimizer state by the rules (donated),
-        # rollout rows over the data shards, replicated metrics.
-        grpo, grpo_s = _compile(jax.jit(learner, in_shardings=ins, out_shardings=outs,
-                                        donate_argnums=(0, 1)), args, lowered_for, "grpo_step",
-                                tgt)
+        # The step's own mesh program: parameters and optimizer state by the rules
+        # (donated), rollout rows over the data shards, replicated metrics.
+        grpo, grpo_s = _compile(step, args, lowered_for, "grpo_step", tgt)
         # The behaviour log-probs of the whole step's batch, before the updates (the
         # training program's `old_logp_fn`): one call, not micro-batched.
         whole = abstract_rollout(shp.decode_batch, shp.prompt_len, shp.max_new, spol, loop,

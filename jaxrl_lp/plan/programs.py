@@ -111,7 +111,7 @@ def _loop(cfg: ModelConfig):
 def _grpo(method: str):
     def build(cfg: ModelConfig, policy: Policy, shp: ProgramShapes):
         from jaxrl_lp.rl.loss import LossConfig
-        from jaxrl_lp.rl.train_step import _PackedStep, make_grpo_step
+        from jaxrl_lp.rl.train_step import make_grpo_step
 
         opt = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-6))
         loop = _loop(cfg)
@@ -120,15 +120,14 @@ def _grpo(method: str):
         b, n = shp.rows, shp.max_new
         args = (params, _abstract(jax.eval_shape(opt.init, params)),
                 _rollout(cfg, policy, loop, shp), _s((b,), jnp.float32), _s((b, n), jnp.float32))
-        if isinstance(step, _PackedStep):  # its largest bucket: every slot real
-            rows = (b * (shp.prompt_len + n), b * n)
-            return jax.jit(lambda *a: step.jitted(*a, packed_rows=rows)), args
+        if step.packs:  # its largest bucket: every slot real
+            return step.with_packed_rows((b * (shp.prompt_len + n), b * n)), args
         return step, args
     return build
 
 
 def _sft(cfg: ModelConfig, policy: Policy, shp: ProgramShapes):
-    from jaxrl_lp.rl.train_step import _PackedStep, make_sft_step
+    from jaxrl_lp.rl.train_step import make_sft_step
 
     opt = optax.adamw(1e-5)
     step = make_sft_step(cfg, policy, opt)
@@ -136,9 +135,8 @@ def _sft(cfg: ModelConfig, policy: Policy, shp: ProgramShapes):
     b, l = shp.rows, shp.prompt_len + shp.max_new
     args = (params, _abstract(jax.eval_shape(opt.init, params)), _s((b, l), jnp.int32),
             _s((b, l), jnp.float32))
-    if isinstance(step, _PackedStep):
-        rows = (b * l, b * (l - 1))
-        return jax.jit(lambda *a: step.jitted(*a, packed_rows=rows)), args
+    if step.packs:  # its largest bucket, as the GRPO step's
+        return step.with_packed_rows((b * l, b * (l - 1))), args
     return step, args
 
 

@@ -7,6 +7,7 @@ from jaxrl_lp.rl.advantages import (
     zero_variance_groups,
 )
 from jaxrl_lp.rl.corrections import correction_weights
+from jaxrl_lp.rl.learner_step import LearnerStep
 from jaxrl_lp.rl.logprobs import (
     dense_logprobs,
     learner_logprobs,
@@ -18,6 +19,7 @@ from jaxrl_lp.rl.metrics import mismatch_metrics
 from jaxrl_lp.rl.train_step import make_grpo_step, make_sft_step
 
 __all__ = [
+    "LearnerStep",
     "LossConfig",
     "correction_weights",
     "dense_logprobs",

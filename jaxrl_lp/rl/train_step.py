@@ -27,10 +27,10 @@ from jaxrl_lp.models.blocks import lm_head, lm_logits
 from jaxrl_lp.models.config import ModelConfig
 from jaxrl_lp.models.model import forward
 from jaxrl_lp.numerics.policy import Policy
-from jaxrl_lp.parallel.context import constrain_params, use_mesh
-from jaxrl_lp.parallel.rules import DEFAULT_RULES, ShardingRules, param_shardings
-from jaxrl_lp.parallel.shard import batch_shardings, replicated, state_shardings
+from jaxrl_lp.parallel.context import constrain_params
+from jaxrl_lp.parallel.rules import DEFAULT_RULES, ShardingRules
 from jaxrl_lp.rl.corrections import correction_weights
+from jaxrl_lp.rl.learner_step import LearnerStep
 from jaxrl_lp.rl.logprobs import (
     PACK_BUCKETS,
     learner_logprobs,
@@ -44,7 +44,7 @@ from jaxrl_lp.rollout.generate import Rollout, split_rows, take_rows
 from jaxrl_lp.rollout.step import LoopSpec
 from jaxrl_lp.sync.export import straight_through_served
 
-__all__ = ["MeshStep", "MicroBatch", "make_grpo_step", "make_sft_step", "split_rows",
+__all__ = ["LearnerStep", "MicroBatch", "make_grpo_step", "make_sft_step", "split_rows",
            "take_rows"]
 
 
@@ -127,16 +127,19 @@ def make_grpo_step(cfg: ModelConfig, policy: Policy, loss_cfg: LossConfig,
     """Builds `step(params, opt_state, rollout, advantages_B, old_logp_BxN, ref_logp_BxN, served,
     replay_BxN)`.
 
-    The returned function is jitted; `params` and `opt_state` are donated. The
-    rollout's static fields (policy, loop spec, temperature) are static: a
-    rollout sampled otherwise compiles anew (after the checks below). A
-    packed step (`pack_buckets`) reads the rollout's masks on the host first
-    and its row counts are static too: one compilation per bucket. Called
-    by the training program and the studies. One call is one optimizer update
-    on one minibatch. Loss denominators, correction weights and the token
-    count are computed on the whole minibatch, then gradients are accumulated
-    over `micro_batches` row slices (`MicroBatch`, scanned), so the update does
-    not depend on the split.
+    The step is a `LearnerStep` whatever the options (on one device, packed,
+    or on a mesh), jitted. Donated: `params` and `opt_state`. Static: the
+    rollout's static fields (policy, loop spec, temperature: a rollout sampled
+    otherwise compiles anew, after the checks below), which of the optional
+    arguments are None, and a packed step's row counts (`pack_buckets`: the
+    rollout's masks are read on the host first; one compilation per bucket).
+    Called by the training program, the studies and `bench smoke`; lowered by
+    `bench learner` and traced by `plan.programs` and the planner.
+
+    One call is one optimizer update on one minibatch. Loss denominators,
+    correction weights and the token count are computed on the whole
+    minibatch, then gradients are accumulated over `micro_batches` row slices
+    (`MicroBatch`, scanned), so the update does not depend on the split.
 
     Rollouts are checked when the step is traced: their loop spec must be
     `loop` (when given; the learner replays the rollout's own schedule in any
@@ -153,8 +156,9 @@ def make_grpo_step(cfg: ModelConfig, policy: Policy, loss_cfg: LossConfig,
         gradient in deferred mode).
       micro_batches: gradient-accumulation slices.
       remat: recompute layer activations in the backward pass.
-      mesh, rules: run sharded (`MeshStep`): params and optimizer state by the
-        rules, rollout rows over the data shards, activations constrained.
+      mesh, rules: run sharded (`LearnerStep` on a mesh): params and optimizer
+        state by the rules, rollout rows over the data shards, activations
+        constrained.
       weights: a weight representation (`optim.weights`; module docstring), or
         None: `params` are the model's params. Not with `mesh`.
       pack_buckets: for a dense model without `mesh`, the dense forward skips
@@ -172,7 +176,9 @@ def make_grpo_step(cfg: ModelConfig, policy: Policy, loss_cfg: LossConfig,
     (`rl.reuse`). A step called with and without it compiles two programs.
 
     Returns:
-      `step(...) -> (params, opt_state, metrics)`, metrics a dict of f32 scalars.
+      A `LearnerStep`: `step(...) -> (params, opt_state, metrics)`, metrics a
+      dict of f32 scalars; `step.lower(...)` and `step.trace(...)` take the
+      same arguments.
     """
     if weights is not None and mesh is not None:
         raise ValueError("make_grpo_step: a weight representation (weights=) runs on one "
@@ -240,32 +246,11 @@ def make_grpo_step(cfg: ModelConfig, policy: Policy, loss_cfg: LossConfig,
             metrics["flip_rate"] = weights.flip_rate(train, new)
         return new, opt_state, metrics
 
-    if mesh is None:
-        jitted = jax.jit(step, donate_argnums=(0, 1), static_argnames=("packed_rows",))
-        rows_of = lambda ro, *_: packed_rows_of(ro, micro_batches=micro_batches,
-                                                buckets=pack_buckets)
-        return _PackedStep(jitted, rows_of) if packs else jitted
-    return MeshStep(step, cfg, mesh, rules, ("params", "state", "batch", "batch", "batch", "batch",
-                                             "params", "batch"))
-
-
-class _PackedStep:
-    """A jitted train step called with the static `packed_rows` of its batch.
-
-    `rows_of(*batch)` (the arguments after `params` and `opt_state`) reads
-    the batch's masks on the host (for a rollout, waiting for the sampler)
-    and picks the bucket; the jitted step compiles once per bucket.
-    `lower(...)` lowers for the batch's bucket (what `bench learner` reads).
-    """
-
-    def __init__(self, jitted, rows_of):
-        self.jitted, self.rows_of = jitted, rows_of
-
-    def __call__(self, params, opt_state, *batch):
-        return self.jitted(params, opt_state, *batch, packed_rows=self.rows_of(*batch))
-
-    def lower(self, params, opt_state, *batch):
-        return self.jitted.lower(params, opt_state, *batch, packed_rows=self.rows_of(*batch))
+    kinds = ("params", "state", "batch", "batch", "batch", "batch", "params", "batch")
+    if mesh is not None:
+        return LearnerStep(step, kinds, mesh=mesh, cfg=cfg, rules=rules)
+    rows_of = lambda ro, *_: packed_rows_of(ro, micro_batches=micro_batches, buckets=pack_buckets)
+    return LearnerStep(step, kinds, rows_of=rows_of if packs else None)
 
 
 def make_sft_step(cfg: ModelConfig, policy: Policy, optimizer: optax.GradientTransformation,
@@ -274,9 +259,12 @@ def make_sft_step(cfg: ModelConfig, policy: Policy, optimizer: optax.GradientTra
                   pack_buckets: int = PACK_BUCKETS):
     """Builds the jitted supervised step `step(params, opt_state, tokens_BxL, mask_BxL)`.
 
-    `params` and `opt_state` are donated; with `mesh` it runs sharded like the
-    GRPO step (`MeshStep`). With `weights` (a representation from
-    `optim.weights`, not with `mesh`) `params` is its train tree and the
+    The step is a `LearnerStep` whatever the options, as the GRPO step's.
+    Donated: `params` and `opt_state`. Static: a packed step's row counts
+    (below). With `mesh` it runs sharded like the GRPO step. Called by the
+    training program's warm-start, the studies (`backward_state`) and `bench
+    speculative`; traced by `plan.programs`. With `weights` (a representation
+    from `optim.weights`, not with `mesh`) `params` is its train tree and the
     metrics add `flip_rate` (module docstring).
 
     Loss: mean over masked targets of -log p(token_{t+1} | tokens_<=t); looped
@@ -357,64 +345,7 @@ def make_sft_step(cfg: ModelConfig, policy: Policy, optimizer: optax.GradientTra
             raise ValueError("make_sft_step: a weight representation (weights=) runs on one "
                              "device; drop mesh")
         step = coded_step
-    if mesh is None:
-        jitted = jax.jit(step, donate_argnums=(0, 1), static_argnames=("packed_rows",))
-        return _PackedStep(jitted, rows_of) if packs else jitted
-    return MeshStep(step, cfg, mesh, rules, ("params", "state", "batch", "batch"))
-
-
-class MeshStep:
-    """A train step jitted on a mesh with explicit shardings, built at its first call.
-
-    Each positional argument has a kind: `params` (the rules' parameter
-    shardings), `state` (leaves that mirror a parameter take its sharding,
-    others are replicated: optimizer moments, `parallel.state_shardings`) or
-    `batch` (rows over the data shards). The step returns `(params, opt_state,
-    metrics)` with the same parameter and state shardings and replicated
-    metrics; `params` and `opt_state` are donated. The step is traced under
-    `use_mesh`, so activations follow the rules too. A second call with
-    arguments of the same shapes reuses the compiled program.
-    """
-
-    def __init__(self, step, cfg: ModelConfig, mesh: Mesh, rules: ShardingRules,
-                 kinds: tuple[str, ...]):
-        self.step, self.cfg, self.mesh, self.rules, self.kinds = step, cfg, mesh, rules, kinds
-        self._jits = {}  # by which optional arguments are None: each is a program of its own
-
-    def shardings(self, *args):
-        """The in-shardings of `args` (by kind) and the out-shardings of the step.
-
-        Raises:
-          TypeError: more arguments than the step has kinds for (none is dropped).
-        """
-        if len(args) > len(self.kinds):
-            raise TypeError(f"this step takes at most {len(self.kinds)} arguments "
-                            f"({', '.join(self.kinds)}); got {len(args)}")
-        params = args[0]
-        param_sh = param_shardings(params, self.cfg, self.mesh, self.rules)
-        by_kind = {
-            "params": lambda x: param_sh if x is not None else None,
-            "state": lambda x: state_shardings(x, params, param_sh, self.mesh),
-            "batch": lambda x: None if x is None else batch_shardings(x, self.mesh, self.rules),
-        }
-        # Arguments left off are the step's defaults (None): placed as None.
-        ins = tuple(by_kind[k](a) for k, a in zip(self.kinds[:len(args)], args, strict=True))
-        return ins, (ins[0], ins[1], replicated(self.mesh))
-
-    def __call__(self, *args):
-        pattern = tuple(a is None for a in args)
-        if pattern not in self._jits:
-            ins, outs = self.shardings(*args)
-
-            def traced(*a):
-                with use_mesh(self.mesh, self.rules):
-                    return self.step(*a)
-
-            self._jits[pattern] = (ins, jax.jit(traced, in_shardings=ins, out_shardings=outs,
-                                                donate_argnums=(0, 1)))
-        ins, jitted = self._jits[pattern]
-        # Inputs placed as the program expects (a no-op for those already there; rows
-        # sliced out of a sharded rollout, host arrays).
-        args = tuple(a if sh is None else jax.device_put(a, sh)
-                     for a, sh in zip(args, ins, strict=True))
-        return jitted(*args)
+    kinds = ("params", "state", "batch", "batch")
+    if mesh is not None:
+        return LearnerStep(step, kinds, mesh=mesh, cfg=cfg, rules=rules)
+    return LearnerStep(step, kinds, rows_of=rows_of if packs else None)
