@@ -20,6 +20,7 @@ from jaxrl_lp.numerics.policy import Policy
 from jaxrl_lp.rl.logprobs import jit_learner_logprobs
 from jaxrl_lp.rollout import SamplingConfig, generate
 from jaxrl_lp.rollout.drafter import sampling_probs
+from jaxrl_lp.rollout.request import check_request
 from jaxrl_lp.rollout.speculative import SpecConfig, drafter_cache_bytes, speculative_generate
 
 TOL = 1e-5  # f32 verification chunks vs one f32 full forward: log-probs, absolute
@@ -235,6 +236,33 @@ def test_bad_input_gives_one_clear_error_each():
     assert str(SpecConfig.parse("dense:/a/b,k=3,sink=1,window=9,rebase=false")) == \
         "dense:/a/b,k=3,sink=1,window=9,rebase=false"
     assert str(SpecConfig.parse(SELF)) == SELF
+
+
+
+@pytest.mark.parametrize("bad", [
+    {"max_new_tokens": 0}, {"num_samples": 0}, {"prompts": []}, {"prompts": [[1, 2], []]},
+    {"prompts": [[1, V]]}, {"pad_id": V}, {"eos_id": -1},
+    {"sampling": SamplingConfig(temperature=1.0)},  # sampling without a key
+])
+def test_a_bad_request_gets_the_same_error_from_both_samplers(bad):
+    """Both samplers check a request with `rollout.request.check_request`, before tracing."""
+    kw = {"prompts": PROMPTS, "max_new_tokens": N, **bad}
+    prompts = kw.pop("prompts")
+    with pytest.raises(ValueError) as plain:
+        generate(target_params(), TARGET, prompts, **kw)
+    with pytest.raises(ValueError) as spec:
+        speculative_generate(target_params(), TARGET, prompts, SELF, **kw)
+    assert str(spec.value) == str(plain.value)
+
+
+def test_a_prompt_past_the_context_names_the_draft_slots():
+    ctx = TARGET.max_position_embeddings
+    long = [[1] * (ctx - N)]  # fits with the new tokens, not with k = 4 more draft slots
+    check_request(long, TARGET, sampling=SamplingConfig(greedy=True), max_new_tokens=N,
+                  num_samples=1, eos_id=None, pad_id=0, key=None)  # what generate checks
+    with pytest.raises(ValueError, match=rf"plus max_new_tokens={N} and k=4 draft slots "
+                                         rf"exceeds the model's context of {ctx} tokens"):
+        speculative_generate(target_params(), TARGET, long, SELF, max_new_tokens=N)
 
 
 def _affine_batch(rng, b, length):

@@ -27,6 +27,7 @@ from jaxrl_lp.numerics.policy import Policy
 from jaxrl_lp.parallel.context import use_mesh
 from jaxrl_lp.parallel.rules import DEFAULT_RULES, ShardingRules
 from jaxrl_lp.parallel.shard import batch_shardings, put_tree, replicated
+from jaxrl_lp.rollout.request import bucket_length, check_request, pad_prompts
 from jaxrl_lp.rollout.sampling import SamplingConfig, sample_tokens
 from jaxrl_lp.rollout.step import (
     LoopSpec,
@@ -118,36 +119,6 @@ def take_rows(ro: Rollout, idx) -> Rollout:
     return dataclasses.replace(ro, **{f: getattr(ro, f)[idx] for f in _row_fields(ro)})
 
 
-def bucket_length(n: int, minimum: int = 8) -> int:
-    """The padded length for n prompt tokens: the next power of two, at least `minimum`."""
-    return max(minimum, 1 << (max(n, 1) - 1).bit_length())
-
-
-def pad_prompts(prompts: Sequence[Sequence[int]], pad_id: int, bucket: bool = True,
-                max_len: int | None = None):
-    """Left-pads ragged prompts; returns (tokens [B, P], positions [B, P], lengths [B]) numpy.
-
-    With `bucket`, P is the longest prompt's `bucket_length`, capped at `max_len`
-    (but never below the longest prompt).
-    """
-    if len(prompts) == 0:
-        raise ValueError("no prompts given")
-    lengths = np.array([len(p) for p in prompts], np.int32)
-    if (lengths == 0).any():
-        raise ValueError(f"empty prompt at index {int(np.argmin(lengths))}: every prompt needs "
-                         "at least one token (e.g. a BOS token)")
-    p = int(lengths.max())
-    if bucket:
-        cap = bucket_length(p) if max_len is None else min(bucket_length(p), max_len)
-        p = max(p, cap)
-    toks = np.full((len(prompts), p), pad_id, np.int32)
-    pos = np.full((len(prompts), p), -1, np.int32)
-    for i, pr in enumerate(prompts):
-        toks[i, p - len(pr):] = pr
-        pos[i, p - len(pr):] = np.arange(len(pr))
-    return toks, pos, lengths
-
-
 class _DecodeState(NamedTuple):
     """The decode `while_loop` state (B sequences, N new tokens at most)."""
 
@@ -234,24 +205,6 @@ def _sample(params, prompt_BxP, positions_BxP, lengths_B, key, version, *, cfg, 
     )
 
 
-def sample_rows(prompts, toks, pos, lengths, cfg: ModelConfig, num_samples: int,
-                sampling: SamplingConfig, key):
-    """Checks the prompts' token ids, repeats each padded prompt row `num_samples` times and
-    resolves the key (greedy decoding may omit it); shared by `generate` and the speculative
-    sampler. Returns `(toks, pos, lengths, key)`."""
-    if bad := [int(t) for t in np.unique(np.concatenate([np.asarray(p) for p in prompts]))
-               if not 0 <= t < cfg.vocab_size]:
-        raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, "
-                         f"{cfg.vocab_size})")
-    if num_samples > 1:
-        toks, pos, lengths = (np.repeat(a, num_samples, axis=0) for a in (toks, pos, lengths))
-    if key is None:
-        if not sampling.greedy:
-            raise ValueError("sampling needs a PRNG key (key=jax.random.key(seed))")
-        key = jax.random.PRNGKey(0)
-    return toks, pos, lengths, key
-
-
 def generate(
     params: dict,
     cfg: ModelConfig,
@@ -304,29 +257,20 @@ def generate(
     Returns:
       A `Rollout`.
 
+    Raises:
+      ValueError: a bad request (`rollout.request.check_request`, the checks
+        `speculative_generate` makes too).
+
     Example:
       >>> ro = generate(params, cfg, [[1, 2, 3]], max_new_tokens=8)
     """
-    if max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be >= 1; got {max_new_tokens}")
-    if num_samples < 1:
-        raise ValueError(f"num_samples must be >= 1; got {num_samples}")
+    req = check_request(prompts, cfg, sampling=sampling, max_new_tokens=max_new_tokens,
+                        num_samples=num_samples, eos_id=eos_id, pad_id=pad_id, key=key)
     policy = Policy.parse(policy)
     loop = LoopSpec.parse(loop).resolve(cfg)
-    # The bucket is capped so that prompt slots plus new tokens fit the context.
-    toks, pos, lengths = pad_prompts(prompts, pad_id,
-                                     max_len=cfg.max_position_embeddings - max_new_tokens)
-    longest = int(lengths.max())
-    if longest + max_new_tokens > cfg.max_position_embeddings:
-        raise ValueError(
-            f"prompt of {longest} tokens plus max_new_tokens={max_new_tokens} exceeds the "
-            f"model's context of {cfg.max_position_embeddings} tokens; shorten the prompt or "
-            "lower max_new_tokens"
-        )
-    toks, pos, lengths, key = sample_rows(prompts, toks, pos, lengths, cfg, num_samples,
-                                          sampling, key)
-    rows = toks.shape[0]
-    host = (toks, pos, lengths)
+    key = req.key
+    rows = req.tokens_BxP.shape[0]
+    host = (req.tokens_BxP, req.positions_BxP, req.lengths_B)
     if mesh is None:
         arrays = tuple(jnp.asarray(a) for a in host)
     else:

@@ -57,7 +57,8 @@ from jaxrl_lp.models.config import ModelConfig
 from jaxrl_lp.numerics.fingerprint import tree_fingerprint
 from jaxrl_lp.numerics.policy import Policy
 from jaxrl_lp.rollout.drafter import DraftState, draft, init_draft, sampling_probs
-from jaxrl_lp.rollout.generate import Rollout, pad_prompts, sample_rows
+from jaxrl_lp.rollout.generate import Rollout
+from jaxrl_lp.rollout.request import check_request
 from jaxrl_lp.rollout.rows import put_chunk, rowwise_forward, take_chunk
 from jaxrl_lp.rollout.sampling import SamplingConfig, sample_tokens
 from jaxrl_lp.rollout.sampling import _filter as filter_logits  # the sampler's own filter
@@ -294,6 +295,10 @@ def speculative_generate(
     Returns:
       A `Rollout`, or (`Rollout`, `SpecStats`) with `with_stats`.
 
+    Raises:
+      ValueError: a bad request, as `generate` (`rollout.request.check_request`);
+        a missing or mismatched spec or drafter; a mesh; a deferred loop spec.
+
     Example:
       >>> ro = speculative_generate(params, cfg, [[1, 2, 3]], "self:loops=1,k=4")
     """
@@ -303,10 +308,11 @@ def speculative_generate(
     if mesh is not None:
         raise ValueError("speculative rollouts run without a device mesh; sample with "
                          "`generate` on a mesh, or drop the mesh")
-    if max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be >= 1; got {max_new_tokens}")
-    if num_samples < 1:
-        raise ValueError(f"num_samples must be >= 1; got {num_samples}")
+    # The request's checks before the drafter is loaded: those `generate` makes, and k
+    # draft slots of cache beyond the completion.
+    req = check_request(prompts, cfg, sampling=sampling, max_new_tokens=max_new_tokens,
+                        num_samples=num_samples, eos_id=eos_id, pad_id=pad_id, key=key,
+                        draft_slots=spec.k)
     if drafter is None and spec.drafter == "dense" and spec.path:
         drafter = load_drafter(spec.path)
     dparams, dcfg = drafter if drafter is not None else (None, None)
@@ -317,17 +323,9 @@ def speculative_generate(
     loop = LoopSpec.parse(loop).resolve(cfg)
     if loop.compute_mode != "dense":
         raise ValueError(f"speculative rollouts verify in dense compute mode; got loop spec {loop}")
-    slack = max_new_tokens + spec.k
-    toks, pos, lengths = pad_prompts(prompts, pad_id, max_len=cfg.max_position_embeddings - slack)
-    longest = int(lengths.max())
-    if longest + slack > cfg.max_position_embeddings:
-        raise ValueError(
-            f"prompt of {longest} tokens plus max_new_tokens={max_new_tokens} and k={spec.k} "
-            f"draft slots exceeds the model's context of {cfg.max_position_embeddings} tokens")
-    toks, pos, lengths, key = sample_rows(prompts, toks, pos, lengths, cfg, num_samples,
-                                          sampling, key)
-    ro, stats = _speculate(params, dparams, jnp.asarray(toks), jnp.asarray(pos),
-                           jnp.asarray(lengths), key, weights_version, cfg=cfg, dcfg=dcfg,
+    ro, stats = _speculate(params, dparams, jnp.asarray(req.tokens_BxP),
+                           jnp.asarray(req.positions_BxP), jnp.asarray(req.lengths_B), req.key,
+                           weights_version, cfg=cfg, dcfg=dcfg,
                            spec=spec, policy=policy, loop=loop, sampling=sampling,
                            max_new_tokens=max_new_tokens, eos_id=eos_id, pad_id=pad_id)
     ro = dataclasses.replace(ro, weights_digest=tree_fingerprint(params))  # the target's weights
