@@ -23,10 +23,10 @@ import dataclasses
 import time
 from contextlib import contextmanager
 
-import jax
 import numpy as np
 
 from jaxrl_lp.numerics.fingerprint import fingerprint_equal, tree_fingerprint
+from jaxrl_lp.parallel.shard import to_host
 from jaxrl_lp.rollout.generate import Rollout
 
 __all__ = ["PhaseTimer", "ReplayMismatchError", "ReplayRule", "check_replay_equal"]
@@ -69,9 +69,10 @@ class ReplayRule:
 
 def check_replay_equal(replayed, ro: Rollout, step: int) -> None:
     """Raises `ReplayMismatchError` unless `replayed` equals `ro.logprobs` bit for bit on the mask."""
-    mask = np.asarray(jax.device_get(ro.completion_mask)) > 0
-    got = np.asarray(jax.device_get(replayed), np.float32)
-    want = np.asarray(jax.device_get(ro.logprobs), np.float32)
+    # `to_host`: across processes the arrays span devices no one process holds.
+    mask = np.asarray(to_host(ro.completion_mask)) > 0
+    got = np.asarray(to_host(replayed), np.float32)
+    want = np.asarray(to_host(ro.logprobs), np.float32)
     differ = mask & (got.view(np.uint32) != want.view(np.uint32))
     if differ.any():
         worst = float(np.max(np.abs(np.where(differ, got - want, 0.0))))
