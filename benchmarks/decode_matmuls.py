@@ -8,7 +8,9 @@ weight bytes per second, three ways:
 - `dot_in_out`: `x @ W` with W stored `[in, out]`, the model's layout;
 - `dot_out_in`: the same product with W stored `[out, in]`;
 - `multiply_reduce_out_in`: `sum(W[:, None, :] * x[None], -1)` (XLA's
-  reduction emitter instead of its dot).
+  reduction emitter instead of its dot);
+- `multiply_reduce_transposed_in_loop`: the same with W stored `[in, out]`
+  and transposed inside the loop (whether XLA hoists the transpose out).
 
 Each form runs `--steps` dependent steps in one jitted `fori_loop` (the input
 of every matmul depends on the previous step, so nothing is hoisted), the
@@ -49,8 +51,12 @@ def _products():
     def multiply_reduce_out_in(x, w_out_in):
         return jnp.sum(w_out_in[:, None, :] * x[None], axis=-1).T
 
+    def multiply_reduce_transposed_in_loop(x, w_in_out):
+        return multiply_reduce_out_in(x, w_in_out.T)
+
     return {"dot_in_out": (dot_in_out, False), "dot_out_in": (dot_out_in, True),
-            "multiply_reduce_out_in": (multiply_reduce_out_in, True)}
+            "multiply_reduce_out_in": (multiply_reduce_out_in, True),
+            "multiply_reduce_transposed_in_loop": (multiply_reduce_transposed_in_loop, False)}
 
 
 def main() -> None:
