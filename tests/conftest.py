@@ -49,14 +49,15 @@ def _release_compiled_programs():
 def finished_runs(tmp_path_factory):
     """Two finished short runs that the tests reading runs share (read them, or copy them).
 
-    `plain`: no exporter; `fair`: Fair Cast (`helpers.FAIR_CAST`). Each is a
+    `plain`: no exporter; `fair`: Fair Cast (`helpers.FAIR_CAST`) with a KL term
+    whose gradient moves the GRPO state (`helpers.GRPO_MOVES`). Each is a
     `(run_dir, summary)` pair of `helpers.FINISHED` (8 steps).
 
     Under `pytest -n` (xdist) the workers share them: the first to ask trains
     them in the session's common temporary folder, under a file lock, and the
     others wait and read them (`summary.json`, what `run_train` returned).
     """
-    from helpers import FAIR_CAST, FINISHED
+    from helpers import FAIR_CAST, FINISHED, GRPO_MOVES
 
     from jaxrl_lp.train import apply_overrides, default_config, run_train
 
@@ -66,7 +67,7 @@ def finished_runs(tmp_path_factory):
     runs = {}
     with open(root / ".lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
-        for name, extra in (("plain", []), ("fair", FAIR_CAST)):
+        for name, extra in (("plain", []), ("fair", [*FAIR_CAST, *GRPO_MOVES])):
             run = root / name
             done = root / f"{name}.finished"
             if not done.exists():  # not trained, or cut off mid-way

@@ -36,6 +36,12 @@ FINISHED_STEPS = 8
 # GRPO steps.
 FAIR_CAST = ["sync.exporter=bf16:error_feedback", "sync.loss_on_served=true",
              "sync.check_every=2"]
+# After 2 warm-start steps every reward of FINISHED is 0, so is every advantage, and the
+# GRPO updates alone move nothing (grad norm 0.0: the params and Adam's moments stand
+# still). A KL term to the GRPO start, computed on the served copy, gives them a gradient
+# (grad norm 1e-4 to 2e-3, served progress about 1 at every step), so what a resume
+# inside GRPO must restore has moved.
+GRPO_MOVES = ["loss.kl_beta=0.05"]
 
 
 def exactness_grads(cfg, policy, ro, loop):

@@ -4,13 +4,12 @@ import json
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import jax
 import numpy as np
 import pytest
-from helpers import FAIR_CAST, FINISHED, FINISHED_STEPS, sets, short_run
+from helpers import FAIR_CAST, FINISHED, FINISHED_STEPS, GRPO_MOVES, sets, short_run
 
 from jaxrl_lp.cli.main import main as cli_main
 from jaxrl_lp.train import NonFiniteError, apply_overrides, default_config, run_train
@@ -39,41 +38,153 @@ def _final_params(run_dir):
     return step, restored["state"]["params"]
 
 
-def test_sigkill_and_resume_is_bit_identical(tmp_path, finished_runs):
-    """A Fair Cast run (the exporter's error-feedback residual must survive the kill too)."""
-    ref_dir, summary = finished_runs["fair"]
-    cut_dir = tmp_path / "cut"
-    assert summary["steps"] == FINISHED_STEPS
-    # The same run in a subprocess, killed with SIGKILL once a mid-run checkpoint exists.
-    args = [sys.executable, "-m", "jaxrl_lp.cli.main", "train",
-            *sets(*FINISHED, *FAIR_CAST, f"run.out_dir={cut_dir}")]
-    proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.time() + 600
-    ckpts = cut_dir / "checkpoints"
-    rs = np.random.RandomState(0)
-    target = int(rs.choice([2, 4, 6]))  # a random point: after the 1st, 2nd or 3rd checkpoint
-    while time.time() < deadline and proc.poll() is None:
-        done = [p for p in ckpts.glob("*") if p.name.isdigit()] if ckpts.exists() else []
-        if any(int(p.name) >= target for p in done):
-            break
-        time.sleep(0.05)
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
-    step_killed = Checkpointer(cut_dir).latest_step()
-    assert step_killed is not None and step_killed < FINISHED_STEPS, "the kill should land mid-run"
-    # The resume runs in a fresh process too, as a user's would. (In-process, late in a long
-    # test session, XLA CPU segfaulted (every time) deserializing this run's programs from the
-    # persistent compilation cache; a fresh process reads the same entries cleanly.)
-    subprocess.run(args, check=True, stdout=subprocess.DEVNULL, timeout=600)
-    resumed = json.loads((cut_dir / "summary.json").read_text())
-    assert resumed["steps"] == FINISHED_STEPS
-    _, p_ref = _final_params(ref_dir)
-    _, p_cut = _final_params(cut_dir)
-    jax.tree.map(np.testing.assert_array_equal, p_ref, p_cut)
-    assert resumed["final_accuracy"] == summary["final_accuracy"]
+# `jaxrl-lp train` in a subprocess that SIGKILLs itself at a named moment (argv: the moment,
+# its step or update, then the command's arguments): the in-process patches of
+# test_preemption.py, with a signal nothing can catch, at moments a signal from outside
+# would hit only by chance.
+#   after_save N:    checkpoint N is written (finalized), nothing after it has run.
+#   before_update N: the N-th GRPO update is about to run: its export, rollout, behaviour
+#                    log-probs and sync diagnostics are done (the exporter state has moved
+#                    past the newest checkpoint), the optimizer update is not.
+#   in_save N:       checkpoint N is written to its temporary directory, not yet renamed.
+KILLED_AT = r"""
+import os, signal, sys
+
+moment, at = sys.argv[1], int(sys.argv[2])
+die = lambda: os.kill(os.getpid(), signal.SIGKILL)
+if moment == "after_save":
+    from jaxrl_lp.train.checkpoint import Checkpointer
+
+    save = Checkpointer.save
+
+    def save_then_die(self, step, state, meta):
+        save(self, step, state, meta)
+        if step == at and self.dir.name == "checkpoints":
+            die()
+
+    Checkpointer.save = save_then_die
+elif moment == "before_update":
+    import jaxrl_lp.train.program as program
+
+    make = program.make_grpo_step
+
+    def make_dying(*args, **kwargs):
+        grpo_step, calls = make(*args, **kwargs), [0]
+
+        def dying(*a):
+            calls[0] += 1
+            if calls[0] == at:
+                die()
+            return grpo_step(*a)
+
+        return dying
+
+    program.make_grpo_step = make_dying
+elif moment == "in_save":
+    from orbax.checkpoint._src.path import atomicity
+
+    finalize = atomicity.AtomicRenameTemporaryPath.finalize
+
+    async def die_before_rename(self):
+        if self.get_final().name == str(at) and self.get_final().parent.name == "checkpoints":
+            die()
+        await finalize(self)
+
+    atomicity.AtomicRenameTemporaryPath.finalize = die_before_rename
+else:
+    raise SystemExit(f"unknown moment {moment!r}")
+from jaxrl_lp.cli.main import main
+
+sys.exit(main(sys.argv[3:]))
+"""
+
+
+def _checkpoints(run_dir):
+    """`{step: {"state", "meta"}}`: every kept checkpoint of a run, whole."""
+    ckpt = Checkpointer(run_dir)
+    try:
+        return {s: ckpt.manager.restore(s) for s in ckpt.steps()}
+    finally:
+        ckpt.close()
+
+
+def _assert_bit_equal(a, b):
+    """Equal pytrees: the same structure, and each leaf of the same dtype, shape and bytes."""
+    (la, ta), (lb, tb) = jax.tree.flatten_with_path(a), jax.tree.flatten_with_path(b)
+    assert ta == tb
+    for (path, x), (_, y) in zip(la, lb, strict=True):
+        x, y = np.asarray(x), np.asarray(y)
+        where = jax.tree_util.keystr(path)
+        assert (x.dtype, x.shape) == (y.dtype, y.shape), where
+        assert x.tobytes() == y.tobytes(), where
+
+
+def _kill_and_resume(cut_dir, overrides, moment, at):
+    """Runs `overrides` into `cut_dir` killed at `moment` `at` (`KILLED_AT`), checks where the
+    kill landed, resumes it in a fresh process (as a user would) and returns the newest
+    checkpoint step the kill left."""
+    args = ["train", *sets(*overrides, f"run.out_dir={cut_dir}")]
+    out = subprocess.run([sys.executable, "-c", KILLED_AT, moment, str(at), *args],
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == -signal.SIGKILL, out.stderr[-3000:]
+    ckpt = Checkpointer(cut_dir)
+    killed_at, meta = ckpt.latest_step(), ckpt.latest_meta()
+    ckpt.close()
+    sft_steps = FINISHED_STEPS - 6
+    if moment == "after_save":
+        assert killed_at == at
+    elif moment == "before_update":  # the update of step sft + N; the one before it logged
+        assert killed_at == sft_steps + at - 2 and killed_at % 2 == 0
+        logged = (cut_dir / "metrics.jsonl").read_text().splitlines()
+        assert len(logged) > meta["metrics_records"], "records past the checkpoint to drop"
+        assert json.loads(logged[-1])["step"] == sft_steps + at - 1
+    else:  # in_save: the step's temporary directory is there, the previous step is the newest
+        assert killed_at == at - 2
+        assert list((cut_dir / "checkpoints").glob(f"{at}.orbax-checkpoint-tmp*"))
+    assert sft_steps <= killed_at < FINISHED_STEPS, "the kill should land inside GRPO"
+    # In-process, late in a long test session, XLA CPU segfaulted (every time) deserializing
+    # this run's programs from the persistent compilation cache; a fresh process reads the
+    # same entries cleanly.
+    subprocess.run([sys.executable, "-m", "jaxrl_lp.cli.main", *args], check=True,
+                   stdout=subprocess.DEVNULL, timeout=600)
+    return killed_at
+
+
+def _assert_resumed_exactly(cut_dir, ref_dir):
+    """The resumed run's kept checkpoints (6 and 8) equal the uninterrupted run's, state and
+    meta: params, both optimizer states, the exporter's state (residual, export count) and
+    diagnostics, both data iterators, the metrics record count; and so do its records."""
+    cut, ref = _checkpoints(cut_dir), _checkpoints(ref_dir)
+    assert sorted(cut) == sorted(ref) == [FINISHED_STEPS - 2, FINISHED_STEPS]
+    for step in ref:
+        assert cut[step]["meta"] == ref[step]["meta"], step
+        _assert_bit_equal(cut[step]["state"], ref[step]["state"])
+    # The state a resume restores had moved inside GRPO (else restoring the warm-start's
+    # would pass): the params and both of Adam's moments between steps 6 and 8.
+    moved = lambda a, b: any(np.asarray(x).tobytes() != np.asarray(y).tobytes()
+                             for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True))
+    six, eight = (ref[s]["state"] for s in sorted(ref))
+    assert moved(six["params"], eight["params"])
+    assert moved(six["opt_grpo"], eight["opt_grpo"])
+    assert six["sync"]["exporter"]["count"] == 4 and eight["sync"]["exporter"]["count"] == 6
     # One record per step and phase across the kill: the records the killed run wrote past
     # its last checkpoint were dropped and redone, so the log equals the uninterrupted one's.
     assert _records(cut_dir) == _records(ref_dir)
+
+
+def test_sigkill_between_export_and_update_resumes_bit_identically(tmp_path, finished_runs):
+    """Fair Cast (bf16 error feedback, the loss on the served copy), killed before the 4th
+    GRPO update: its export has moved the residual past checkpoint 4, which must not count."""
+    ref_dir, summary = finished_runs["fair"]
+    cut_dir = tmp_path / "cut"
+    assert summary["steps"] == FINISHED_STEPS
+    killed_at = _kill_and_resume(cut_dir, [*FINISHED, *FAIR_CAST, *GRPO_MOVES],
+                                 "before_update", 4)
+    assert killed_at == 4
+    resumed = json.loads((cut_dir / "summary.json").read_text())
+    assert resumed["steps"] == FINISHED_STEPS
+    assert resumed["final_accuracy"] == summary["final_accuracy"]
+    _assert_resumed_exactly(cut_dir, ref_dir)
     for name in ("metrics.jsonl", "summary.json", "sft_loss.png", "reward.png", "accuracy.png",
                  "mismatch.png", "timing.png"):
         assert (ref_dir / name).exists(), name
@@ -86,11 +197,43 @@ def test_sigkill_and_resume_is_bit_identical(tmp_path, finished_runs):
     # are the sampler's exactly; the checks pass.
     grpo = [r for r in _records(ref_dir) if r["phase"] == "grpo"]
     assert len(grpo) == 6
+    assert all(r["grad_norm"] > 0 for r in grpo)  # GRPO_MOVES
     measured = [r for r in grpo if r["behaviour_recomputed"] == 1.0]
     assert measured == grpo[:1] and measured[0]["replay_verified"] == 1.0
     assert all(r["mismatch_max_abs_dlogp"] == 0.0 for r in measured)
     checked = [r for r in grpo if "sync/probe_logprobs" in r]
     assert checked and all(r[k] == 1.0 for r in checked for k in r if k.startswith("sync/"))
+
+
+STOCHASTIC = ["sync.exporter=bf16:stochastic", "sync.loss_on_served=true", "sync.check_every=2"]
+
+
+@pytest.fixture(scope="module")
+def stochastic_run(tmp_path_factory):
+    """An uninterrupted run of FINISHED with a bf16 stochastic-rounding exporter (keys from
+    its export count), the loss on the served copy."""
+    run = tmp_path_factory.mktemp("stochastic") / "run"
+    run_train(apply_overrides(default_config(), [*FINISHED, *STOCHASTIC, *GRPO_MOVES,
+                                                 f"run.out_dir={run}"]))
+    return run
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("exporter,moment,at", [
+    ("error_feedback", "after_save", 6),
+    ("error_feedback", "in_save", 6),
+    ("stochastic", "before_update", 4),
+    ("stochastic", "after_save", 4),
+    ("stochastic", "in_save", 6),
+])
+def test_sigkill_inside_grpo_resumes_bit_identically(tmp_path, exporter, moment, at,
+                                                     request):
+    if exporter == "error_feedback":
+        ref_dir, sync = request.getfixturevalue("finished_runs")["fair"][0], FAIR_CAST
+    else:
+        ref_dir, sync = request.getfixturevalue("stochastic_run"), STOCHASTIC
+    _kill_and_resume(tmp_path / "cut", [*FINISHED, *sync, *GRPO_MOVES], moment, at)
+    _assert_resumed_exactly(tmp_path / "cut", ref_dir)
 
 
 def test_warm_start_resumes_with_another_exporter_but_a_grpo_run_does_not(tmp_path):
