@@ -255,6 +255,23 @@ def _set_scale(q, value, dtype=None):
     return dataclasses.replace(q, scales=jnp.asarray(s.astype(dtype or q.scales.dtype)))
 
 
+def _transpose_scales(q):
+    """The scales' last two axes swapped (a consumer's row-major read of a column-major
+    write): valid E8M0 powers of two, in the wrong places. q_proj's [L, D/32, H*hd] scales
+    are not square, so their shape shows it; a square tensor's would hash apart (check 2)."""
+    return dataclasses.replace(q, scales=jnp.swapaxes(q.scales, -1, -2))
+
+
+def _block16_scales(q):
+    """Scales laid out for blocks of 16 (NVFP4's) on MXFP8 codes: each scale twice."""
+    return dataclasses.replace(q, scales=jnp.repeat(q.scales, 2, axis=q.axis))
+
+
+def _requantize_on_axis(q, axis):
+    """The same tensor quantized with its blocks along another axis (not the reduction's)."""
+    return quantize_array(q.dequantize(), q.format, axis)
+
+
 def _one_ulp(x):
     return x.at[3].set(jnp.nextafter(x[3], jnp.float32(2)))
 
@@ -270,6 +287,15 @@ FAULTS = {
     "non_pow2_scale": (lambda t: _map_leaf(t, ("layers", "down_proj"),
                                            lambda q: _set_scale(q, 3.0, np.float32)),
                        None, {}, "scales"),
+    # A mis-laid scale tensor also fails the layout (check 1: the expected scale shapes) and
+    # the hashes (2); check 3 must name it on its own, from the codes' shape alone.
+    "transposed_scales": (lambda t: _map_leaf(t, ("layers", "q_proj"), _transpose_scales),
+                          None, {}, "scales"),
+    "misshaped_scales": (lambda t: _map_leaf(t, ("layers", "gate_proj"), _block16_scales),
+                         None, {}, "scales"),
+    "scales_off_their_axis": (lambda t: _map_leaf(t, ("layers", "o_proj"),
+                                                  lambda q: _requantize_on_axis(q, 2)),
+                              None, {}, "scales"),
     "stale_version": (None, None, {"version": VERSION - 1, "cache_version": VERSION - 1},
                       "version"),
     "stale_cache": (None, None, {"cache_version": VERSION - 1}, "version"),
@@ -302,6 +328,27 @@ def test_fault_injection_is_caught(master, clean, fault):
     if written_fault:  # the exporter wrote it (hashes agree): only the targeted check sees it
         assert failed == [check], str(report)
     assert f"[FAIL] {check}" in str(report)
+    if fault in SCALE_FAULT_DETAILS:  # check 3 says what is wrong
+        detail = SCALE_FAULT_DETAILS[fault](clean)
+        assert detail in report.failures[failed.index(check)].details, str(report)
+        if fault != "scales_off_their_axis":  # a shape is wrong against the codes alone;
+            alone = check_scales(held)  # an axis only against the expected layout's
+            assert not alone.passed and detail in alone.details, alone
+
+
+def _scale_shape_detail(name, scales_shape):
+    return lambda t: (f"layers/{name}: scales shape {scales_shape(t['layers'][name])}, "
+                      f"expected {tuple(t['layers'][name].scales.shape)}")
+
+
+SCALE_FAULT_DETAILS = {
+    "transposed_scales": _scale_shape_detail(
+        "q_proj", lambda q: tuple(np.swapaxes(np.empty(q.scales.shape), -1, -2).shape)),
+    "misshaped_scales": _scale_shape_detail(
+        "gate_proj", lambda q: tuple(np.repeat(np.empty(q.scales.shape), 2, q.axis).shape)),
+    "scales_off_their_axis": lambda t: "layers/o_proj: scales on axis 2, expected the reduction "
+                                       f"axis {t['layers']['o_proj'].axis}",
+}
 
 
 def test_requantize_allows_only_the_mx_renormalization():
