@@ -107,3 +107,42 @@ def test_expected_kernels_follow_the_model_and_the_policy():
     assert expected_kernels("sft_step", ouro, "bf16") == set()  # the expected read-out
     assert expected_kernels("replay", qwen, "nvfp4") == {"decode_attention", "quantize"}
     assert expected_kernels("replay", qwen, "bf16,k=off") == set()
+
+
+@pytest.mark.parametrize(("preset", "policy"), [("qwen3-0.6b", "bf16"), ("ouro-1.4b", "bf16"),
+                                               ("qwen3-0.6b", "bf16,k=off")])
+def test_the_samplers_decode_loop_carries_the_attention_kernel(preset, policy):
+    """The program `generate` compiles (prefill, then its `while_loop` of decode steps), not
+    a decode step built apart (`plan.programs`): lowered for cuda and tpu at the presets'
+    sizes (dense, and looped in its own exit rule) it calls the decode attention kernel when
+    its policy picks it, and never the
+    log-prob kernel (it samples from the logits it has). The prefill's 64-token queries take
+    the plain attention (`models.blocks`: the kernel is for one query per sequence), so the
+    kernel is the loop's. Under `k=off` there is none: what the assertion fails on."""
+    import jax
+    import jax.numpy as jnp
+
+    from jaxrl_lp.bench.lowering import kernel_family
+    from jaxrl_lp.kernels.lowering import kernel_calls, lower_for
+    from jaxrl_lp.models.model import init_params
+    from jaxrl_lp.numerics.policy import Policy
+    from jaxrl_lp.plan.programs import native
+    from jaxrl_lp.rollout.generate import _generate
+    from jaxrl_lp.rollout.sampling import SamplingConfig
+    from jaxrl_lp.rollout.step import LoopSpec
+
+    cfg = get_preset(preset)
+    params = jax.eval_shape(lambda: init_params(cfg, jax.random.PRNGKey(0)))
+    rows, prompt = 8, 64
+    ints = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)
+    with native():
+        traced = _generate.trace(
+            params, ints(rows, prompt), ints(rows, prompt), ints(rows), jax.random.PRNGKey(0), 0,
+            cfg=cfg, policy=Policy.parse(policy), loop=LoopSpec().resolve(cfg),
+            sampling=SamplingConfig(temperature=1.0), max_new_tokens=64, eos_id=cfg.eos_token_id,
+            pad_id=cfg.pad_token_id)
+        for platform in ("cuda", "tpu"):
+            families = {kernel_family(k) for k in kernel_calls(lower_for(traced, platform),
+                                                               platform)}
+            assert families == ({"decode_attention"} if policy == "bf16" else set()), (
+                platform, families)
