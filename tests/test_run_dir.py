@@ -9,7 +9,7 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
-from helpers import FINISHED, sets
+from helpers import FAIR_CAST, FINISHED, GRPO_MOVES, sets
 
 from jaxrl_lp.cli.main import main as cli_main
 from jaxrl_lp.train import apply_overrides, default_config, run_train
@@ -48,6 +48,15 @@ def _params(run_dir: Path):
         ckpt.close()
 
 
+def _checkpoint(run_dir: Path, step: int) -> dict:
+    """Checkpoint `step` of a run, whole: `{"state", "meta"}`."""
+    ckpt = Checkpointer(run_dir, create=False)
+    try:
+        return ckpt.manager.restore(step)
+    finally:
+        ckpt.close()
+
+
 @pytest.fixture
 def reference(finished_runs):
     """An uninterrupted run of SHORT."""
@@ -69,28 +78,38 @@ def test_a_second_train_on_a_locked_run_exits_at_once_and_touches_nothing(tmp_pa
 
 
 def test_damaged_checkpoints_are_named_set_aside_and_the_run_continues(tmp_path, capsys,
-                                                                       reference):
-    run_train(_cfg(tmp_path, "run.keep_checkpoints=3"), stop_after=6)  # checkpoints 2, 4, 6
+                                                                       finished_runs):
+    # The shared Fair Cast run (its GRPO moves the params, both optimizers and the exporter's
+    # residual), checkpointed at every step: 5, 6 and 7 kept, of which 7 and 6 are damaged,
+    # so the run resumes from step 5, inside GRPO.
+    fair = finished_runs["fair"][0]
+    cfg = _cfg(tmp_path, *FAIR_CAST, *GRPO_MOVES, "run.keep_checkpoints=3",
+               "run.checkpoint_every=1")
+    run_train(cfg, stop_after=7)
     ckpts = tmp_path / "checkpoints"
-    assert sorted(int(p.name) for p in ckpts.iterdir() if p.name.isdigit()) == [2, 4, 6]
-    # Step 6: a truncated array file; step 4: its metadata file is gone.
-    biggest = max((p for p in (ckpts / "6" / "state").rglob("*") if p.is_file()),
+    assert sorted(int(p.name) for p in ckpts.iterdir() if p.name.isdigit()) == [5, 6, 7]
+    # Step 7: a truncated array file; step 6: its metadata file is gone.
+    biggest = max((p for p in (ckpts / "7" / "state").rglob("*") if p.is_file()),
                   key=lambda p: p.stat().st_size)
     with biggest.open("r+b") as f:
         f.truncate(biggest.stat().st_size // 2)
-    (ckpts / "4" / "meta" / "metadata").unlink()
+    (ckpts / "6" / "meta" / "metadata").unlink()
     capsys.readouterr()
-    summary = run_train(_cfg(tmp_path, "run.keep_checkpoints=3"))
+    summary = run_train(cfg)
     err = capsys.readouterr().err
-    assert "checkpoint step 6" in err and "checkpoint step 4" in err and "damaged" in err, err
-    assert (ckpts / "6.damaged").is_dir() and (ckpts / "4.damaged").is_dir()
+    assert "checkpoint step 7" in err and "checkpoint step 6" in err and "damaged" in err, err
+    assert (ckpts / "7.damaged").is_dir() and (ckpts / "6.damaged").is_dir()
     assert summary["steps"] == 8
-    # It continued from step 2 exactly as the uninterrupted run did...
-    jax.tree.map(np.testing.assert_array_equal, _params(reference), _params(tmp_path))
+    # It continued from step 5 exactly as the uninterrupted run did: the params, both
+    # optimizers, the exporter's state and the iterators of its last checkpoint...
+    end, ref_end = _checkpoint(tmp_path, 8), _checkpoint(fair, 8)
+    assert end["meta"]["prompt_data"] == ref_end["meta"]["prompt_data"]
+    for part in ("params", "opt_sft", "opt_grpo", "sync"):
+        jax.tree.map(np.testing.assert_array_equal, end["state"][part], ref_end["state"][part])
     # ...and the records the lost steps had written were dropped and written again.
     recs = _records(tmp_path)
     assert len({(r["step"], r["phase"]) for r in recs}) == len(recs)
-    assert recs == _records(reference)
+    assert recs == _records(fair)
     assert len(list((tmp_path / "tb").glob("events.out.tfevents.*"))) == 1
 
 
