@@ -135,6 +135,18 @@ def _conditionals(params, cfg, prompt, sampling, depth):
     return out
 
 
+SAMPLING = SamplingConfig(temperature=0.8)
+DEPTH = 6  # tokens examined: the prefill's, then a k = 4 round's drafts and bonus
+
+
+@functools.cache
+def exact_conditionals(drafter_loops: int | None = None):
+    """`_conditionals` of the target after PROMPTS[0] (or of its self-drafter truncated to
+    `drafter_loops` loop steps), computed once for the tests that share them."""
+    cfg = TARGET if drafter_loops is None else self_drafter_config(TARGET, drafter_loops)
+    return _conditionals(target_params(), cfg, PROMPTS[0], SAMPLING, DEPTH)
+
+
 def _target_marginals(p):
     """[depth, V] per-position marginals of plain sampling from the conditionals `p`."""
     joint, out = p[0], [p[0]]
@@ -202,10 +214,8 @@ def test_every_drafted_and_bonus_token_follows_the_target_chi_square(spec):
     truncated target's (one full forward), the same counts refuse the exactly computed
     marginals of the wrong-residual bug. (The dense drafter's q depends on its ring cache's
     history, stale drafts included, so it is not computed here.)"""
-    sampling = SamplingConfig(temperature=0.8)
-    prompt = PROMPTS[0]
+    sampling, prompt, depth = SAMPLING, PROMPTS[0], DEPTH
     k = SpecConfig.parse(spec).k
-    depth = 6
     drafter = (drafter_params(), DRAFTER) if spec.startswith("dense") else None
     ro, st = speculative_generate(target_params(), TARGET, [prompt], spec, drafter=drafter,
                                   sampling=sampling, max_new_tokens=depth, num_samples=DRAWS,
@@ -217,15 +227,14 @@ def test_every_drafted_and_bonus_token_follows_the_target_chi_square(spec):
     assert bonus_rows >= 10, bonus_rows
     toks = np.asarray(ro.completion_tokens)
     counts = np.stack([np.bincount(toks[:, t], minlength=V) for t in range(depth)])
-    p = _conditionals(target_params(), TARGET, prompt, sampling, depth)
+    p = exact_conditionals()
     want = _target_marginals(p)
     pvals = [_chi2(counts[t], DRAWS * want[t]) for t in range(depth)]
     print(f"{spec}: acceptance {st.acceptance_rate:.3f}, {bonus_rows} bonus rows, "
           f"chi-square p-values by position {np.round(pvals, 4).tolist()}")
     assert min(pvals) > 1e-3
     if spec.startswith("self"):
-        q = _conditionals(target_params(), self_drafter_config(TARGET, 1), prompt, sampling,
-                          depth)
+        q = exact_conditionals(drafter_loops=1)
         # The chain itself: with the right residual it gives the target's marginals.
         np.testing.assert_allclose(_speculative_marginals(p, q, k, "exact"), want, rtol=0,
                                    atol=1e-12)
