@@ -3,8 +3,9 @@
 In process, the signal is sent by the run to itself at chosen moments (a
 warm-start step, a checkpoint save, a GRPO step): each stop leaves a
 checkpoint of the step it reached, and the run resumed after three stops
-ends with the parameters and metric records of the uninterrupted shared run
-(`finished_runs["plain"]`, the same config). In a subprocess, `jaxrl-lp
+ends with the checkpoint and metric records of the uninterrupted shared run
+(`finished_runs["fair"]`, the same config: Fair Cast, whose GRPO steps move
+the params, both optimizers and the exporter's residual). In a subprocess, `jaxrl-lp
 train` gets a real SIGTERM: exit status 75 in seconds and one line; two
 signals: it exits at once, and the newest checkpoint still resumes.
 """
@@ -19,7 +20,7 @@ import time
 import jax
 import numpy as np
 import pytest
-from helpers import FINISHED, latest_checkpoint, sets
+from helpers import FAIR_CAST, FINISHED, GRPO_MOVES, latest_checkpoint, sets
 
 from jaxrl_lp.train import apply_overrides, default_config, run_train
 from jaxrl_lp.train.checkpoint import Checkpointer
@@ -29,6 +30,15 @@ from jaxrl_lp.train.preemption import EXIT_PREEMPTED, Preempted
 
 def _cfg(out, *extra):
     return apply_overrides(default_config(), [*FINISHED, f"run.out_dir={out}", *extra])
+
+
+def _checkpoint(run_dir, step):
+    """Checkpoint `step` of a run, whole: `{"state", "meta"}`."""
+    ckpt = Checkpointer(run_dir)
+    try:
+        return ckpt.manager.restore(step)
+    finally:
+        ckpt.close()
 
 
 def _records(run_dir):
@@ -61,18 +71,21 @@ def test_signals_at_three_moments_and_the_resume_is_bit_identical(tmp_path, monk
         moment.clear()
         moment.update(where)
         with pytest.raises(Preempted, match=f"after step {stop}; its checkpoint is in"):
-            run_train(_cfg(run))
+            run_train(_cfg(run, *FAIR_CAST, *GRPO_MOVES))
         assert latest_checkpoint(run)[0][-1] == stop  # the step the signal reached, saved
     assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # handlers restored
     moment.clear()
-    summary = run_train(_cfg(run))
-    plain = finished_runs["plain"][0]
-    assert summary["final_accuracy"] == json.loads((plain / "summary.json").read_text())[
+    summary = run_train(_cfg(run, *FAIR_CAST, *GRPO_MOVES))
+    fair = finished_runs["fair"][0]
+    assert summary["final_accuracy"] == json.loads((fair / "summary.json").read_text())[
         "final_accuracy"]
-    assert _records(run) == _records(plain)
-    (s1, p1), (s2, p2) = latest_checkpoint(run), latest_checkpoint(plain)
+    assert _records(run) == _records(fair)
+    (s1, p1), (s2, p2) = latest_checkpoint(run), latest_checkpoint(fair)
     assert s1[-1] == s2[-1] == 8
     jax.tree.map(np.testing.assert_array_equal, p1, p2)
+    end, ref_end = (_checkpoint(d, 8) for d in (run, fair))
+    assert end["meta"] == ref_end["meta"]
+    jax.tree.map(np.testing.assert_array_equal, end["state"], ref_end["state"])
 
 
 def test_save_on_signal_false_keeps_the_usual_effect(tmp_path, monkeypatch):
