@@ -74,6 +74,10 @@ BAD = {
     "grpo.compute_mode": ["abc"],
     "grpo.temperature": ["0", "-1", "nan"],
     "grpo.dynamic_sampling": ["abc"],
+    "grpo.max_refill_rounds": ["-1", "abc"],
+    # 9 > max_new_tokens=8; 5 > the default task's answer length (max_new_tokens=0: 4 tokens)
+    "grpo.overlong_buffer": ["-1", ("9", ["grpo.max_new_tokens=8"]), "5"],
+    "grpo.overlong_penalty": ["-1", "nan"],
     "grpo.max_nonfinite_in_row": ["0"],
     "loss.epsilon": ["0", "1", "abc"],
     "loss.epsilon_high": ["0"],
@@ -159,6 +163,21 @@ def test_the_default_config_and_the_test_configs_are_valid(tmp_path):
     plan = validate(apply_overrides(default_config(), [f"run.out_dir={tmp_path / 'run'}"]))
     assert plan.max_new_tokens == plan.task.max_completion_tokens
     assert str(plan.loop) == "full/dense"  # `model`: the model's own default exit rule
+    assert not (tmp_path / "run").exists()
+
+
+def test_overlong_buffer_is_checked_against_the_resolved_completion_budget(tmp_path):
+    from jaxrl_lp.train.validate import validate
+
+    cfg = lambda *o: apply_overrides(default_config(), [f"run.out_dir={tmp_path / 'run'}", *o])
+    budget = validate(cfg()).max_new_tokens  # grpo.max_new_tokens=0: the task's answer length
+    assert validate(cfg(f"grpo.overlong_buffer={budget}")).max_new_tokens == budget
+    with pytest.raises(ValueError, match=rf"grpo.overlong_buffer={budget + 1} is longer than the "
+                                         rf"completion budget of {budget} tokens.*at most {budget}"):
+        validate(cfg(f"grpo.overlong_buffer={budget + 1}"))
+    with pytest.raises(ValueError, match=r"grpo.max_refill_rounds must be an integer >= 0 "
+                                         r"\(further prompt batches .*0: mask"):
+        cfg("grpo.max_refill_rounds=-1")
     assert not (tmp_path / "run").exists()
 
 

@@ -7,6 +7,7 @@ from jaxrl_lp.rl.advantages import (
     zero_variance_groups,
 )
 from jaxrl_lp.rl.corrections import correction_weights
+from jaxrl_lp.rl.dynamic_sampling import RefilledBatch, refill_groups
 from jaxrl_lp.rl.learner_step import LearnerStep
 from jaxrl_lp.rl.logprobs import (
     dense_logprobs,
@@ -21,6 +22,7 @@ from jaxrl_lp.rl.train_step import make_grpo_step, make_sft_step
 __all__ = [
     "LearnerStep",
     "LossConfig",
+    "RefilledBatch",
     "correction_weights",
     "dense_logprobs",
     "group_advantages",
@@ -33,6 +35,7 @@ __all__ = [
     "overlong_penalty",
     "packed_rows_of",
     "policy_loss",
+    "refill_groups",
     "replay_logprobs",
     "select_anchor",
     "select_groups",

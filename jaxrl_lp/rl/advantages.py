@@ -7,7 +7,8 @@ prompts.
 - `group_advantages`: the critic-free baselines of GRPO, Dr. GRPO and RLOO.
 - `zero_variance_groups` / `select_groups`: DAPO's dynamic sampling, which
   drops groups whose rewards are all equal (their advantages are all zero, so
-  they carry no gradient) and refills the batch from further rollouts.
+  they carry no gradient) and refills the batch from further rollouts (the
+  refill loop the training program runs is `rl.dynamic_sampling.refill_groups`).
 - `overlong_penalty`: DAPO's soft overlong punishment, counted in tokens.
 
 All outputs are f32. `group_advantages`, `zero_variance_groups` and
@@ -127,7 +128,8 @@ def select_groups(
     """Row indices of the informative groups, for DAPO dynamic sampling (host side).
 
     Dynamic sampling keeps only the groups whose rewards differ and refills the
-    batch by sampling more prompts. The refill loop, with `P` prompts wanted:
+    batch by sampling more prompts. The refill loop, with `P` prompts wanted
+    (`rl.dynamic_sampling.refill_groups` is this loop, bounded):
 
         rows = []                                   # kept rollouts
         while len(rows) < P * G:

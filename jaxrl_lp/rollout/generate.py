@@ -37,7 +37,8 @@ from jaxrl_lp.rollout.step import (
     step_logits,
 )
 
-__all__ = ["Rollout", "bucket_length", "generate", "pad_prompts", "split_rows", "take_rows"]
+__all__ = ["Rollout", "bucket_length", "concat_rollouts", "generate", "pad_prompts", "split_rows",
+           "take_rows"]
 
 
 @jax.tree_util.register_dataclass
@@ -117,6 +118,58 @@ def split_rows(ro: Rollout, m: int) -> Rollout:
 def take_rows(ro: Rollout, idx) -> Rollout:
     """The rollout restricted to rows `idx` (a minibatch)."""
     return dataclasses.replace(ro, **{f: getattr(ro, f)[idx] for f in _row_fields(ro)})
+
+
+def concat_rollouts(rollouts: Sequence[Rollout], pad_id: int) -> Rollout:
+    """The rows of several rollouts of the same weights as one rollout (dynamic sampling's refill).
+
+    The rollouts must agree on everything that is not per row: the policy,
+    loop spec, temperature, verification chunk, weights version and weights
+    digest (one sampler, one set of weights), and the completion width N.
+    Prompts of different bucketed widths are left-padded to the widest with
+    `pad_id` (pad slots are never attended to, and positions come from
+    `prompt_lengths`). `loop_evals` are summed. The recorded log-probs are the
+    sampler's, each row as its own call computed it.
+
+    Raises:
+      ValueError: no rollouts, or rollouts that disagree on a shared field.
+    """
+    if not rollouts:
+        raise ValueError("concat_rollouts: no rollouts given")
+    head = rollouts[0]
+    if len(rollouts) == 1:
+        return head
+    for ro in rollouts[1:]:
+        for f in ("policy", "loop", "temperature", "verify_tokens"):
+            if getattr(ro, f) != getattr(head, f):
+                raise ValueError(f"concat_rollouts: rollouts with different {f} "
+                                 f"({getattr(head, f)!r} and {getattr(ro, f)!r})")
+        if ro.completion_tokens.shape[1] != head.completion_tokens.shape[1]:
+            raise ValueError("concat_rollouts: rollouts of different completion widths "
+                             f"({head.completion_tokens.shape[1]} and "
+                             f"{ro.completion_tokens.shape[1]})")
+        if (ro.verify_counts is None) != (head.verify_counts is None):
+            raise ValueError("concat_rollouts: a speculative and a plain rollout")
+        if int(ro.weights_version) != int(head.weights_version):
+            raise ValueError("concat_rollouts: rollouts of different weights versions "
+                             f"({int(head.weights_version)} and {int(ro.weights_version)})")
+        same = (ro.weights_digest is None and head.weights_digest is None) or (
+            ro.weights_digest is not None and head.weights_digest is not None
+            and np.array_equal(np.asarray(ro.weights_digest), np.asarray(head.weights_digest)))
+        if not same:
+            raise ValueError("concat_rollouts: rollouts sampled on different weights "
+                             "(their weights_digest differ)")
+    width = max(ro.prompt_tokens.shape[1] for ro in rollouts)
+
+    def prompts(ro):
+        extra = width - ro.prompt_tokens.shape[1]
+        return ro.prompt_tokens if not extra else jnp.pad(
+            ro.prompt_tokens, ((0, 0), (extra, 0)), constant_values=pad_id)
+
+    rows = {f: jnp.concatenate([prompts(ro) if f == "prompt_tokens" else getattr(ro, f)
+                                for ro in rollouts]) for f in _row_fields(head)}
+    return dataclasses.replace(head, **rows,
+                               loop_evals=sum(ro.loop_evals for ro in rollouts))
 
 
 class _DecodeState(NamedTuple):

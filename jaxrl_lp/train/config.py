@@ -136,7 +136,28 @@ class GRPOConfig:
         or `threshold:T[:MIN_LOOPS]`.
       compute_mode: `dense` (every loop step runs) or `deferred` (a token stops at its exit).
       temperature: sampling temperature.
-      dynamic_sampling: drop zero-variance groups from the loss.
+      dynamic_sampling: DAPO dynamic sampling: a group whose rewards (after overlong
+        shaping) are all equal has no gradient, so each step draws further batches of
+        `prompts_per_step` prompts from the run's prompt stream (the same sampler weights
+        and weights version; a fresh sampling key per round) until the batch holds
+        `prompts_per_step` informative groups, taken in the order drawn
+        (`rl.dynamic_sampling`). The recorded log-probs stay the sampler's own, so the
+        replay rule and `verify_every` (which replays each round as it was sampled)
+        apply unchanged. Metrics `refill_rounds`, `refilled_groups`, `masked_groups`,
+        `informative_groups`.
+      max_refill_rounds: with dynamic_sampling, at most this many further batches per
+        step; where they do not find enough informative groups the batch is completed
+        with the first batch's zero-variance groups, masked out of the loss, and
+        `masked_groups` counts them. 0: no refill, zero-variance groups are masked.
+      overlong_buffer: DAPO soft overlong punishment, in tokens: a completion of L tokens
+        (EOS included) longer than max_new_tokens - overlong_buffer has
+        `-overlong_penalty * (L - (max_new_tokens - overlong_buffer)) / overlong_buffer`
+        added to its reward before the advantages (and before dynamic sampling's
+        zero-variance test); `rl.advantages.overlong_penalty`. At most the completion
+        budget (max_new_tokens, or the task's answer length when that is 0). 0: off.
+        Metrics `overlong_penalty_mean` (the batch's mean penalty, <= 0; 0 when off)
+        and `overlong_frac` (completions penalized); `reward_mean` stays the task's.
+      overlong_penalty: the penalty at the full budget (>= 0), with overlong_buffer.
       remat: recompute layer activations in the backward pass (less memory, more time).
       max_nonfinite_in_row: stop the run after this many skipped steps in a row.
       speculative: speculative rollouts (`rollout.SpecConfig`): '' (off), `self:loops=1,k=4`
@@ -163,6 +184,9 @@ class GRPOConfig:
     compute_mode: Literal["dense", "deferred"] = "dense"
     temperature: float = 1.0
     dynamic_sampling: bool = False
+    max_refill_rounds: int = 4
+    overlong_buffer: int = 0
+    overlong_penalty: float = 1.0
     max_nonfinite_in_row: int = 5
     remat: bool = False
     speculative: str = ""
@@ -199,6 +223,19 @@ class GRPOConfig:
         check_int("grpo.verify_every", self.verify_every, minimum=0, why=" (0: never)")
         check_choice("grpo.compute_mode", self.compute_mode, ("dense", "deferred"))
         check_bool("grpo.dynamic_sampling", self.dynamic_sampling)
+        check_int("grpo.max_refill_rounds", self.max_refill_rounds, minimum=0,
+                  why=" (further prompt batches a dynamic-sampling step may draw; 0: mask the "
+                      "zero-variance groups without refilling)")
+        check_int("grpo.overlong_buffer", self.overlong_buffer, minimum=0,
+                  why=" (tokens before the completion budget where the overlong penalty "
+                      "ramps up; 0: off)")
+        if self.max_new_tokens and self.overlong_buffer > self.max_new_tokens:
+            raise ValueError(
+                f"grpo.overlong_buffer={self.overlong_buffer} is longer than the completion "
+                f"budget grpo.max_new_tokens={self.max_new_tokens}; set it to at most "
+                f"{self.max_new_tokens} (0: no overlong shaping)")
+        check_number("grpo.overlong_penalty", self.overlong_penalty, ge=0,
+                     why=" (the reward taken off a completion that uses the whole budget)")
         check_bool("grpo.remat", self.remat)
         self._check_speculative()
         from jaxrl_lp.models.loop import LoopSpec

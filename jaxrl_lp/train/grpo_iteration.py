@@ -17,6 +17,13 @@ bit-equal to the sampler). The `mismatch_*` metrics are logged only where the
 behaviour log-probs were computed: a mismatch nothing measured is not a 0.
 `timing_s/<phase>` are the iteration's seconds by phase (export, sample,
 score, behaviour, reference, update, sync).
+
+The rewards the advantages see are the task's plus, with `grpo.overlong_buffer`,
+DAPO's overlong penalty (`overlong_penalty_mean`, `overlong_frac`; `reward_mean`
+and `accuracy` stay the task's). `zero_variance_groups` counts the groups drawn
+whose rewards were all equal. With `grpo.dynamic_sampling` the step draws
+further batches until the batch is informative (`refill_rounds`,
+`refilled_groups`, `masked_groups`, `informative_groups`; docs/design.md).
 """
 
 from __future__ import annotations
@@ -29,9 +36,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxrl_lp.parallel.shard import to_host
-from jaxrl_lp.rl.advantages import group_advantages, zero_variance_groups
+from jaxrl_lp.rl.advantages import group_advantages, overlong_penalty, zero_variance_groups
+from jaxrl_lp.rl.dynamic_sampling import refill_groups
 from jaxrl_lp.rl.train_step import take_rows
-from jaxrl_lp.rollout.generate import generate, pad_prompts
+from jaxrl_lp.rollout.generate import concat_rollouts, generate, pad_prompts
 from jaxrl_lp.rollout.sampling import SamplingConfig
 from jaxrl_lp.train.behaviour import PhaseTimer, ReplayRule, check_replay_equal
 from jaxrl_lp.train.sync_hooks import SyncHooks
@@ -58,13 +66,17 @@ class IterationPrograms(NamedTuple):
     model_params: Any = None         # train tree -> model params (`optim.weights`), or None
 
 
-def _sample(state, step, cfg, plan, hooks, problems, timer, master):
-    """Export, then the rollout of `problems` on the served weights; returns (ro, extras)."""
-    g, tok = cfg.grpo, plan.task.tokenizer
-    key = jax.random.fold_in(jax.random.PRNGKey(cfg.run.seed), step)
+def _export(state, hooks, timer, master):
+    """The step's one export: (served, sampler params); every round of the step samples these."""
     with timer("export"):
         served, sampler_params, state["sync"] = hooks.export(state["sync"], master)
         jax.block_until_ready(sampler_params)
+    return served, sampler_params
+
+
+def _sample(sampler_params, step, key, cfg, plan, problems, timer):
+    """The rollout of `problems` (G samples each) on the served weights; returns (ro, spec metrics)."""
+    g, tok = cfg.grpo, plan.task.tokenizer
     sample_kw = dict(policy=plan.sampler_policy,
                      sampling=SamplingConfig(temperature=g.temperature),
                      max_new_tokens=plan.max_new_tokens, num_samples=g.group_size,
@@ -84,7 +96,36 @@ def _sample(state, step, cfg, plan, hooks, problems, timer, master):
         else:
             ro = generate(sampler_params, plan.model, prompts, **sample_kw)
         ro = jax.block_until_ready(ro)
-    return ro, served, sampler_params, spec_metrics
+    return ro, spec_metrics
+
+
+class _Round(NamedTuple):
+    """One sampled batch of prompts (a dynamic-sampling step may draw several)."""
+
+    ro: Any                          # its Rollout, as sampled (B rows)
+    problems: list                   # its prompts' records, one per group
+    rewards: np.ndarray              # [B] the task's rewards
+    penalty: np.ndarray              # [B] the overlong penalty (<= 0), zeros when off
+
+
+def _score(ro, problems, cfg, plan, timer) -> tuple[np.ndarray, np.ndarray]:
+    """(task rewards, overlong penalty) of a rollout, [B] f32 host arrays each."""
+    g = cfg.grpo
+    with timer("score"):
+        rewards = plan.task.rewards(to_host(ro.completion_tokens),
+                                    [p for p in problems for _ in range(g.group_size)])
+        penalty = np.zeros_like(rewards)
+        if g.overlong_buffer:  # counted in tokens, EOS included (`rl.advantages`)
+            penalty = np.asarray(overlong_penalty(to_host(ro.completion_mask).sum(1),
+                                                  plan.max_new_tokens, g.overlong_buffer,
+                                                  g.overlong_penalty))
+    return rewards, penalty
+
+
+def _shaped(rewards: np.ndarray, penalty: np.ndarray) -> np.ndarray:
+    """The rewards the advantages see: the task's plus the overlong penalty."""
+    # No addition without a penalty: the default run's rewards are the task's, bit for bit.
+    return rewards + penalty if penalty.any() else rewards
 
 
 def grpo_iteration(state: dict, step: int, cfg, plan, programs: IterationPrograms, prompt_it,
@@ -97,6 +138,12 @@ def grpo_iteration(state: dict, step: int, cfg, plan, programs: IterationProgram
     `programs.model_params` maps a low-bit run's train tree (`state["params"]`,
     see `optim.weights`) to the model's params the sampler and diagnostics use.
 
+    With `grpo.dynamic_sampling`, further batches of prompts are drawn from
+    `prompt_it` (so its checkpointed state covers them) and sampled on the same
+    export until the batch holds `prompts_per_step` informative groups
+    (`rl.dynamic_sampling.refill_groups`, at most `grpo.max_refill_rounds`
+    further batches); the batch is their rows concatenated (`concat_rollouts`).
+
     Raises:
       ReplayMismatchError: on a `grpo.verify_every` step, the replay of the batch
         under the sampler's weights was not the sampler's recorded bits.
@@ -106,18 +153,46 @@ def grpo_iteration(state: dict, step: int, cfg, plan, programs: IterationProgram
     view = programs.model_params or (lambda p: p)
     problems = [task.train[int(i)] for i in prompt_it.next_global()]
     master = view(state["params"])
-    ro, served, sampler_params, spec_metrics = _sample(state, step, cfg, plan, hooks, problems,
-                                                       timer, master)
+    key = jax.random.fold_in(jax.random.PRNGKey(cfg.run.seed), step)
+    served, sampler_params = _export(state, hooks, timer, master)
+    ro, spec_metrics = _sample(sampler_params, step, key, cfg, plan, problems, timer)
+    rounds = [_Round(ro, problems, *_score(ro, problems, cfg, plan, timer))]
+    ds_metrics, picked = {}, None
+    if g.dynamic_sampling:
+        def draw(r):  # round r >= 1: the next prompts of the run's stream, a key of their own
+            if r:
+                more = [task.train[int(i)] for i in prompt_it.next_global()]
+                ro_r, sm = _sample(sampler_params, step, jax.random.fold_in(key, r), cfg, plan,
+                                   more, timer)
+                for k, v in sm.items():  # the rounds' mean
+                    spec_metrics[k] = (spec_metrics[k] * r + v) / (r + 1)
+                rounds.append(_Round(ro_r, more, *_score(ro_r, more, cfg, plan, timer)))
+            return _shaped(rounds[r].rewards, rounds[r].penalty)
+
+        picked = refill_groups(draw, g.prompts_per_step, g.group_size, g.max_refill_rounds)
+        if not picked.single_round:
+            parts = [(rnd, rows) for rnd, rows in zip(rounds, picked.rows, strict=True)
+                     if len(rows)]
+            ro = concat_rollouts([take_rows(rnd.ro, rows) for rnd, rows in parts],
+                                 task.tokenizer.pad_id)
+            if picked.masked_groups:  # the bound was hit: these groups leave the loss
+                ro = dataclasses.replace(ro, completion_mask=ro.completion_mask * jnp.asarray(
+                    1.0 - picked.masked_B[:, None], ro.completion_mask.dtype))
+        ds_metrics = dict(refill_rounds=picked.refill_rounds,
+                          refilled_groups=picked.refilled_groups,
+                          masked_groups=picked.masked_groups,
+                          informative_groups=g.prompts_per_step - picked.masked_groups)
     with timer("score"):
-        rewards = task.rewards(to_host(ro.completion_tokens),
-                               [p for p in problems for _ in range(g.group_size)])
-        adv = np.asarray(group_advantages(jnp.asarray(rewards), g.group_size, kind=g.advantage))
-        n_zero_var = 0
-        if g.dynamic_sampling:
-            dead = np.repeat(np.asarray(zero_variance_groups(jnp.asarray(rewards), g.group_size)),
-                             g.group_size)
-            n_zero_var = int(dead.sum() // g.group_size)
-            ro = dataclasses.replace(ro, completion_mask=ro.completion_mask * (1.0 - dead[:, None]))
+        if picked is None or picked.single_round:
+            raw, penalty = rounds[0].rewards, rounds[0].penalty
+        else:
+            raw, penalty = (np.concatenate([getattr(rnd, f)[rows] for rnd, rows in parts])
+                            for f in ("rewards", "penalty"))
+        shaped = _shaped(raw, penalty)
+        adv = np.asarray(group_advantages(jnp.asarray(shaped), g.group_size, kind=g.advantage))
+        n_zero_var = (picked.zero_variance_groups if picked is not None else
+                      int(np.asarray(zero_variance_groups(jnp.asarray(shaped),
+                                                          g.group_size)).sum()))
     on_served = hooks.active and cfg.sync.loss_on_served
     rule, old_logp_fn = programs.rule, programs.behaviour_logprobs
     # The weights the loss computes with: the served copy (constant over the step's updates)
@@ -131,8 +206,17 @@ def grpo_iteration(state: dict, step: int, cfg, plan, programs: IterationProgram
             old_logp = ro.logprobs  # the replay's values: nothing to compute
         elif recorded:  # a verification: the replay, at the sampler's shape, is its bits
             replay = programs.verify_logprobs or old_logp_fn
-            old_logp = jax.block_until_ready(replay(sampler_params if on_served else master, ro))
-            check_replay_equal(old_logp, ro, step)
+            weights = sampler_params if on_served else master
+            if picked is None or picked.single_round:
+                old_logp = jax.block_until_ready(replay(weights, ro))
+                check_replay_equal(old_logp, ro, step)
+            else:  # each round as the sampler ran it (its rows, its shape), then the batch's rows
+                got = []
+                for rnd, rows in parts:
+                    lp = jax.block_until_ready(replay(weights, rnd.ro))
+                    check_replay_equal(lp, rnd.ro, step)
+                    got.append(lp[rows])
+                old_logp = jnp.concatenate(got)
         else:  # the behaviour log-probs as the learner computes them (on the copy the loss uses)
             old_logp = jax.block_until_ready(
                 old_logp_fn(sampler_params if on_served else master, ro))
@@ -155,7 +239,7 @@ def grpo_iteration(state: dict, step: int, cfg, plan, programs: IterationProgram
                                     tok.pad_id, bucket=False)[0]
                 sync_metrics.update(hooks.check(step, master, served, jnp.asarray(probe)))
             sync_metrics = {k: float(v) for k, v in sync_metrics.items()}
-    n = rewards.shape[0]
+    n = shaped.shape[0]
     size = n // g.minibatches
     sums: dict[str, float] = {}
     replayed = 0
@@ -183,13 +267,18 @@ def grpo_iteration(state: dict, step: int, cfg, plan, programs: IterationProgram
     metrics["skipped"] = float(sums.get("skipped", 0.0) > 0)
     metrics.update(sync_metrics)
     metrics.update(spec_metrics)
+    metrics.update(ds_metrics)
     mask = to_host(ro.completion_mask)
     lengths = mask.sum(1)
+    # Every token sampled this step, in all rounds (a refill's too), over the sampling seconds.
+    sampled = lengths.sum() if len(rounds) == 1 else sum(
+        to_host(rnd.ro.completion_mask).sum() for rnd in rounds)
     t = timer.metrics()
     metrics.update(
-        reward_mean=float(rewards.mean()), reward_std=float(rewards.std()),
-        accuracy=float((rewards >= 1.0).mean()), response_length=float(lengths.mean()),
-        tokens_per_s=float(lengths.sum() / max(t["timing_s/sample"], 1e-9)),
+        reward_mean=float(raw.mean()), reward_std=float(raw.std()),
+        accuracy=float((raw >= 1.0).mean()), response_length=float(lengths.mean()),
+        overlong_penalty_mean=float(penalty.mean()), overlong_frac=float((penalty < 0).mean()),
+        tokens_per_s=float(sampled / max(t["timing_s/sample"], 1e-9)),
         update_tokens_per_s=float(g.mu * lengths.sum() / max(t["timing_s/update"], 1e-9)),
         learning_rate=g.lr, zero_variance_groups=float(n_zero_var),
         mean_exit_step=float((to_host(ro.exit_steps) * mask).sum() / max(lengths.sum(), 1)),

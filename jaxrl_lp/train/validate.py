@@ -167,6 +167,11 @@ def validate(cfg: TrainConfig) -> RunPlan:
             f"{where}={ctx} cannot hold the task's longest prompt ({prompt} tokens) plus "
             f"{max(max_new, answer)} completion tokens; raise model.max_position_embeddings to at "
             f"least {prompt + max(max_new, answer)} or lower grpo.max_new_tokens")
+    if g.overlong_buffer > max_new:  # grpo.max_new_tokens=0: the task's answer length
+        raise ValueError(
+            f"grpo.overlong_buffer={g.overlong_buffer} is longer than the completion budget of "
+            f"{max_new} tokens (grpo.max_new_tokens=0: the task's answer length); set "
+            f"grpo.overlong_buffer to at most {max_new}, or raise grpo.max_new_tokens")
     weights = _weights(cfg)
     _speculative(cfg, mcfg)
     _reference(cfg, mcfg)
