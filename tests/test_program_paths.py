@@ -9,10 +9,12 @@ ratio, its advantages and its completion mask. The runs share their shapes (mu =
 minibatches, 6 new tokens), so the second compiles little.
 """
 
+import dataclasses
 import json
 import shutil
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from helpers import TINY_MODEL
@@ -20,6 +22,7 @@ from helpers import TINY_MODEL
 import jaxrl_lp.train.grpo_iteration as grpo_iteration
 import jaxrl_lp.train.program as program
 from jaxrl_lp.train import apply_overrides, default_config, run_train
+from jaxrl_lp.train.behaviour import ReplayMismatchError
 from jaxrl_lp.train.checkpoint import Checkpointer
 from jaxrl_lp.train.logger import without_wall_clock
 
@@ -182,3 +185,21 @@ def test_dynamic_sampling_resumes_exactly(warm_start, tmp_path):
         ps.append(ckpt.manager.restore(ckpt.latest_step())["state"]["params"])
         ckpt.close()
     jax.tree.map(np.testing.assert_array_equal, *ps)
+
+
+def test_a_refill_round_off_the_samplers_bits_stops_the_verified_step(warm_start, tmp_path,
+                                                                      monkeypatch):
+    """verify_every replays the refill rounds too: one ulp off in their recorded log-probs
+    (every sampler call after the run's first) stops the first GRPO step."""
+    real, calls = grpo_iteration.generate, []
+
+    def off(*args, **kwargs):
+        ro = real(*args, **kwargs)
+        calls.append(ro)
+        return ro if len(calls) == 1 else dataclasses.replace(
+            ro, logprobs=jnp.nextafter(ro.logprobs, 0.0))
+
+    monkeypatch.setattr(grpo_iteration, "generate", off)
+    with pytest.raises(ReplayMismatchError, match=rf"at step {SFT} .*grpo.replay=always"):
+        _run(warm_start, tmp_path / "run", _dynamic())
+    assert len(calls) > 1  # the step refilled before it was verified
