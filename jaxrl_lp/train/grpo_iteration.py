@@ -103,7 +103,6 @@ class _Round(NamedTuple):
     """One sampled batch of prompts (a dynamic-sampling step may draw several)."""
 
     ro: Any                          # its Rollout, as sampled (B rows)
-    problems: list                   # its prompts' records, one per group
     rewards: np.ndarray              # [B] the task's rewards
     penalty: np.ndarray              # [B] the overlong penalty (<= 0), zeros when off
 
@@ -156,7 +155,7 @@ def grpo_iteration(state: dict, step: int, cfg, plan, programs: IterationProgram
     key = jax.random.fold_in(jax.random.PRNGKey(cfg.run.seed), step)
     served, sampler_params = _export(state, hooks, timer, master)
     ro, spec_metrics = _sample(sampler_params, step, key, cfg, plan, problems, timer)
-    rounds = [_Round(ro, problems, *_score(ro, problems, cfg, plan, timer))]
+    rounds = [_Round(ro, *_score(ro, problems, cfg, plan, timer))]
     ds_metrics, picked = {}, None
     if g.dynamic_sampling:
         def draw(r):  # round r >= 1: the next prompts of the run's stream, a key of their own
@@ -166,7 +165,7 @@ def grpo_iteration(state: dict, step: int, cfg, plan, programs: IterationProgram
                                    more, timer)
                 for k, v in sm.items():  # the rounds' mean
                     spec_metrics[k] = (spec_metrics[k] * r + v) / (r + 1)
-                rounds.append(_Round(ro_r, more, *_score(ro_r, more, cfg, plan, timer)))
+                rounds.append(_Round(ro_r, *_score(ro_r, more, cfg, plan, timer)))
             return _shaped(rounds[r].rewards, rounds[r].penalty)
 
         picked = refill_groups(draw, g.prompts_per_step, g.group_size, g.max_refill_rounds)
