@@ -59,12 +59,15 @@ def test_kl_beta_trains_logs_the_kl_from_zero_and_resumes_bit_for_bit(tmp_path):
                  latest_checkpoint(whole)[1])
 
 
-def test_beta_zero_builds_no_reference(finished_runs):
-    for name in ("plain", "fair"):
-        run_dir = finished_runs[name][0]
-        assert not (run_dir / "reference").exists()
-        grpo = [r for r in _records(run_dir) if r["phase"] == "grpo"]
-        assert grpo and not any("kl_ref" in r or "timing_s/reference" in r for r in grpo)
+def test_beta_zero_builds_no_reference_and_a_beta_builds_one(finished_runs):
+    # `plain` runs at beta 0; `fair` at helpers.GRPO_MOVES's beta 0.05.
+    plain, fair = finished_runs["plain"][0], finished_runs["fair"][0]
+    assert not (plain / "reference").exists()
+    grpo = [r for r in _records(plain) if r["phase"] == "grpo"]
+    assert grpo and not any("kl_ref" in r or "timing_s/reference" in r for r in grpo)
+    assert (fair / "reference").is_dir()
+    grpo = [r for r in _records(fair) if r["phase"] == "grpo"]
+    assert grpo and all("kl_ref" in r and "timing_s/reference" in r for r in grpo)
 
 
 def _checkpoint(path, cfg, **changes):

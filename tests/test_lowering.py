@@ -24,14 +24,20 @@ from jaxrl_lp.plan.programs import PROGRAMS
 PRESETS = ("qwen3-0.6b", "qwen3-4b", "ouro-1.4b")
 POLICIES = ("bf16", "mxfp8", "nvfp4")
 # The default suite lowers every policy on the dense preset and the looped one in bf16 (the
-# code paths: dense, looped, each format); the other five cells repeat those paths at other
-# sizes and run in the `slow` tier, which `.ci/run` runs after the default suite (and
-# `jaxrl-lp bench lowering` covers all nine).
+# code paths: dense, looped, each format) at the presets' widths with 2 decoder layers (each
+# layer traces the same program; full depth cost 70-100 s a cell on 2 cores). Every cell at
+# full depth runs in the `slow` tier; the dense and looped bf16 ones are in CI's tier
+# (`ci` marker, `.ci/run`), and `jaxrl-lp bench lowering` covers all nine.
 DEFAULT_CELLS = {("qwen3-0.6b", "bf16"), ("qwen3-0.6b", "mxfp8"), ("qwen3-0.6b", "nvfp4"),
                  ("ouro-1.4b", "bf16")}
-CELLS = [pytest.param(preset, policy, id=f"{preset}-{policy}",
-                      marks=() if (preset, policy) in DEFAULT_CELLS else pytest.mark.slow)
-         for preset in PRESETS for policy in POLICIES]
+CI_CELLS = {("qwen3-0.6b", "bf16"), ("ouro-1.4b", "bf16")}
+SHALLOW = 2
+CELLS = [pytest.param(preset, policy, SHALLOW, id=f"{preset}-{policy}-{SHALLOW}layers")
+         for preset, policy in sorted(DEFAULT_CELLS)]
+CELLS += [pytest.param(preset, policy, None, id=f"{preset}-{policy}",
+                       marks=(pytest.mark.slow,
+                              *((pytest.mark.ci,) if (preset, policy) in CI_CELLS else ())))
+          for preset in PRESETS for policy in POLICIES]
 
 
 def _assert_cells(row: dict, platforms=("cuda", "tpu")):
@@ -43,9 +49,11 @@ def _assert_cells(row: dict, platforms=("cuda", "tpu")):
             assert not c["missing_families"], (prog, p, c)
 
 
-@pytest.mark.parametrize(("preset", "policy"), CELLS)
-def test_every_program_lowers_for_cuda_and_tpu_with_its_kernels(preset, policy):
-    out = report([preset], [policy], ("cuda", "tpu"), kernel_rows=False)
+@pytest.mark.parametrize(("preset", "policy", "layers"), CELLS)
+def test_every_program_lowers_for_cuda_and_tpu_with_its_kernels(preset, policy, layers):
+    out = report([preset], [policy], ("cuda", "tpu"), kernel_rows=False, layers=layers)
+    want_layers = layers or get_preset(preset).num_layers
+    assert out["layers"] == {preset: want_layers}
     row = out["programs"][preset][policy]
     assert set(row) == set(PROGRAMS)
     _assert_cells(row)
@@ -61,7 +69,8 @@ def test_every_program_lowers_for_cuda_and_tpu_with_its_kernels(preset, policy):
 
 def test_the_cpu_lowering_of_the_same_trace_carries_no_kernel():
     out = report(["qwen3-0.6b"], ["bf16"], ("cpu", "cuda", "tpu"),
-                 ["grpo_step_hybrid", "sampler_decode", "replay"], kernel_rows=False)
+                 ["grpo_step_hybrid", "sampler_decode", "replay"], kernel_rows=False,
+                 layers=SHALLOW)
     for prog, cell in out["programs"]["qwen3-0.6b"]["bf16"].items():
         assert cell["cpu"]["lowers"] and not cell["cpu"]["expected_families"], prog
         assert cell["cuda"]["kernels"] and cell["tpu"]["kernels"], prog

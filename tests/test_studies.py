@@ -28,6 +28,8 @@ def _check_fair_cast(r, out, arms):
         assert (out / name).stat().st_size > 0
 
 
+@pytest.mark.slow
+@pytest.mark.ci
 def test_fair_cast_quick(tmp_path):
     """The two rounding arms whose retention the study is about, 2 GRPO steps each."""
     arms = ("nearest", "stochastic")
@@ -44,6 +46,8 @@ def test_fair_cast_quick_every_arm(tmp_path):
     assert f32["by_definition"] and f32["served_progress"] == 1.0 and f32["lag_steps"] >= 1
 
 
+@pytest.mark.slow
+@pytest.mark.ci
 def test_ternary_export_quick(tmp_path):
     r = run_ternary_export(tmp_path / "tern", quick=True)
     assert set(r["paths"]) == set(TERNARY_PATHS)

@@ -75,6 +75,8 @@ def test_alignment_mismatch_per_region(quick_model):
             assert r["mean_abs_dlogp"] > 0.0, arm
 
 
+@pytest.mark.slow
+@pytest.mark.ci
 def test_backward_state_cli_quick(tmp_path, capsys):
     """`study backward-state` end to end. No format: reuse and fresh gradients bit-equal and
     equal to f32; MX formats: different, biased, still pointing the same way."""
@@ -114,6 +116,8 @@ def test_capture_gradient_passes_through():
     assert np.array_equal(st.grad["w"], g["w"]) and np.array_equal(upd["w"], g["w"])
 
 
+@pytest.mark.slow
+@pytest.mark.ci
 def test_alignment_cli_quick(tmp_path, capsys):
     out = tmp_path / "al"
     rc = cli_main(["study", "alignment", "--quick", "--out", str(out), "--arms", "all,no_norm",

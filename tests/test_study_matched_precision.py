@@ -21,6 +21,8 @@ def test_arm_overrides_name_the_policies_and_corrections():
         arm_overrides("fp6_matched", 3)
 
 
+@pytest.mark.slow
+@pytest.mark.ci
 def test_matched_is_exact_and_unmatched_is_not(tmp_path):
     """Matched MXFP8 logs mismatch exactly 0 at every step; the unmatched arm does not."""
     out = tmp_path / "mp"

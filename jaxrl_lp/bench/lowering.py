@@ -24,6 +24,7 @@ What it proves and what it cannot: `kernels.lowering`'s docstring.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import time
 from collections import Counter
 
@@ -60,6 +61,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kernels", default="auto", choices=("auto", "on"),
                         help="the policies' kernels mode (auto: the platform's kernel where its "
                              "tile fits; on: an error where it does not)")
+    parser.add_argument("--layers", type=int, default=None,
+                        help="decoder layers per preset (default: the preset's own); the "
+                             "programs are the same per layer, so 2 checks the code paths in "
+                             "a fraction of the time at the real widths")
     parser.add_argument("--no-kernel-rows", action="store_true",
                         help="leave out the kernels-alone rows")
     parser.add_argument("--markdown", action="store_true",
@@ -153,7 +158,7 @@ def main(args) -> int:
 
     out = report(_split(args.presets), _split(args.policies), _split(args.platforms),
                  _split(args.programs), _split(args.targets), kernels=args.kernels,
-                 kernel_rows=not args.no_kernel_rows)
+                 kernel_rows=not args.no_kernel_rows, layers=args.layers)
     text = json.dumps(out, indent=2)
     print(out["table"] if args.markdown else text)
     if args.out:
@@ -163,11 +168,17 @@ def main(args) -> int:
 
 
 def report(presets, policies, platforms=PLATFORMS, programs=None, targets=TARGETS, *,
-           kernels: str = "auto", kernel_rows: bool = True) -> dict:
+           kernels: str = "auto", kernel_rows: bool = True, layers: int | None = None) -> dict:
     """The lowering cells (module docstring) as a JSON-ready dict, `table` included.
 
+    `layers` replaces each preset's decoder depth (per loop step for a looped
+    preset; widths, heads, vocabulary and loop steps stay the preset's): every
+    layer traces the same program, so a shallow model lowers the same code paths
+    in a fraction of the time (the test suite's default cells use 2).
+
     Raises:
-      ValueError: an unknown program, target or platform (naming it and the known ones).
+      ValueError: an unknown program, target or platform (naming it and the known ones),
+        or `layers` below 1.
     """
     from jaxrl_lp.kernels.lowering import trace_for
     from jaxrl_lp.kernels.targets import KERNEL_TARGETS
@@ -186,13 +197,19 @@ def report(presets, policies, platforms=PLATFORMS, programs=None, targets=TARGET
     for p in platforms:
         if p not in ("cpu", "cuda", "tpu"):
             raise ValueError(f"--platforms: {p!r} is not one of cpu, cuda, tpu")
+    if layers is not None and layers < 1:
+        raise ValueError(f"--layers: {layers} is below 1; give a depth of at least 1 or leave "
+                         "it out for each preset's own")
     cfgs = {p: get_preset(p) for p in presets}
+    if layers is not None:
+        cfgs = {p: dataclasses.replace(c, num_layers=layers) for p, c in cfgs.items()}
     pols = {p: Policy.parse(p).replace(kernels=kernels) for p in policies}
     t_all = time.perf_counter()
     out = {"jax": jax.__version__, "kernels_mode": kernels,
            "pallas_backends": {"cuda": "triton (compiler params on every GPU pallas_call)",
                                "tpu": "mosaic_tpu"},
            "targets": {p: _target_for(p, targets) for p in platforms},
+           "layers": {p: c.num_layers for p, c in cfgs.items()},
            "shapes": ProgramShapes()._asdict(), "kernels": {}, "programs": {}}
     with native():
         if kernel_rows:
