@@ -138,6 +138,7 @@ def test_tpu_version_is_bit_equal_to_the_reference(fmt, case):
 
 
 @pytest.mark.slow
+@pytest.mark.ci
 @pytest.mark.usefixtures("tpu_interpreter")
 @pytest.mark.parametrize("case", list(TPU_CASES))
 @pytest.mark.parametrize("fmt", BLOCK_FORMATS)
@@ -145,9 +146,12 @@ def test_tpu_version_under_the_tpu_interpreter(fmt, case):
     _check_case(fmt, *TPU_CASES[case], mode="interpret-tpu")
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["interpret", "interpret-tpu"])
-@pytest.mark.parametrize("dtype", [np.float32, ml_dtypes.bfloat16])
+# bf16 inputs (what a bf16 policy quantizes) in the default suite, about 6 s in all; f32 in
+# CI's tier.
+@pytest.mark.parametrize("dtype", [pytest.param(np.float32, marks=(pytest.mark.slow,
+                                                                   pytest.mark.ci)),
+                                   ml_dtypes.bfloat16])
 @pytest.mark.parametrize("case", list(SLOW_CASES))
 @pytest.mark.parametrize("fmt", BLOCK_FORMATS)
 def test_kernel_quantize_sweep(fmt, case, dtype, mode):

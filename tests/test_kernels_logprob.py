@@ -252,7 +252,8 @@ def _cell(pol, kind):
 
 @pytest.mark.parametrize("pol,kind", [
     ("fp32", "dense"), ("fp32", "looped_deferred"), ("fp32,k=interpret-tpu", "dense"),
-    *(pytest.param(p, k, marks=pytest.mark.slow) for p in ("fp32", "bf16") for k in KINDS
+    *(pytest.param(p, k, marks=(pytest.mark.slow, *((pytest.mark.ci,) if p == "bf16" else ())))
+      for p in ("fp32", "bf16") for k in KINDS
       if (p, k) not in (("fp32", "dense"), ("fp32", "looped_deferred")))])
 def test_replay_and_hybrid_stay_exact_with_the_kernel_on(pol, kind):
     """Replay == sampler bit for bit; hybrid's value is the sampler's, its gradient dense's."""

@@ -2,8 +2,10 @@
 
 They run the same `jaxrl-lp train` on an `fsdp=8` mesh that spans both, and end
 with the parameters of one process with 8 devices; a SIGKILL of one process and
-a restart of both resumes bit-identically. Both tests compile the run's programs
-in two more processes (minutes on 2 cores) and run with `-m slow`.
+a restart of both resumes bit-identically; a SIGTERM to either process stops both
+after the same step with a checkpoint, and the resumed run ends bit-identical.
+They compile the run's programs in two more processes (minutes on 2 cores) and
+run in CI's slow tier (`-m "slow and ci"`).
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ def _port() -> int:
         return s.getsockname()[1]
 
 
-def _start(run_dir: Path, port: int, log_dir: Path) -> list[subprocess.Popen]:
+def _start(run_dir: Path, port: int, log_dir: Path, *extra: str) -> list[subprocess.Popen]:
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4",
                JAX_PLATFORMS="cpu")
     procs = []
@@ -46,7 +48,7 @@ def _start(run_dir: Path, port: int, log_dir: Path) -> list[subprocess.Popen]:
         args = [sys.executable, "-m", "jaxrl_lp.cli.main", "train",
                 *sets(*RUN, f"run.out_dir={run_dir}", f"distributed.coordinator=127.0.0.1:{port}",
                       "distributed.num_processes=2", f"distributed.process_id={i}",
-                      "distributed.timeout_s=120")]
+                      "distributed.timeout_s=120", *extra)]
         log = (log_dir / f"process{i}.log").open("a")
         procs.append(subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=env))
     return procs
@@ -92,6 +94,7 @@ def two_processes(tmp_path_factory):
 
 # Each process compiles every program of the run (about 2 minutes on 2 cores): `-m slow`.
 @pytest.mark.slow
+@pytest.mark.ci
 def test_two_processes_equal_one_process_with_eight_devices(two_processes, one_process):
     # The same programs on the same mesh; the reductions that cross the two processes go
     # through gloo and may round in another order: equal to 1e-5 (measured: 1.2e-6).
@@ -108,6 +111,7 @@ def test_two_processes_equal_one_process_with_eight_devices(two_processes, one_p
 
 
 @pytest.mark.slow
+@pytest.mark.ci
 def test_sigkill_of_one_process_and_a_restart_of_both_resumes_bit_identically(tmp_path,
                                                                             two_processes):
     run, logs = tmp_path / "run", tmp_path / "logs"
@@ -130,6 +134,50 @@ def test_sigkill_of_one_process_and_a_restart_of_both_resumes_bit_identically(tm
     for a, b in zip(jax.tree.leaves(_params(run)), jax.tree.leaves(_params(two_processes)),
                     strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def _records(run_dir: Path) -> list[dict]:
+    path = run_dir / "metrics.jsonl"
+    return [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
+
+
+@pytest.mark.slow
+@pytest.mark.ci
+def test_sigterm_to_either_process_stops_both_after_one_step_and_the_resume_is_bit_identical(
+        tmp_path, two_processes):
+    """A SIGTERM to one process of two (the warm-start by process 1's, GRPO by process 0's):
+    both stop after the same step with 75, one checkpoint of that step (no cadence
+    checkpoint: `run.checkpoint_every=100`), and the run resumed twice ends with the
+    uninterrupted run's parameters and metric records, bit for bit."""
+    from jaxrl_lp.train.logger import without_wall_clock
+    from jaxrl_lp.train.preemption import EXIT_PREEMPTED
+
+    run, logs = tmp_path / "run", tmp_path / "logs"
+    logs.mkdir()
+    ckpts = run / "checkpoints"
+    stopped = []
+    for who, phase, seen in ((1, "sft", 1), (0, "grpo", 1)):
+        procs = _start(run, _port(), logs, "run.checkpoint_every=100")
+        deadline = time.time() + 600
+        while time.time() < deadline and all(p.poll() is None for p in procs):
+            if sum(r["phase"] == phase for r in _records(run)) >= seen:
+                break
+            time.sleep(0.05)
+        signalled_after = max(r["step"] for r in _records(run))
+        procs[who].send_signal(signal.SIGTERM)
+        assert _wait(procs, timeout=300) == [EXIT_PREEMPTED] * 2, _logs(logs)
+        done = sorted(int(p.name) for p in ckpts.glob("*") if p.name.isdigit())
+        # The step the signal arrived in (or the next, had the other process gone on).
+        assert signalled_after <= done[-1] <= signalled_after + 2 and done[-1] < STEPS, done
+        assert not [p for p in ckpts.iterdir() if "tmp" in p.name]
+        stopped.append(done[-1])
+    assert stopped[0] <= 2 < stopped[1], stopped  # once in the warm-start, once in GRPO
+    assert _wait(_start(run, _port(), logs, "run.checkpoint_every=100")) == [0, 0], _logs(logs)
+    for a, b in zip(jax.tree.leaves(_params(run)), jax.tree.leaves(_params(two_processes)),
+                    strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert [without_wall_clock(r) for r in _records(run)] == \
+        [without_wall_clock(r) for r in _records(two_processes)]
 
 
 def test_an_unreachable_coordinator_is_one_line_within_the_timeout(tmp_path):

@@ -35,7 +35,7 @@ def natively():
 @pytest.mark.parametrize("kind,kernels", [
     ("dense", "off"), ("dense", "interpret"), ("dense", "interpret-tpu"),
     ("looped_deferred", "off"), ("looped_deferred", "interpret"),
-    *(pytest.param(k, m, marks=pytest.mark.slow) for k, m in (
+    *(pytest.param(k, m, marks=(pytest.mark.slow, pytest.mark.ci)) for k, m in (
         ("looped_deferred", "interpret-tpu"), ("looped_dense", "off"),
         ("looped_dense", "interpret")))])
 def test_replay_and_hybrid_are_exact_with_bf16_stored(kind, kernels):

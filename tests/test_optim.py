@@ -199,7 +199,8 @@ def test_convert_writes_a_binary_runs_materialized_weights(tmp_path):
                                       np.asarray(want["layers"][name]))
 
 
-@pytest.mark.slow  # 18 s with a warm compilation cache, 82 s cold; the study test below
+@pytest.mark.slow
+@pytest.mark.ci  # 18 s with a warm compilation cache, 82 s cold; the study test below
 # covers error diffusion by config (warm-start) in the default suite
 def test_sft_then_grpo_by_config_trains_and_resumes_exactly(tmp_path):
     """A binary run (8 warm-start steps, 2 GRPO steps): its loss falls, its int8 codes are
