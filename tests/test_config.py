@@ -73,6 +73,8 @@ BAD = {
     "grpo.exit_rule": ["abc", "fixed:0", "fixed:3"],  # fixed:3: the model has 2 loop steps
     "grpo.compute_mode": ["abc"],
     "grpo.temperature": ["0", "-1", "nan"],
+    # speculative rollouts draw by Gumbel-max only
+    "grpo.draw": ["gumble", ("inverse_cdf", ["grpo.speculative=self:loops=1,k=4"])],
     "grpo.dynamic_sampling": ["abc"],
     "grpo.max_refill_rounds": ["-1", "abc"],
     # 9 > max_new_tokens=8; 5 > the default task's answer length (max_new_tokens=0: 4 tokens)

@@ -42,6 +42,9 @@ Sampling: temperature 1.0, no top-k/top-p (Tunix's `top_p=1.0` takes the
 same categorical draw), every sequence runs `--new-tokens` tokens (no EOS
 stop; Tunix gets an EOS id that never occurs), so both do the same work.
 Tokens/s counts the B x `--new-tokens` sampled tokens of an iteration.
+Ours draws by Gumbel-max (`jax.random.categorical`, as Tunix); `--draws
+gumbel,inverse_cdf` races `grpo.draw=inverse_cdf` too (`<method>_mb<k>_inverse_cdf`:
+the same distribution, other tokens per key, `rollout.sampling.draw_categorical`).
 
 A looped preset (`--looped-size`, the `small-qwen3` shapes as an Ouro-style
 model, R = 4) runs ours only: Tunix has no looped model.
@@ -99,8 +102,8 @@ class _Iteration:
     """
 
     def __init__(self, cfg, policy, params, prompts, optimizer, *, method, group, new_tokens,
-                 minibatches, loop, pack_buckets, seed):
-        self.cfg, self.policy, self.prompts = cfg, policy, prompts
+                 minibatches, loop, pack_buckets, seed, draw="gumbel"):
+        self.cfg, self.policy, self.prompts, self.draw = cfg, policy, prompts, draw
         self.group, self.new_tokens, self.minibatches = group, new_tokens, minibatches
         self.loop, self.seed, self.method = loop, seed, method
         self.step = make_grpo_step(cfg, policy, LOSS, optimizer, method=method,
@@ -121,7 +124,8 @@ class _Iteration:
         with timer("sample"):
             ro = jax.block_until_ready(generate(
                 self.params, self.cfg, self.prompts, policy=self.policy,
-                sampling=SamplingConfig(temperature=1.0), max_new_tokens=self.new_tokens,
+                sampling=SamplingConfig(temperature=1.0, draw=self.draw),
+                max_new_tokens=self.new_tokens,
                 num_samples=self.group, eos_id=None, pad_id=PAD_ID, loop=self.loop,
                 key=jax.random.fold_in(jax.random.PRNGKey(self.seed), i), weights_version=i))
         with timer("score"):
@@ -234,6 +238,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--policy", default="fp32",
                         help="our precision policy (fp32 on CPU: SPEC section 11); Tunix gets "
                              "its compute dtype")
+    parser.add_argument("--draws", default="gumbel",
+                        help="our sampler's token draws to race (comma list of gumbel, "
+                             "inverse_cdf: `grpo.draw`); a non-default one is named "
+                             "<method>_mb<k>_<draw>")
     parser.add_argument("--repeats", type=int, default=3,
                         help="timed iterations of each after the warm-up (at least)")
     parser.add_argument("--min-time", type=float, default=0.0,
@@ -242,7 +250,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0)
 
 
-def _check(args) -> tuple[list[int], list[str]]:
+def _check(args) -> tuple[list[int], list[str], list[str]]:
     if args.batch % args.group or args.group < 2:
         raise ValueError("--group must be >= 2 and divide --batch")
     for name in ("prompt_len", "new_tokens", "repeats"):
@@ -255,7 +263,10 @@ def _check(args) -> tuple[list[int], list[str]]:
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     if not methods or any(m not in ("hybrid", "dense") for m in methods):
         raise ValueError(f"--methods: hybrid and/or dense; got {args.methods!r}")
-    return mbs, methods
+    draws = [d.strip() for d in args.draws.split(",") if d.strip()]
+    if not draws or any(d not in ("gumbel", "inverse_cdf") for d in draws):
+        raise ValueError(f"--draws: gumbel and/or inverse_cdf; got {args.draws!r}")
+    return mbs, methods, draws
 
 
 def _summary(times: dict, phases: dict, tokens: int) -> dict:
@@ -292,14 +303,14 @@ def _race_iterations(calls: dict, repeats: int, min_time: float):
     return firsts, times, phases
 
 
-def _preset_race(cfg, policy, args, mbs, methods, optimizer, tunix_ckpt=None) -> dict:
+def _preset_race(cfg, policy, args, mbs, methods, draws, optimizer, tunix_ckpt=None) -> dict:
     params = init_params(cfg, jax.random.PRNGKey(args.seed))
     prompts = _prompts(cfg, args.batch // args.group, args.prompt_len, args.seed)
     common = dict(group=args.group, new_tokens=args.new_tokens, seed=args.seed)
-    ours = {f"{m}_mb{k}": _Iteration(cfg, policy, params, prompts, optimizer, method=m,
-                                     minibatches=k, loop=LoopSpec(), pack_buckets=16,
-                                     **common)
-            for k in mbs for m in methods}
+    ours = {f"{m}_mb{k}" + ("" if d == "gumbel" else f"_{d}"): _Iteration(
+                cfg, policy, params, prompts, optimizer, method=m, minibatches=k,
+                loop=LoopSpec(), pack_buckets=16, draw=d, **common)
+            for k in mbs for m in methods for d in draws}
     calls = dict(ours)
     if tunix_ckpt is not None:
         save_hf_checkpoint(tunix_ckpt, cfg, params, dtype="f32")
@@ -320,8 +331,8 @@ def _preset_race(cfg, policy, args, mbs, methods, optimizer, tunix_ckpt=None) ->
         if f"tunix_mb{k}" not in res:
             continue
         theirs = res[f"tunix_mb{k}"]["tokens_per_s"]
-        for m in methods:
-            mine = res[f"{m}_mb{k}"]
+        for name in [n for n in ours if n.split("_mb")[1].split("_")[0] == str(k)]:
+            mine = res[name]
             mine["vs_tunix"] = round(mine["tokens_per_s"] / theirs, 3)
             if "with_verify_tokens_per_s" in mine:
                 mine["with_verify_vs_tunix"] = round(mine["with_verify_tokens_per_s"] / theirs, 3)
@@ -330,7 +341,7 @@ def _preset_race(cfg, policy, args, mbs, methods, optimizer, tunix_ckpt=None) ->
 
 def run(args: argparse.Namespace) -> dict:
     """Runs the benchmark; returns one JSON-serializable dict."""
-    mbs, methods = _check(args)
+    mbs, methods, draws = _check(args)
     policy = Policy.parse(args.policy)
     optimizer = optax.chain(optax.clip_by_global_norm(1.0), optax.adam(1e-6))
     why_not = "--no-tunix" if args.no_tunix else tunix_ref.unavailable()
@@ -343,6 +354,7 @@ def run(args: argparse.Namespace) -> dict:
         "prompt_len": args.prompt_len, "new_tokens": args.new_tokens, "mu": 1,
         "minibatches": mbs, "loss": {"epsilon": LOSS.epsilon, "aggregation": LOSS.aggregation},
         "optimizer": "clip_by_global_norm(1.0) + adam(1e-6)", "sampling": "temperature 1.0",
+        "draws": draws,
         "tunix": {"available": why_not is None},
     }
     if why_not is None:
@@ -351,12 +363,13 @@ def run(args: argparse.Namespace) -> dict:
         info["tunix"]["reason"] = why_not
     with tempfile.TemporaryDirectory() as tmp:
         dense_cfg = get_preset(SIZES[args.size])
-        info[SIZES[args.size]] = _preset_race(dense_cfg, policy, args, mbs, methods, optimizer,
+        info[SIZES[args.size]] = _preset_race(dense_cfg, policy, args, mbs, methods, draws,
+                                              optimizer,
                                               tunix_ckpt=tmp if why_not is None else None)
     if args.looped_size:
         cfg = LOOPED_SIZES[args.looped_size]
         info[f"{SIZES[args.looped_size]}-looped-r{cfg.loop_steps}"] = _preset_race(
-            cfg, policy, args, mbs, methods, optimizer)
+            cfg, policy, args, mbs, methods, draws, optimizer)
     checks = {}
     dense = info[SIZES[args.size]]
     for k in mbs:

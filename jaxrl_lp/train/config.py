@@ -136,6 +136,13 @@ class GRPOConfig:
         or `threshold:T[:MIN_LOOPS]`.
       compute_mode: `dense` (every loop step runs) or `deferred` (a token stops at its exit).
       temperature: sampling temperature.
+      draw: how the sampler draws a token from the filtered, tempered distribution
+        (`rollout.sampling.draw_categorical`): `gumbel` (`jax.random.categorical`, the
+        default) or `inverse_cdf` (one uniform per row against the cumulative
+        probabilities: the same distribution, other tokens for the same key, a
+        faster sampler on CPU). The recorded log-probs score the drawn tokens either
+        way, so the replay is the sampler's bits under both. Not with `speculative`
+        (its drafter and residual draws are Gumbel-max).
       dynamic_sampling: DAPO dynamic sampling: a group whose rewards (after overlong
         shaping) are all equal has no gradient, so each step draws further batches of
         `prompts_per_step` prompts from the run's prompt stream (the same sampler weights
@@ -183,6 +190,7 @@ class GRPOConfig:
     exit_rule: str = "model"
     compute_mode: Literal["dense", "deferred"] = "dense"
     temperature: float = 1.0
+    draw: Literal["gumbel", "inverse_cdf"] = "gumbel"
     dynamic_sampling: bool = False
     max_refill_rounds: int = 4
     overlong_buffer: int = 0
@@ -198,6 +206,10 @@ class GRPOConfig:
             spec = SpecConfig.parse(self.speculative)
         except (ValueError, TypeError) as e:
             raise ValueError(f"grpo.speculative={self.speculative!r}: {e}") from None
+        if spec is not None and self.draw != "gumbel":
+            raise ValueError(f"grpo.speculative={self.speculative!r} draws by Gumbel-max (its "
+                             f"drafter and residual draws); set grpo.draw=gumbel (got "
+                             f"{self.draw!r}) or grpo.speculative=''")
         if spec is not None and self.compute_mode != "dense":
             raise ValueError(f"grpo.speculative={self.speculative!r} verifies drafts in dense "
                              f"compute mode; set grpo.compute_mode=dense (got {self.compute_mode!r})")
@@ -217,6 +229,7 @@ class GRPOConfig:
         check_number("grpo.lr", self.lr, gt=0)
         check_number("grpo.temperature", self.temperature, gt=0,
                      why=" (it divides the logits; the sampler records log-probs at it)")
+        check_choice("grpo.draw", self.draw, ("gumbel", "inverse_cdf"))
         check_choice("grpo.advantage", self.advantage, ("grpo", "drgrpo", "rloo"))
         check_choice("grpo.logprobs", self.logprobs, ("dense", "hybrid"))
         check_choice("grpo.replay", self.replay, ("auto", "always"))

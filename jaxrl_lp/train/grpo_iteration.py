@@ -78,7 +78,7 @@ def _sample(sampler_params, step, key, cfg, plan, problems, timer):
     """The rollout of `problems` (G samples each) on the served weights; returns (ro, spec metrics)."""
     g, tok = cfg.grpo, plan.task.tokenizer
     sample_kw = dict(policy=plan.sampler_policy,
-                     sampling=SamplingConfig(temperature=g.temperature),
+                     sampling=SamplingConfig(temperature=g.temperature, draw=g.draw),
                      max_new_tokens=plan.max_new_tokens, num_samples=g.group_size,
                      eos_id=tok.eos_id, pad_id=tok.pad_id, loop=plan.loop, key=key,
                      weights_version=step, mesh=plan.mesh)
