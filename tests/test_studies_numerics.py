@@ -37,7 +37,7 @@ def quick_model(tmp_path_factory):
             return x
         return x * jax.random.uniform(jax.random.fold_in(key, x.size), x.shape, x.dtype, 0.5, 1.5)
 
-    params = jax.tree_util.tree_map_with_path(spread, state["params"])
+    params = jax.tree_util.tree_map_with_path(spread, state.params)
     return cfg, plan, params, loop
 
 

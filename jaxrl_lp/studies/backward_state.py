@@ -323,7 +323,7 @@ def run_backward_state(out_dir: str | Path = "runs/study-backward-state", *,
 
     plan, state, _ = initial_state(cfg)
     task, mcfg, sft_opt = plan.task, plan.model, plan.optimizers[0]
-    params0 = state["params"]
+    params0 = state.params
     pad = task.tokenizer.pad_id
     # The training program's data order (its seed), and batches of their own for the gradients.
     train_it = iter(sft_loader(task.train, task.sft_example, cfg.sft.batch_size, cfg.run.seed, pad,

@@ -106,7 +106,7 @@ def restore_state(cfg: TrainConfig) -> tuple[dict, dict, Any, Any, SyncHooks]:
     try:
         if ckpt.latest_step() is None:
             raise FileNotFoundError(f"no checkpoint in {cfg.run.out_dir}/checkpoints")
-        state, meta = ckpt.restore(like, mcfg)
+        state, meta = ckpt.restore(like.tree(), mcfg)
     finally:
         ckpt.close()
     return state, meta, task, mcfg, hooks

@@ -1,7 +1,7 @@
 """One GRPO iteration of the training program: export, sample, score, update.
 
-`grpo_iteration` mutates the run's state dict (params, GRPO optimizer state,
-sync state) and returns the step's metrics. The jitted programs it calls (the
+`grpo_iteration` takes the run's `RunState` and returns the next one (new
+params, GRPO optimizer state and sync state) with the step's metrics. The jitted programs it calls (the
 GRPO step, the learner's behaviour log-probs, the reference's) are built once
 by `run_train` and passed in as `IterationPrograms`.
 
@@ -42,6 +42,7 @@ from jaxrl_lp.rl.train_step import take_rows
 from jaxrl_lp.rollout.generate import concat_rollouts, generate, pad_prompts
 from jaxrl_lp.rollout.sampling import SamplingConfig
 from jaxrl_lp.train.behaviour import PhaseTimer, ReplayRule, check_replay_equal
+from jaxrl_lp.train.run_state import RunState
 from jaxrl_lp.train.sync_hooks import SyncHooks
 
 __all__ = ["IterationPrograms", "Reference", "grpo_iteration"]
@@ -66,12 +67,13 @@ class IterationPrograms(NamedTuple):
     model_params: Any = None         # train tree -> model params (`optim.weights`), or None
 
 
-def _export(state, hooks, timer, master):
-    """The step's one export: (served, sampler params); every round of the step samples these."""
+def _export(sync, hooks, timer, master):
+    """The step's one export: (served, sampler params, sync state); every round of the step
+    samples these."""
     with timer("export"):
-        served, sampler_params, state["sync"] = hooks.export(state["sync"], master)
+        served, sampler_params, sync = hooks.export(sync, master)
         jax.block_until_ready(sampler_params)
-    return served, sampler_params
+    return served, sampler_params, sync
 
 
 def _sample(sampler_params, step, key, cfg, plan, problems, timer):
@@ -127,14 +129,14 @@ def _shaped(rewards: np.ndarray, penalty: np.ndarray) -> np.ndarray:
     return rewards + penalty if penalty.any() else rewards
 
 
-def grpo_iteration(state: dict, step: int, cfg, plan, programs: IterationPrograms, prompt_it,
-                   hooks: SyncHooks) -> dict:
+def grpo_iteration(state: RunState, step: int, cfg, plan, programs: IterationPrograms,
+                   prompt_it, hooks: SyncHooks) -> tuple[RunState, dict]:
     """One GRPO step: export, sample groups, score, advantages, `mu` passes of updates.
 
     With `plan.mesh` the sampler and the learner run sharded; what is computed
     on the host (rewards, advantages, metrics) is computed by every process on
     the whole batch (`to_host`), so they agree without further communication.
-    `programs.model_params` maps a low-bit run's train tree (`state["params"]`,
+    `programs.model_params` maps a low-bit run's train tree (`state.params`,
     see `optim.weights`) to the model's params the sampler and diagnostics use.
 
     With `grpo.dynamic_sampling`, further batches of prompts are drawn from
@@ -142,6 +144,11 @@ def grpo_iteration(state: dict, step: int, cfg, plan, programs: IterationProgram
     export until the batch holds `prompts_per_step` informative groups
     (`rl.dynamic_sampling.refill_groups`, at most `grpo.max_refill_rounds`
     further batches); the batch is their rows concatenated (`concat_rollouts`).
+
+    Returns:
+      `(state, metrics)`: the state after the step's updates (params,
+      `opt_grpo` and `sync` new; `opt_sft` as it was), the metrics a dict of
+      floats.
 
     Raises:
       ReplayMismatchError: on a `grpo.verify_every` step, the replay of the batch
@@ -151,9 +158,11 @@ def grpo_iteration(state: dict, step: int, cfg, plan, programs: IterationProgram
     task, timer = plan.task, PhaseTimer()
     view = programs.model_params or (lambda p: p)
     problems = [task.train[int(i)] for i in prompt_it.next_global()]
-    master = view(state["params"])
+    # What the step updates: each update's params and GRPO optimizer state, the sync state.
+    params, opt_grpo = state.params, state.opt_grpo
+    master = view(params)
     key = jax.random.fold_in(jax.random.PRNGKey(cfg.run.seed), step)
-    served, sampler_params = _export(state, hooks, timer, master)
+    served, sampler_params, sync = _export(state.sync, hooks, timer, master)
     ro, spec_metrics = _sample(sampler_params, step, key, cfg, plan, problems, timer)
     rounds = [_Round(ro, *_score(ro, problems, cfg, plan, timer))]
     ds_metrics, picked = {}, None
@@ -196,7 +205,7 @@ def grpo_iteration(state: dict, step: int, cfg, plan, programs: IterationProgram
     rule, old_logp_fn = programs.rule, programs.behaviour_logprobs
     # The weights the loss computes with: the served copy (constant over the step's updates)
     # or the master (moved by each update).
-    loss_weights = (lambda: sampler_params) if on_served else (lambda: view(state["params"]))
+    loss_weights = (lambda: sampler_params) if on_served else (lambda: view(params))
     grpo_step_n = step - cfg.sft.steps
     verify = bool(g.verify_every) and grpo_step_n % g.verify_every == 0
     with timer("behaviour"):
@@ -229,8 +238,7 @@ def grpo_iteration(state: dict, step: int, cfg, plan, programs: IterationProgram
     with timer("sync"):
         if hooks.active:
             master_logp = old_logp if not on_served else old_logp_fn(master, ro)
-            state["sync"], sync_metrics = hooks.diagnostics(state["sync"], master, served, ro,
-                                                            master_logp)
+            sync, sync_metrics = hooks.diagnostics(sync, master, served, ro, master_logp)
             k = cfg.sync.check_every
             if k and grpo_step_n % k == 0:
                 tok = task.tokenizer
@@ -252,8 +260,8 @@ def grpo_iteration(state: dict, step: int, cfg, plan, programs: IterationProgram
                 first = epoch == 0 and i == 0
                 reuse = recorded if first or on_served else rule.recorded(ro, loss_weights())
                 replayed += int(g.logprobs == "hybrid" and not reuse)
-                state["params"], state["opt_grpo"], m = programs.grpo_step(
-                    state["params"], state["opt_grpo"], take_rows(ro, idx),
+                params, opt_grpo, m = programs.grpo_step(
+                    params, opt_grpo, take_rows(ro, idx),
                     jnp.asarray(adv[idx]), old_logp[idx],
                     None if ref_logp is None else ref_logp[idx],
                     sampler_params if on_served else None,
@@ -284,4 +292,4 @@ def grpo_iteration(state: dict, step: int, cfg, plan, programs: IterationProgram
         replayed_updates=float(replayed), behaviour_recomputed=float(measured),
         replay_verified=float(recorded and verify), **t,
     )
-    return metrics
+    return dataclasses.replace(state, params=params, opt_grpo=opt_grpo, sync=sync), metrics

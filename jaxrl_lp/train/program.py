@@ -41,6 +41,7 @@ from jaxrl_lp.train.preemption import Preempted, SignalGuard
 from jaxrl_lp.train.progress import PhaseProgress
 from jaxrl_lp.train.resume import restore_newest_intact
 from jaxrl_lp.train.run_lock import RunLock
+from jaxrl_lp.train.run_state import Progress, RunState
 from jaxrl_lp.train.sync_hooks import SyncHooks
 from jaxrl_lp.train.validate import RunPlan, build_task, model_config, validate
 
@@ -51,13 +52,15 @@ class NonFiniteError(RuntimeError):
     """Too many consecutive steps had a non-finite loss or gradient."""
 
 
-def initial_state(cfg: TrainConfig, plan: RunPlan | None = None) -> tuple[RunPlan, dict, SyncHooks]:
+def initial_state(cfg: TrainConfig, plan: RunPlan | None = None
+                  ) -> tuple[RunPlan, RunState, SyncHooks]:
     """The state a run of `cfg` starts from, and what it is built from.
 
     Returns:
-      `(plan, state, hooks)`: the validated `RunPlan`, the state dict a run
+      `(plan, state, hooks)`: the validated `RunPlan`, the `RunState` a run
       checkpoints (`params` from `init_from` or a seeded random init,
-      `opt_sft`, `opt_grpo`, `sync`) and the `SyncHooks` of `cfg.sync`. With a
+      `opt_sft`, `opt_grpo`, `sync`; `state.tree()` is the checkpointed dict)
+      and the `SyncHooks` of `cfg.sync`. With a
       low-bit `sft.optimizer`, `params` is the train tree of `plan.weights`
       (`plan.weights.materialize(params)` gives the model's params).
     """
@@ -82,16 +85,18 @@ def initial_state(cfg: TrainConfig, plan: RunPlan | None = None) -> tuple[RunPla
     hooks = SyncHooks(cfg.sync, mcfg, plan.learner_policy, plan.sampler_policy)
     weights = plan.weights
     if weights is None:
-        state = {"params": params, "opt_sft": sft_opt.init(params),
-                 "opt_grpo": grpo_opt.init(params), "sync": hooks.init_state(params)}
+        state = RunState(params=params, opt_sft=sft_opt.init(params),
+                         opt_grpo=grpo_opt.init(params), sync=hooks.init_state(params))
     else:  # the train tree (`sft.optimizer`): e.g. int8 codes and scales, no f32 weights
         train = weights.from_params(params)
         del params
-        state = {"params": train, "opt_sft": sft_opt.init(train), "opt_grpo": grpo_opt.init(train),
-                 "sync": hooks.init_state(weights.materialize(train))}
-    if mesh is not None:
-        state = {k: v if k == "params" else put_tree(v, state_shardings(v, params, param_sh, mesh))
-                 for k, v in state.items()}
+        state = RunState(params=train, opt_sft=sft_opt.init(train),
+                         opt_grpo=grpo_opt.init(train),
+                         sync=hooks.init_state(weights.materialize(train)))
+    if mesh is not None:  # the params are placed already; the rest follows them
+        put = lambda v: put_tree(v, state_shardings(v, params, param_sh, mesh))
+        state = RunState(params=state.params, opt_sft=put(state.opt_sft),
+                         opt_grpo=put(state.opt_grpo), sync=put(state.sync))
     return plan, state, hooks
 
 
@@ -285,17 +290,17 @@ def _train(cfg: TrainConfig, plan: RunPlan, run_dir: Path, ckpt: Checkpointer, t
     prompt_it = ShardedLoader(
         lambda d, n: prompt_loader(range(len(task.train)), g.prompts_per_step // n,
                                    cfg.run.seed + 1, shard=(d, n)), mesh)
-    meta = {"step": 0, "initial_accuracy": None, "nonfinite_in_row": 0, "skipped_total": 0,
-            "metrics_records": 0}
-    resumed = restore_newest_intact(ckpt, state, cfg, mcfg, hooks, lpol, spol)
+    progress = Progress()
+    resumed = restore_newest_intact(ckpt, state.tree(), cfg, mcfg, hooks, lpol, spol)
     if resumed is not None:
-        state, meta = resumed
+        tree, meta = resumed
+        state, progress = RunState.from_tree(tree), Progress.from_meta(meta)
         sft_it.set_state(meta["sft_data"])
         prompt_it.set_state(meta["prompt_data"])
     elif primary:
         (run_dir / "config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=2))
     # Records past the checkpoint are redone by this run: keep one record per step.
-    logger = MetricsLogger(run_dir, keep_records=meta.get("metrics_records", 0), write=primary)
+    logger = MetricsLogger(run_dir, keep_records=progress.metrics_records, write=primary)
 
     weights = plan.weights  # None: the params are the model's (the default run)
     sft_step = make_sft_step(mcfg, lpol, sft_opt, mesh=mesh, remat=g.remat, weights=weights)
@@ -317,92 +322,98 @@ def _train(cfg: TrainConfig, plan: RunPlan, run_dir: Path, ckpt: Checkpointer, t
         grpo_step=grpo_step, behaviour_logprobs=old_logp_fn,
         rule=ReplayRule(g.replay, g.logprobs, matched=str(lpol) == str(spol)),
         verify_logprobs=verify_fn, model_params=None if weights is None else model_params)
-    if cfg.loss.kl_beta > 0 and meta["initial_accuracy"] is not None:  # resumed inside GRPO
+    if cfg.loss.kl_beta > 0 and progress.initial_accuracy is not None:  # resumed inside GRPO
         programs = programs._replace(reference=Reference(
             _reference_params(cfg, plan, run_dir, None), old_logp_fn))
     total = cfg.sft.steps + g.steps
     evaluate_now = lambda p: evaluate(model_params(p), mcfg, task, spol, loop,
                                       cfg.run.eval_size, max_new, mesh)
 
-    def save(step):
-        meta.update(step=step, sft_data=sft_it.get_state(), prompt_data=prompt_it.get_state(),
+    def save(state: RunState, progress: Progress):
+        # The counters, then what the iterators, the model and the sync settings are.
+        meta = dict(progress.meta(), metrics_records=logger.lines,
+                    sft_data=sft_it.get_state(), prompt_data=prompt_it.get_state(),
                     model=json.loads(json.dumps(dataclasses.asdict(mcfg))),
-                    sync=dataclasses.asdict(cfg.sync), metrics_records=logger.lines)
-        ckpt.save(step, state, meta)
-    bar = PhaseProgress([("warm-start", cfg.sft.steps), ("grpo", g.steps)], meta["step"],
+                    sync=dataclasses.asdict(cfg.sync))
+        ckpt.save(progress.step, state.tree(), meta)
+    bar = PhaseProgress([("warm-start", cfg.sft.steps), ("grpo", g.steps)], progress.step,
                         enabled=cfg.run.progress and primary)
-    step = meta["step"]
-    while step < total and (stop_after is None or step < stop_after):
+    while progress.step < total and (stop_after is None or progress.step < stop_after):
+        step = progress.step
         if step < cfg.sft.steps:
             tokens, mask = sft_it.next_global()
             if mesh is not None:  # rows over the data shards, from the host batch
                 tokens, mask = put_tree((tokens, mask), batch_shardings((tokens, mask), mesh))
-            state["params"], state["opt_sft"], m = sft_step(
-                state["params"], state["opt_sft"], jnp.asarray(tokens), jnp.asarray(mask))
+            params, opt_sft, m = sft_step(state.params, state.opt_sft, jnp.asarray(tokens),
+                                          jnp.asarray(mask))
+            state = dataclasses.replace(state, params=params, opt_sft=opt_sft)
             phase = "sft"
         else:
-            if meta["initial_accuracy"] is None:
+            if progress.initial_accuracy is None:
                 if weights is None:
-                    state["sync"], state["params"] = hooks.start(state["sync"], state["params"])
+                    sync, params = hooks.start(state.sync, state.params)
+                    state = dataclasses.replace(state, sync=sync, params=params)
                 else:  # sync.bf16_start is refused for these (validate)
-                    state["sync"], _ = hooks.start(state["sync"], model_params(state["params"]))
+                    sync, _ = hooks.start(state.sync, model_params(state.params))
+                    state = dataclasses.replace(state, sync=sync)
                 if cfg.loss.kl_beta > 0:  # frozen here: the GRPO phase's starting weights
                     programs = programs._replace(reference=Reference(_reference_params(
-                        cfg, plan, run_dir, model_params(state["params"])), old_logp_fn))
-                meta["initial_accuracy"] = evaluate_now(state["params"])
-                logger.log(step, "eval", {"accuracy": meta["initial_accuracy"]})
-            m = grpo_iteration(state, step, cfg, plan, programs, prompt_it, hooks)
+                        cfg, plan, run_dir, model_params(state.params)), old_logp_fn))
+                progress = dataclasses.replace(progress,
+                                               initial_accuracy=evaluate_now(state.params))
+                logger.log(step, "eval", {"accuracy": progress.initial_accuracy})
+            state, m = grpo_iteration(state, step, cfg, plan, programs, prompt_it, hooks)
             phase = "grpo"
         m = {k: float(v) for k, v in m.items()}
-        meta["nonfinite_in_row"] = meta["nonfinite_in_row"] + 1 if m["skipped"] else 0
-        meta["skipped_total"] += int(m["skipped"] > 0)
-        step += 1
+        progress = progress.counted(skipped=m["skipped"] > 0)
+        step = progress.step
         logger.log(step, phase, m)
         bar.update(step, _postfix(m))
-        if meta["nonfinite_in_row"] >= g.max_nonfinite_in_row:
-            save(step)
+        if progress.nonfinite_in_row >= g.max_nonfinite_in_row:
+            save(state, progress)
             bar.close()
             raise NonFiniteError(
-                f"{meta['nonfinite_in_row']} steps in a row had a non-finite loss or gradient "
+                f"{progress.nonfinite_in_row} steps in a row had a non-finite loss or gradient "
                 f"(last at step {step}); they were skipped and nothing non-finite was saved. "
                 "Lower the learning rate or check the data; grpo.max_nonfinite_in_row sets the limit")
         # Periodic evaluation; the last step's is the final evaluation below.
         if cfg.sft.steps < step < total and (step - cfg.sft.steps) % cfg.run.eval_every == 0:
-            logger.log(step, "eval", {"accuracy": evaluate_now(state["params"])})
+            logger.log(step, "eval", {"accuracy": evaluate_now(state.params)})
         saved = step % cfg.run.checkpoint_every == 0 or step == total
         if saved:
-            save(step)
+            save(state, progress)
         if signum := guard.agreed():  # every process stops after the same step
             if not saved:
-                save(step)
+                save(state, progress)
             bar.close()
             logger.close()
             raise Preempted(step, signum, str(run_dir))
     bar.close()
+    step = progress.step
     if step < total:  # interrupted on purpose (stop_after)
-        save(step)
+        save(state, progress)
         logger.close()
         return {"steps": step, "interrupted": True}
-    if meta["initial_accuracy"] is None:
-        meta["initial_accuracy"] = evaluate_now(state["params"])
-    final = evaluate_now(state["params"])
+    if progress.initial_accuracy is None:
+        progress = dataclasses.replace(progress, initial_accuracy=evaluate_now(state.params))
+    final = evaluate_now(state.params)
     final_served = None
     if hooks.active:  # what the sampler would serve next (a fresh export; the state is kept)
-        _, served_params, _ = hooks.export(state["sync"], model_params(state["params"]))
+        _, served_params, _ = hooks.export(state.sync, model_params(state.params))
         final_served = evaluate_now(served_params)
     logger.log(step, "eval", {"accuracy": final} | (
         {} if final_served is None else {"accuracy_served": final_served}))
     if primary:
         plot_metrics(logger.records(), run_dir)
     summary = {
-        "initial_accuracy": meta["initial_accuracy"],
+        "initial_accuracy": progress.initial_accuracy,
         "final_accuracy": final,
-        "accuracy_gain": final - meta["initial_accuracy"],
+        "accuracy_gain": final - progress.initial_accuracy,
         **({} if final_served is None else {"final_accuracy_served": final_served}),
         "steps": step,
         "sft_steps": cfg.sft.steps,
         "grpo_steps": g.steps,
-        "skipped_steps": meta["skipped_total"],
+        "skipped_steps": progress.skipped_total,
         "wall_seconds": time.time() - t_start,
         "run_dir": str(run_dir),
     }
