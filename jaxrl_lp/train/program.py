@@ -326,8 +326,10 @@ def _train(cfg: TrainConfig, plan: RunPlan, run_dir: Path, ckpt: Checkpointer, t
         programs = programs._replace(reference=Reference(
             _reference_params(cfg, plan, run_dir, None), old_logp_fn))
     total = cfg.sft.steps + g.steps
-    evaluate_now = lambda p: evaluate(model_params(p), mcfg, task, spol, loop,
-                                      cfg.run.eval_size, max_new, mesh)
+    # Held-out accuracy of the model's params (`score`), or of the run's own (`evaluate_now`:
+    # a low-bit run's train tree is materialized first).
+    score = lambda p: evaluate(p, mcfg, task, spol, loop, cfg.run.eval_size, max_new, mesh)
+    evaluate_now = lambda p: score(model_params(p))
 
     def save(state: RunState, progress: Progress):
         # The counters, then what the iterators, the model and the sync settings are.
@@ -400,7 +402,7 @@ def _train(cfg: TrainConfig, plan: RunPlan, run_dir: Path, ckpt: Checkpointer, t
     final_served = None
     if hooks.active:  # what the sampler would serve next (a fresh export; the state is kept)
         _, served_params, _ = hooks.export(state.sync, model_params(state.params))
-        final_served = evaluate_now(served_params)
+        final_served = score(served_params)  # the model's params already
     logger.log(step, "eval", {"accuracy": final} | (
         {} if final_served is None else {"accuracy_served": final_served}))
     if primary:
