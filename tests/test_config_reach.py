@@ -1,0 +1,197 @@
+"""Validation that reaches: every config key, at a valid non-default value, runs.
+
+`test_config.py` walks every key with a bad value and checks it is refused
+before anything is written. This file walks the other side: a value that
+validates must also run, through the warm-start, the first GRPO step and the
+checkpoint of that step (`loss.kl_beta=0.01` once validated, ran the whole
+warm-start and failed at the first GRPO step).
+
+The non-default values are grouped into a few short runs of the tiny model
+(`RUNS`, each on top of `BASE`: 2 warm-start steps and 2 GRPO steps, a
+checkpoint at the first GRPO step, step 3, and at the end). The coverage is
+derived from `dataclasses.fields(TrainConfig)`: every key must take a value
+other than the default config's in some run, and every choice of a `Literal`
+key must appear in some run, or the key (or choice) is in `NOT_RUN` with the
+reason it cannot run here. A new key with neither fails
+`test_every_key_runs_at_a_non_default_value_or_says_why_not`.
+"""
+
+import dataclasses
+import json
+import math
+import string
+import subprocess
+import sys
+import typing
+
+import jax
+import pytest
+from helpers import TINY_MODEL
+
+from jaxrl_lp.train import TrainConfig, apply_overrides, default_config
+
+# 2 warm-start and 2 GRPO steps; step 3 (the first GRPO step) and step 4 are checkpointed.
+SFT_STEPS, GRPO_STEPS = 2, 2
+BASE = [*TINY_MODEL, f"sft.steps={SFT_STEPS}", "sft.batch_size=16", f"grpo.steps={GRPO_STEPS}",
+        "grpo.prompts_per_step=4", "grpo.group_size=2", "run.eval_every=1", "run.eval_size=8",
+        f"run.checkpoint_every={SFT_STEPS + 1}", "run.progress=false"]
+
+# Stand-ins filled in by the test: a tiny Hugging Face checkpoint with a character
+# tokenizer (`_hf_checkpoint`), and a GSM8K-format file of a few records.
+HF, GSM8K = "{hf}", "{gsm8k}"
+
+# The runs: each a list of overrides on top of BASE (a later value of a key wins).
+RUNS = {
+    # The dense family with every architecture switch, a one-digit subtraction task, the
+    # dense learner log-probs, sequence-level ratios with both clips.
+    "qwen3": [
+        "model.family=qwen3", "model.loop_steps=1", "model.rope_theta=500000.0",
+        "model.rms_eps=1e-5", "model.tie_embeddings=true", "model.qk_norm=true",
+        "model.attention_bias=true", "model.head_dim=8", "model.max_position_embeddings=96",
+        "model.init_std=0.05",
+        # The task's tokenizer sets these four (`validate.model_config`): any value runs.
+        "model.vocab_size=300", "model.bos_token_id=1", "model.eos_token_id=2",
+        "model.pad_token_id=0",
+        "task.ops=+-", "task.max_digits=1", "task.reverse_answer=false",
+        "task.pad_operands=false", "task.seed=1",
+        "sft.lr=1e-2", "sft.warmup_steps=0",
+        "grpo.advantage=drgrpo", "grpo.logprobs=dense", "grpo.max_new_tokens=6",
+        "loss.aggregation=seq_mean_token_sum_norm", "loss.ratio_level=sequence",
+        "loss.epsilon=0.1", "loss.epsilon_high=0.3", "loss.dual_clip=3.0",
+        "loss.correction=tis", "loss.correction_cap=3.0",
+        "run.seed=1", "run.keep_checkpoints=3",
+    ],
+    # A deeper loop, a fixed exit, the deferred compute mode; a KL term (k1) to the GRPO
+    # start; the ratio anchored on the learner; every batch replayed and verified.
+    "looped": [
+        "model.loop_steps=3", "model.exit_rule=fixed:2", "grpo.exit_rule=fixed:3",
+        "grpo.compute_mode=deferred", "grpo.advantage=rloo", "grpo.temperature=0.7",
+        "grpo.lr=1e-3", "grpo.replay=always", "grpo.verify_every=1",
+        "loss.kl_beta=0.01", "loss.kl_estimator=k1", "loss.ratio_anchor=learner",
+        "loss.aggregation=seq_mean_token_mean", "loss.correction=mis",
+    ],
+    # Fair Cast: bf16 error-feedback export, the loss on the served copy, every sync check
+    # each step; an unmatched learner (bf16) and sampler (f32); a k2 KL term.
+    "fair_cast": [
+        "sync.exporter=bf16:error_feedback", "sync.loss_on_served=true", "sync.check_every=1",
+        "sync.seed=1", "grpo.learner_policy=bf16", "loss.kl_beta=0.05",
+        "loss.kl_estimator=k2", "loss.correction=seq_tis",
+    ],
+    # The warm-start's end rounded to bf16 before GRPO, bf16 sampling.
+    "bf16_start": [
+        "sync.exporter=bf16:nearest", "sync.bf16_start=true", "grpo.sampler_policy=bf16",
+        "grpo.learner_policy=bf16", "loss.correction=seq_mis",
+    ],
+    # Low-bit training: binary codes with error diffusion from the warm-start on.
+    "low_bit": ["sft.optimizer=error_diffusion:binary:k=4", "sync.exporter=fmt:binary"],
+    # Dynamic sampling with overlong shaping, mu=2 passes over 2 minibatches of 2 micro-
+    # batches, rematerialized; no save on a signal.
+    "dynamic": [
+        "grpo.dynamic_sampling=true", "grpo.max_refill_rounds=1", "grpo.max_new_tokens=6",
+        "grpo.overlong_buffer=2", "grpo.overlong_penalty=0.5", "grpo.mu=2",
+        "grpo.minibatches=2", "grpo.micro_batches=2", "grpo.remat=true",
+        "grpo.max_nonfinite_in_row=2", "run.save_on_signal=false",
+        "distributed.timeout_s=60",
+    ],
+    # Speculative rollouts, self-drafted at one loop step.
+    "speculative": ["grpo.speculative=self:loops=1,k=2"],
+    # Sharded over the 8 CPU devices the tests have (conftest's XLA_FLAGS).
+    "mesh": ["run.mesh=fsdp=8", "grpo.prompts_per_step=8"],
+    # GSM8K-format data with the tokenizer and weights of a Hugging Face checkpoint, which
+    # is also the KL reference.
+    "gsm8k": [
+        "task.kind=gsm8k", f"task.path={GSM8K}", f"init_from={HF}", f"loss.reference={HF}",
+        "loss.kl_beta=0.01", "grpo.max_new_tokens=8",
+    ],
+}
+
+# Keys (or `key=choice` of a Literal key) no run here can take, and why.
+NOT_RUN = {
+    "distributed.coordinator": "several processes: tests/test_multiprocess.py",
+    "distributed.num_processes": "several processes: tests/test_multiprocess.py",
+    "distributed.process_id": "several processes: tests/test_multiprocess.py",
+}
+
+
+def _keys(cls: type, prefix: str = "") -> dict[str, typing.Any]:
+    """Every config key of `cls` and its type hint, from the dataclass fields."""
+    hints = typing.get_type_hints(cls)
+    out = {}
+    for f in dataclasses.fields(cls):
+        if dataclasses.is_dataclass(hints[f.name]):
+            out.update(_keys(hints[f.name], f"{prefix}{f.name}."))
+        else:
+            out[f"{prefix}{f.name}"] = hints[f.name]
+    return out
+
+
+def _get(cfg, key: str):
+    for name in key.split("."):
+        cfg = getattr(cfg, name)
+    return cfg
+
+
+def _overrides(name: str, out_dir, hf="/hf", gsm8k="/gsm8k.jsonl") -> list[str]:
+    return [o.replace(HF, str(hf)).replace(GSM8K, str(gsm8k))
+            for o in [*BASE, *RUNS[name], f"run.out_dir={out_dir}"]]
+
+
+def test_every_key_runs_at_a_non_default_value_or_says_why_not():
+    default = default_config()
+    keys = _keys(TrainConfig)
+    # Config values only (`__post_init__`); the paths are checked by `validate`, at run time.
+    cfgs = {n: apply_overrides(default, _overrides(n, "/tmp/reach")) for n in RUNS}
+    changed = {k for k in keys for c in cfgs.values() if _get(c, k) != _get(default, k)}
+    choices = {f"{k}={v}" for k, hint in keys.items() if typing.get_origin(hint) is typing.Literal
+               for v in typing.get_args(hint) if v != _get(default, k)}
+    taken = {f"{k}={_get(c, k)}" for k in keys for c in cfgs.values()}
+    missing = sorted((set(keys) - changed - set(NOT_RUN)) | (choices - taken - set(NOT_RUN)))
+    assert not missing, (f"no run in RUNS takes these keys (or choices) at a non-default value, "
+                         f"and NOT_RUN gives no reason: {missing}")
+    stale = sorted(k for k in NOT_RUN if k in changed or k in taken)
+    assert not stale, f"NOT_RUN lists keys a run does take: {stale}"
+
+
+@pytest.fixture(scope="module")
+def hf_checkpoint(tmp_path_factory):
+    """A tiny random Hugging Face checkpoint with a character tokenizer, and GSM8K records."""
+    from jaxrl_lp.models.hf_io import save_hf_checkpoint
+    from jaxrl_lp.models.model import init_params
+    from jaxrl_lp.models.tokenizer import CharTokenizer
+    from jaxrl_lp.train.validate import model_config
+
+    root = tmp_path_factory.mktemp("reach")
+    hf = root / "hf"
+    tok = CharTokenizer(alphabet=string.ascii_letters + string.digits + " #.,?:\n+-=")
+    tok.save(hf)
+    records = [{"question": f"What is {a} + {b}?", "answer": f"{a} + {b} = {a + b}. #### {a + b}"}
+               for a in range(1, 5) for b in range(1, 5)]
+    gsm8k = root / "gsm8k.jsonl"
+    gsm8k.write_text("".join(json.dumps(r) + "\n" for r in records))
+    cfg = apply_overrides(default_config(), [*TINY_MODEL, "model.max_position_embeddings=128"])
+    mcfg = model_config(cfg, type("Task", (), {"tokenizer": tok})())
+    save_hf_checkpoint(hf, mcfg, init_params(mcfg, jax.random.PRNGKey(5)))
+    return hf, gsm8k
+
+
+@pytest.mark.slow
+@pytest.mark.ci
+@pytest.mark.parametrize("name", sorted(RUNS))
+def test_every_key_at_a_non_default_value_runs_to_its_first_grpo_checkpoint(
+        name, hf_checkpoint, tmp_path):
+    hf, gsm8k = hf_checkpoint
+    out = tmp_path / "run"
+    args = [a for o in _overrides(name, out, hf, gsm8k) for a in ("--set", o)]
+    # A process of its own per run (as `jaxrl-lp train` is run); it inherits the tests'
+    # 8 CPU devices and compilation cache.
+    res = subprocess.run([sys.executable, "-m", "jaxrl_lp.cli.main", "train", *args],
+                         capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    first = SFT_STEPS + 1
+    steps = sorted(int(p.name) for p in (out / "checkpoints").iterdir() if p.name.isdigit())
+    assert first in steps and steps[-1] == SFT_STEPS + GRPO_STEPS, steps
+    records = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    grpo = [r for r in records if r["phase"] == "grpo"]
+    assert [r["step"] for r in grpo] == list(range(first, first + GRPO_STEPS))
+    assert all(math.isfinite(r["loss"]) and r["skipped"] == 0.0 for r in grpo), grpo
+    assert json.loads((out / "summary.json").read_text())["steps"] == SFT_STEPS + GRPO_STEPS
