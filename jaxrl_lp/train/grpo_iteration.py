@@ -1,9 +1,10 @@
 """One GRPO iteration of the training program: export, sample, score, update.
 
 `grpo_iteration` takes the run's `RunState` and returns the next one (new
-params, GRPO optimizer state and sync state) with the step's metrics. The jitted programs it calls (the
-GRPO step, the learner's behaviour log-probs, the reference's) are built once
-by `run_train` and passed in as `IterationPrograms`.
+params, GRPO optimizer state and sync state) with the step's metrics. The
+jitted programs it calls (the GRPO step, the learner's behaviour log-probs,
+the reference's) are built once by `run_train` and passed in as
+`IterationPrograms`.
 
 Which log-probs are computed is decided per update on the host
 (`train.behaviour.ReplayRule`, `grpo.replay`): where an update computes with
