@@ -61,11 +61,13 @@ RUNS = {
         "loss.correction=tis", "loss.correction_cap=3.0",
         "run.seed=1", "run.keep_checkpoints=3",
     ],
-    # A deeper loop, a fixed exit, the deferred compute mode; a KL term (k1) to the GRPO
-    # start; the ratio anchored on the learner; every batch replayed and verified.
+    # A deeper loop, a fixed exit, the deferred compute mode, inverse-CDF draws; a KL term
+    # (k1) to the GRPO start; the ratio anchored on the learner; every batch replayed and
+    # verified.
     "looped": [
         "model.loop_steps=3", "model.exit_rule=fixed:2", "grpo.exit_rule=fixed:3",
-        "grpo.compute_mode=deferred", "grpo.advantage=rloo", "grpo.temperature=0.7",
+        "grpo.compute_mode=deferred", "grpo.draw=inverse_cdf", "grpo.advantage=rloo",
+        "grpo.temperature=0.7",
         "grpo.lr=1e-3", "grpo.replay=always", "grpo.verify_every=1",
         "loss.kl_beta=0.01", "loss.kl_estimator=k1", "loss.ratio_anchor=learner",
         "loss.aggregation=seq_mean_token_mean", "loss.correction=mis",
