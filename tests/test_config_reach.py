@@ -160,7 +160,6 @@ def hf_checkpoint(tmp_path_factory):
     from jaxrl_lp.models.hf_io import save_hf_checkpoint
     from jaxrl_lp.models.model import init_params
     from jaxrl_lp.models.tokenizer import CharTokenizer
-    from jaxrl_lp.train.validate import model_config
 
     root = tmp_path_factory.mktemp("reach")
     hf = root / "hf"
@@ -171,7 +170,8 @@ def hf_checkpoint(tmp_path_factory):
     gsm8k = root / "gsm8k.jsonl"
     gsm8k.write_text("".join(json.dumps(r) + "\n" for r in records))
     cfg = apply_overrides(default_config(), [*TINY_MODEL, "model.max_position_embeddings=128"])
-    mcfg = model_config(cfg, type("Task", (), {"tokenizer": tok})())
+    mcfg = cfg.model.replace(vocab_size=tok.vocab_size, bos_token_id=tok.bos_id,
+                             eos_token_id=tok.eos_id, pad_token_id=tok.pad_id)
     save_hf_checkpoint(hf, mcfg, init_params(mcfg, jax.random.PRNGKey(5)))
     return hf, gsm8k
 
