@@ -40,18 +40,47 @@ def _port() -> int:
         return s.getsockname()[1]
 
 
-def _start(run_dir: Path, port: int, log_dir: Path, *extra: str) -> list[subprocess.Popen]:
+def _start(run_dir: Path, port: int, log_dir: Path, *extra: str,
+           signal_at: str | None = None) -> list[subprocess.Popen]:
+    """Both processes of the run; with `signal_at` one of them sends itself SIGTERM at that
+    moment (`_SIGNAL_AT`), the plain command line otherwise."""
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4",
                JAX_PLATFORMS="cpu")
+    entry = ["-m", "jaxrl_lp.cli.main"] if signal_at is None else ["-c", _SIGNAL_AT, signal_at]
     procs = []
     for i in range(2):
-        args = [sys.executable, "-m", "jaxrl_lp.cli.main", "train",
+        args = [sys.executable, *entry, "train",
                 *sets(*RUN, f"run.out_dir={run_dir}", f"distributed.coordinator=127.0.0.1:{port}",
                       "distributed.num_processes=2", f"distributed.process_id={i}",
                       "distributed.timeout_s=120", *extra)]
         log = (log_dir / f"process{i}.log").open("a")
         procs.append(subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=env))
     return procs
+
+
+# `python -c _SIGNAL_AT MOMENT train ...` is `jaxrl-lp train ...` in which, at MOMENT, one
+# process sends itself SIGTERM (as tests/test_preemption.py does in one process):
+# `log:S`, process 0 once it has logged step S's record; `save:S`, process 1 as its
+# checkpoint save of step S begins.
+_SIGNAL_AT = """
+import os, signal, sys
+import jax
+from jaxrl_lp.cli.main import main
+from jaxrl_lp.train.checkpoint import Checkpointer
+from jaxrl_lp.train.logger import MetricsLogger
+where, at = sys.argv.pop(1).split(":")
+at, log, save = int(at), MetricsLogger.log, Checkpointer.save
+def log_then_signal(self, step, phase, metrics):
+    log(self, step, phase, metrics)
+    if where == "log" and step == at and phase != "eval" and jax.process_index() == 0:
+        os.kill(os.getpid(), signal.SIGTERM)
+def signal_inside_save(self, step, state, meta):
+    if where == "save" and step == at and jax.process_index() == 1:
+        os.kill(os.getpid(), signal.SIGTERM)
+    save(self, step, state, meta)
+MetricsLogger.log, Checkpointer.save = log_then_signal, signal_inside_save
+sys.exit(main(sys.argv[1:]))
+"""
 
 
 def _wait(procs, timeout=600) -> list[int]:
@@ -143,35 +172,29 @@ def _records(run_dir: Path) -> list[dict]:
 
 @pytest.mark.slow
 @pytest.mark.ci
-def test_sigterm_to_either_process_stops_both_after_one_step_and_the_resume_is_bit_identical(
+def test_sigterm_to_either_process_at_three_moments_stops_both_and_the_resume_is_bit_identical(
         tmp_path, two_processes):
-    """A SIGTERM to one process of two (the warm-start by process 1's, GRPO by process 0's):
-    both stop after the same step with 75, one checkpoint of that step (no cadence
-    checkpoint: `run.checkpoint_every=100`), and the run resumed twice ends with the
-    uninterrupted run's parameters and metric records, bit for bit."""
+    """A SIGTERM to one process of two, at three moments: after warm-start step 1 (to
+    process 0), inside process 1's checkpoint save of step 2 (the warm-start's last) and
+    after GRPO step 4 (to process 0). Each time both processes stop after that step with 75
+    and its checkpoint (no cadence checkpoint besides the one being written:
+    `run.checkpoint_every=100`, 1 for the save), no temporary directory is left, and the
+    run resumed three times ends with the uninterrupted run's parameters and metric
+    records, bit for bit."""
     from jaxrl_lp.train.logger import without_wall_clock
     from jaxrl_lp.train.preemption import EXIT_PREEMPTED
 
     run, logs = tmp_path / "run", tmp_path / "logs"
     logs.mkdir()
     ckpts = run / "checkpoints"
-    stopped = []
-    for who, phase, seen in ((1, "sft", 1), (0, "grpo", 1)):
-        procs = _start(run, _port(), logs, "run.checkpoint_every=100")
-        deadline = time.time() + 600
-        while time.time() < deadline and all(p.poll() is None for p in procs):
-            if sum(r["phase"] == phase for r in _records(run)) >= seen:
-                break
-            time.sleep(0.05)
-        signalled_after = max(r["step"] for r in _records(run))
-        procs[who].send_signal(signal.SIGTERM)
+    for moment, step in (("log:1", 1), ("save:2", 2), ("log:4", 4)):
+        cadence = "run.checkpoint_every=" + ("1" if moment.startswith("save") else "100")
+        procs = _start(run, _port(), logs, cadence, signal_at=moment)
         assert _wait(procs, timeout=300) == [EXIT_PREEMPTED] * 2, _logs(logs)
         done = sorted(int(p.name) for p in ckpts.glob("*") if p.name.isdigit())
-        # The step the signal arrived in (or the next, had the other process gone on).
-        assert signalled_after <= done[-1] <= signalled_after + 2 and done[-1] < STEPS, done
+        assert done[-1] == step, (moment, done)
         assert not [p for p in ckpts.iterdir() if "tmp" in p.name]
-        stopped.append(done[-1])
-    assert stopped[0] <= 2 < stopped[1], stopped  # once in the warm-start, once in GRPO
+        assert [r["step"] for r in _records(run)][-1] == step
     assert _wait(_start(run, _port(), logs, "run.checkpoint_every=100")) == [0, 0], _logs(logs)
     for a, b in zip(jax.tree.leaves(_params(run)), jax.tree.leaves(_params(two_processes)),
                     strict=True):
