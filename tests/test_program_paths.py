@@ -123,7 +123,9 @@ def test_mu_and_minibatches_replay_after_the_first_update_and_overlong_shaping(
     assert min(r["overlong_frac"] for r in grpo) > 0.0
 
 
-@pytest.mark.parametrize("refills", [REFILLS, 1])
+# The bound hit (1 round) and the resume run in CI's slow tier (three runs between them).
+@pytest.mark.parametrize("refills", [REFILLS, pytest.param(1, marks=(pytest.mark.slow,
+                                                                     pytest.mark.ci))])
 def test_dynamic_sampling_refills_the_batch_with_informative_groups(warm_start, tmp_path,
                                                                     refills):
     """At 8 refill rounds every batch here is filled; at 1 the bound is hit and masks."""
@@ -171,6 +173,8 @@ def test_dynamic_sampling_refills_the_batch_with_informative_groups(warm_start, 
     assert [r["replay_verified"] for r in grpo] == [1.0, 0.0, 1.0, 0.0]
 
 
+@pytest.mark.slow
+@pytest.mark.ci
 def test_dynamic_sampling_resumes_exactly(warm_start, tmp_path):
     """The refill rounds draw from the run's prompt stream, whose state the checkpoint keeps."""
     ref, _, _ = _run(warm_start, tmp_path / "ref", _dynamic())
