@@ -75,6 +75,7 @@ from jaxrl_lp.rl.logprobs import jit_learner_logprobs
 from jaxrl_lp.rl.train_step import make_grpo_step
 from jaxrl_lp.rollout import LoopSpec, SamplingConfig, generate
 from jaxrl_lp.rollout.generate import take_rows
+from jaxrl_lp.rollout.sampling import DRAWS
 from jaxrl_lp.train.behaviour import PhaseTimer, ReplayRule
 
 __all__ = ["add_arguments", "run"]
@@ -264,7 +265,7 @@ def _check(args) -> tuple[list[int], list[str], list[str]]:
     if not methods or any(m not in ("hybrid", "dense") for m in methods):
         raise ValueError(f"--methods: hybrid and/or dense; got {args.methods!r}")
     draws = [d.strip() for d in args.draws.split(",") if d.strip()]
-    if not draws or any(d not in ("gumbel", "inverse_cdf") for d in draws):
+    if not draws or any(d not in DRAWS for d in draws):
         raise ValueError(f"--draws: gumbel and/or inverse_cdf; got {args.draws!r}")
     return mbs, methods, draws
 

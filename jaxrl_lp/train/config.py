@@ -21,6 +21,7 @@ from jaxrl_lp.fields import (
 from jaxrl_lp.models.config import ModelConfig
 from jaxrl_lp.parallel.distributed import DistributedConfig
 from jaxrl_lp.rl.loss import LossConfig
+from jaxrl_lp.rollout.sampling import DRAWS
 from jaxrl_lp.train.sync_hooks import SyncConfig
 
 __all__ = ["DistributedConfig", "GRPOConfig", "RunConfig", "SFTConfig", "SyncConfig", "TaskConfig",
@@ -229,7 +230,7 @@ class GRPOConfig:
         check_number("grpo.lr", self.lr, gt=0)
         check_number("grpo.temperature", self.temperature, gt=0,
                      why=" (it divides the logits; the sampler records log-probs at it)")
-        check_choice("grpo.draw", self.draw, ("gumbel", "inverse_cdf"))
+        check_choice("grpo.draw", self.draw, DRAWS)
         check_choice("grpo.advantage", self.advantage, ("grpo", "drgrpo", "rloo"))
         check_choice("grpo.logprobs", self.logprobs, ("dense", "hybrid"))
         check_choice("grpo.replay", self.replay, ("auto", "always"))
