@@ -274,6 +274,7 @@ def generate(
     weights_version: int = 0,
     mesh: Mesh | None = None,
     rules: ShardingRules = DEFAULT_RULES,
+    prompt_width: int = 0,
 ) -> Rollout:
     """Samples `num_samples` completions for each prompt (G samples per prompt, grouped).
 
@@ -306,6 +307,8 @@ def generate(
         (`parallel.param_shardings`). Rows that do not fill the shards are
         padded with the last prompt and dropped from the rollout.
       rules: the logical-axis sharding rules (with `mesh`).
+      prompt_width: pad the prompts to at least this many slots (0: the bucket
+        of the longest; parts of one batch sampled apart pass the batch's).
 
     Returns:
       A `Rollout`.
@@ -318,7 +321,8 @@ def generate(
       >>> ro = generate(params, cfg, [[1, 2, 3]], max_new_tokens=8)
     """
     req = check_request(prompts, cfg, sampling=sampling, max_new_tokens=max_new_tokens,
-                        num_samples=num_samples, eos_id=eos_id, pad_id=pad_id, key=key)
+                        num_samples=num_samples, eos_id=eos_id, pad_id=pad_id, key=key,
+                        prompt_width=prompt_width)
     policy = Policy.parse(policy)
     loop = LoopSpec.parse(loop).resolve(cfg)
     key = req.key

@@ -26,11 +26,12 @@ def bucket_length(n: int, minimum: int = 8) -> int:
 
 
 def pad_prompts(prompts: Sequence[Sequence[int]], pad_id: int, bucket: bool = True,
-                max_len: int | None = None):
+                max_len: int | None = None, min_len: int = 0):
     """Left-pads ragged prompts; returns (tokens [B, P], positions [B, P], lengths [B]) numpy.
 
     With `bucket`, P is the longest prompt's `bucket_length`, capped at `max_len`
-    (but never below the longest prompt).
+    (but never below the longest prompt). P is at least `min_len` (parts of one
+    batch sampled apart share a width).
     """
     if len(prompts) == 0:
         raise ValueError("no prompts given")
@@ -42,6 +43,7 @@ def pad_prompts(prompts: Sequence[Sequence[int]], pad_id: int, bucket: bool = Tr
     if bucket:
         cap = bucket_length(p) if max_len is None else min(bucket_length(p), max_len)
         p = max(p, cap)
+    p = max(p, min_len)
     toks = np.full((len(prompts), p), pad_id, np.int32)
     pos = np.full((len(prompts), p), -1, np.int32)
     for i, pr in enumerate(prompts):
@@ -65,7 +67,7 @@ class Request(NamedTuple):
 def check_request(prompts: Sequence[Sequence[int]], cfg: ModelConfig, *,
                   sampling: SamplingConfig, max_new_tokens: int, num_samples: int,
                   eos_id: int | None, pad_id: int, key: jax.Array | None,
-                  draft_slots: int = 0) -> Request:
+                  draft_slots: int = 0, prompt_width: int = 0) -> Request:
     """Checks a sampling request, pads its prompts and repeats each for its samples.
 
     The prompt bucket is capped so that prompt slots, `max_new_tokens` and
@@ -80,6 +82,7 @@ def check_request(prompts: Sequence[Sequence[int]], cfg: ModelConfig, *,
       eos_id, pad_id: token ids in the vocabulary (`eos_id` may be None).
       key: the sampling PRNG key, or None.
       draft_slots: cache slots beyond the completion (speculative decoding's k).
+      prompt_width: pad the prompts to at least this many slots (0: their bucket).
 
     Returns:
       A `Request`.
@@ -98,9 +101,9 @@ def check_request(prompts: Sequence[Sequence[int]], cfg: ModelConfig, *,
             raise ValueError(f"{name}={tok} is outside the vocabulary [0, {cfg.vocab_size})")
     ctx = cfg.max_position_embeddings
     slack = max_new_tokens + draft_slots
-    toks, pos, lengths = pad_prompts(prompts, pad_id, max_len=ctx - slack)
+    toks, pos, lengths = pad_prompts(prompts, pad_id, max_len=ctx - slack, min_len=prompt_width)
     longest = int(lengths.max())
-    if longest + slack > ctx:
+    if max(longest, prompt_width) + slack > ctx:
         drafts = f" and k={draft_slots} draft slots" if draft_slots else ""
         raise ValueError(
             f"prompt of {longest} tokens plus max_new_tokens={max_new_tokens}{drafts} exceeds "

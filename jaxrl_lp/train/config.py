@@ -172,6 +172,15 @@ class GRPOConfig:
         (the looped model drafts for itself at fewer loop steps) or
         `dense:PATH,k=4,sink=4,window=256` (a dense drafter checkpoint). Same samples,
         fewer target forwards; needs `compute_mode=dense`.
+      max_staleness: off-policy GRPO (`train.rollout_queue`): the rollout of GRPO step n
+        is sampled on the weights exported at step max(0, n - K), so the sampler can
+        sample step n + K's batch while the learner updates on step n's (on their own
+        devices: `run.learner_mesh`, `run.sampler_mesh`; on shared ones they take
+        turns, with the same numbers). The ratio's numerator is the replay under the
+        current weights, its denominator the sampler's recorded log-probs: exactly the
+        policy change with matched policies. 0: the synchronous loop, bit for bit.
+        Metric `rollout_staleness`; `offpolicy_*` measure the current policy against
+        the behaviour one, `mismatch_*` the numerics alone.
     """
 
     steps: int = 60
@@ -199,6 +208,7 @@ class GRPOConfig:
     max_nonfinite_in_row: int = 5
     remat: bool = False
     speculative: str = ""
+    max_staleness: int = 0
 
     def _check_speculative(self):
         from jaxrl_lp.rollout.spec_config import SpecConfig
@@ -251,6 +261,9 @@ class GRPOConfig:
         check_number("grpo.overlong_penalty", self.overlong_penalty, ge=0,
                      why=" (the reward taken off a completion that uses the whole budget)")
         check_bool("grpo.remat", self.remat)
+        check_int("grpo.max_staleness", self.max_staleness, minimum=0,
+                  why=" (how many weight versions the sampler may run behind the learner; 0: "
+                      "synchronous)")
         self._check_speculative()
         from jaxrl_lp.models.loop import LoopSpec
         from jaxrl_lp.numerics.policy import Policy
@@ -289,6 +302,13 @@ class RunConfig:
       save_on_signal: on SIGTERM or SIGINT finish the step, save a checkpoint and
         exit with status 75 (a second signal exits at once); false: the signals'
         usual effect.
+      learner_mesh: the learner's own devices, as `MESH` or `MESH@FIRST` (e.g. `fsdp=4`,
+        `data=2@6`: FIRST is an index into jax.devices()), with `sampler_mesh`; the two
+        groups must not overlap. Without '@' the learner's starts at device 0 and the
+        sampler's right after it. A one-device group (`data=1`) runs that side as a
+        single-device program. '' (with sampler_mesh ''): both share `run.mesh`.
+      sampler_mesh: the sampler's own devices (as learner_mesh). With
+        `grpo.max_staleness > 0` it samples the next batch while the learner updates.
     """
 
     out_dir: str = "runs/default"
@@ -300,6 +320,8 @@ class RunConfig:
     progress: bool = True
     mesh: str = ""
     save_on_signal: bool = True
+    learner_mesh: str = ""
+    sampler_mesh: str = ""
 
     def __post_init__(self):
         check_str("run.out_dir", self.out_dir, nonempty=True, what="a directory path")
@@ -316,6 +338,22 @@ class RunConfig:
                 MeshSpec.parse(self.mesh)
             except ValueError as e:
                 raise ValueError(f"run.mesh: {e}") from None
+        for f in ("learner_mesh", "sampler_mesh"):
+            check_str(f"run.{f}", getattr(self, f), what="a mesh spec such as fsdp=4 or data=4@4")
+        if bool(self.learner_mesh) != bool(self.sampler_mesh):
+            given, other = (("learner_mesh", "sampler_mesh") if self.learner_mesh
+                            else ("sampler_mesh", "learner_mesh"))
+            raise ValueError(f"run.{given}={getattr(self, given)!r} needs run.{other} too: the "
+                             "learner and the sampler each get their own devices (or set neither "
+                             "and use run.mesh)")
+        if self.learner_mesh and self.mesh:
+            raise ValueError(f"run.mesh={self.mesh!r} lays one mesh for both the learner and the "
+                             f"sampler; with run.learner_mesh={self.learner_mesh!r} and "
+                             f"run.sampler_mesh={self.sampler_mesh!r} set run.mesh=''")
+        if self.learner_mesh:
+            from jaxrl_lp.parallel.placement import parse_placement
+
+            parse_placement(self.learner_mesh, self.sampler_mesh)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -39,14 +39,22 @@ import numpy as np
 from jaxrl_lp.parallel.shard import to_host
 from jaxrl_lp.rl.advantages import group_advantages, overlong_penalty, zero_variance_groups
 from jaxrl_lp.rl.dynamic_sampling import refill_groups
+from jaxrl_lp.rl.metrics import mismatch_metrics
 from jaxrl_lp.rl.train_step import take_rows
-from jaxrl_lp.rollout.generate import concat_rollouts, generate, pad_prompts
+from jaxrl_lp.rollout.generate import concat_rollouts, pad_prompts
 from jaxrl_lp.rollout.sampling import SamplingConfig
 from jaxrl_lp.train.behaviour import PhaseTimer, ReplayRule, check_replay_equal
+from jaxrl_lp.train.rollout_queue import RolloutQueue, SamplerSide
 from jaxrl_lp.train.run_state import RunState
 from jaxrl_lp.train.sync_hooks import SyncHooks
 
-__all__ = ["IterationPrograms", "Reference", "grpo_iteration"]
+__all__ = ["IterationPrograms", "Reference", "dispatch_rollout", "grpo_iteration",
+           "sampling_key"]
+
+
+def sampling_key(seed: int, step: int) -> jax.Array:
+    """The sampling key of the rollout global step `step` learns from (refills fold in more)."""
+    return jax.random.fold_in(jax.random.PRNGKey(seed), step)
 
 
 class Reference(NamedTuple):
@@ -77,29 +85,54 @@ def _export(sync, hooks, timer, master):
     return served, sampler_params, sync
 
 
-def _sample(sampler_params, step, key, cfg, plan, problems, timer):
-    """The rollout of `problems` (G samples each) on the served weights; returns (ro, spec metrics)."""
+def dispatch_rollout(held, version, key, cfg, plan, problems, side: SamplerSide):
+    """The rollout of `problems` (G samples each) on `held` (the sampler's copies of the
+    weights, `SamplerSide.hold`), dispatched without waiting for it; returns (rollout,
+    spec metrics).
+
+    The rollout stays on the sampler's devices (`side.to_learner` moves it).
+    """
     g, tok = cfg.grpo, plan.task.tokenizer
     sample_kw = dict(policy=plan.sampler_policy,
                      sampling=SamplingConfig(temperature=g.temperature, draw=g.draw),
                      max_new_tokens=plan.max_new_tokens, num_samples=g.group_size,
-                     eos_id=tok.eos_id, pad_id=tok.pad_id, loop=plan.loop, key=key,
-                     weights_version=step, mesh=plan.mesh)
+                     eos_id=tok.eos_id, pad_id=tok.pad_id, loop=plan.loop,
+                     weights_version=version)
     prompts = [plan.task.prompt_ids(p) for p in problems]
-    spec_metrics = {}
-    with timer("sample"):
-        if g.speculative:  # same samples, drafted and verified (`rollout.speculative`)
-            from jaxrl_lp.rollout.speculative import speculative_generate
+    if g.speculative:  # same samples, drafted and verified (`rollout.speculative`); one device
+        from jaxrl_lp.rollout.speculative import speculative_generate
 
-            ro, st = speculative_generate(sampler_params, plan.model, prompts, g.speculative,
-                                          with_stats=True, **sample_kw)
-            spec_metrics = {"spec_acceptance": st.acceptance_rate,
-                            "spec_tokens_per_forward": st.tokens_per_target_forward(
-                                ro.prompt_tokens.shape[0])}
-        else:
-            ro = generate(sampler_params, plan.model, prompts, **sample_kw)
-        ro = jax.block_until_ready(ro)
-    return ro, spec_metrics
+        ro, st = speculative_generate(held.copies[0], plan.model, prompts, g.speculative,
+                                      with_stats=True, key=key, mesh=side.sampler_mesh,
+                                      **sample_kw)
+        return ro, {"spec_acceptance": st.acceptance_rate,
+                    "spec_tokens_per_forward": st.tokens_per_target_forward(
+                        ro.prompt_tokens.shape[0])}
+    return side.generate(held, prompts, key=key, **sample_kw), {}
+
+
+def _sample(weights, step, key, cfg, plan, problems, timer, side: SamplerSide):
+    """`dispatch_rollout`, waited for and moved to the learner: (rollout, spec metrics)."""
+    with timer("sample"):
+        ro, spec = dispatch_rollout(weights, step, key, cfg, plan, problems, side)
+        ro = side.to_learner(jax.block_until_ready(ro))
+    return ro, spec
+
+
+def _replay_rounds(replay, weights, rounds, step: int, check: bool):
+    """The log-probs of the batch by `replay(weights, rollout)`, each sampled round as the
+    sampler ran it (its rows, its shape), then the batch's rows in order.
+
+    `rounds` is `[(rollout, rows or None)]`; with `check`, each round's replay must be its
+    recorded bits (`check_replay_equal`).
+    """
+    got = []
+    for ro, rows in rounds:
+        lp = jax.block_until_ready(replay(weights, ro))
+        if check:
+            check_replay_equal(lp, ro, step)
+        got.append(lp if rows is None else lp[rows])
+    return got[0] if len(got) == 1 else jnp.concatenate(got)
 
 
 class _Round(NamedTuple):
@@ -131,7 +164,8 @@ def _shaped(rewards: np.ndarray, penalty: np.ndarray) -> np.ndarray:
 
 
 def grpo_iteration(state: RunState, step: int, cfg, plan, programs: IterationPrograms,
-                   prompt_it, hooks: SyncHooks) -> tuple[RunState, dict]:
+                   prompt_it, hooks: SyncHooks, queue: RolloutQueue | None = None
+                   ) -> tuple[RunState, dict]:
     """One GRPO step: export, sample groups, score, advantages, `mu` passes of updates.
 
     With `plan.mesh` the sampler and the learner run sharded; what is computed
@@ -158,21 +192,32 @@ def grpo_iteration(state: RunState, step: int, cfg, plan, programs: IterationPro
     g = cfg.grpo
     task, timer = plan.task, PhaseTimer()
     view = programs.model_params or (lambda p: p)
-    problems = [task.train[int(i)] for i in prompt_it.next_global()]
+    side = plan.sampler or SamplerSide(learner_mesh=plan.mesh)
     # What the step updates: each update's params and GRPO optimizer state, the sync state.
     params, opt_grpo = state.params, state.opt_grpo
     master = view(params)
-    key = jax.random.fold_in(jax.random.PRNGKey(cfg.run.seed), step)
+    if queue is None:
+        problems = [task.train[int(i)] for i in prompt_it.next_global()]
+    key = sampling_key(cfg.run.seed, step)
     served, sampler_params, sync = _export(state.sync, hooks, timer, master)
-    ro, spec_metrics = _sample(sampler_params, step, key, cfg, plan, problems, timer)
+    if queue is None:  # synchronous: this step's rollout, on this step's export
+        rollout_weights = side.hold(sampler_params, copy=False)
+        ro, spec_metrics = _sample(rollout_weights, step, key, cfg, plan, problems, timer, side)
+    else:  # off-policy: dispatch step + K's rollout on this export, learn from step's
+        with timer("sample"):
+            queue.fill(step, side.hold(sampler_params, copy=True))
+            entry, rollout_weights = queue.pop(step)
+            ro = side.to_learner(jax.block_until_ready(entry.rollout))
+        problems, spec_metrics = [task.train[i] for i in entry.problems], dict(entry.spec_metrics)
+    version = int(ro.weights_version)  # the export the rollout was sampled on
     rounds = [_Round(ro, *_score(ro, problems, cfg, plan, timer))]
     ds_metrics, picked = {}, None
     if g.dynamic_sampling:
         def draw(r):  # round r >= 1: the next prompts of the run's stream, a key of their own
-            if r:
+            if r:  # sampled on the weights of the step's first round
                 more = [task.train[int(i)] for i in prompt_it.next_global()]
-                ro_r, sm = _sample(sampler_params, step, jax.random.fold_in(key, r), cfg, plan,
-                                   more, timer)
+                ro_r, sm = _sample(rollout_weights, version, jax.random.fold_in(key, r), cfg,
+                                   plan, more, timer, side)
                 for k, v in sm.items():  # the rounds' mean
                     spec_metrics[k] = (spec_metrics[k] * r + v) / (r + 1)
                 rounds.append(_Round(ro_r, *_score(ro_r, more, cfg, plan, timer)))
@@ -209,26 +254,28 @@ def grpo_iteration(state: RunState, step: int, cfg, plan, programs: IterationPro
     loss_weights = (lambda: sampler_params) if on_served else (lambda: view(params))
     grpo_step_n = step - cfg.sft.steps
     verify = bool(g.verify_every) and grpo_step_n % g.verify_every == 0
+    stale = version != step  # sampled on an earlier export (`grpo.max_staleness`)
+    rounds_sampled = ([(ro, None)] if picked is None or picked.single_round
+                      else [(rnd.ro, rows) for rnd, rows in parts])
+    numerics = None  # the sampler-vs-learner mismatch at the rollout's own weights, if measured
     with timer("behaviour"):
         recorded = rule.recorded(ro, loss_weights())
         if recorded and not verify:
             old_logp = ro.logprobs  # the replay's values: nothing to compute
         elif recorded:  # a verification: the replay, at the sampler's shape, is its bits
-            replay = programs.verify_logprobs or old_logp_fn
-            weights = sampler_params if on_served else master
-            if picked is None or picked.single_round:
-                old_logp = jax.block_until_ready(replay(weights, ro))
-                check_replay_equal(old_logp, ro, step)
-            else:  # each round as the sampler ran it (its rows, its shape), then the batch's rows
-                got = []
-                for rnd, rows in parts:
-                    lp = jax.block_until_ready(replay(weights, rnd.ro))
-                    check_replay_equal(lp, rnd.ro, step)
-                    got.append(lp[rows])
-                old_logp = jnp.concatenate(got)
+            old_logp = _replay_rounds(programs.verify_logprobs or old_logp_fn,
+                                      sampler_params if on_served else master, rounds_sampled,
+                                      step, check=True)
         else:  # the behaviour log-probs as the learner computes them (on the copy the loss uses)
             old_logp = jax.block_until_ready(
                 old_logp_fn(sampler_params if on_served else master, ro))
+            if stale and verify:  # the numerics alone: the learner at the rollout's own weights
+                own = side.params_to_learner(rollout_weights)
+                at_own = _replay_rounds(
+                    (programs.verify_logprobs or old_logp_fn) if rule.can_reuse else old_logp_fn,
+                    own, rounds_sampled, step, check=rule.can_reuse)
+                numerics = {k: float(v) for k, v in mismatch_metrics(
+                    at_own, ro.logprobs, ro.completion_mask).items()}
     measured = not (recorded and not verify)
     ref_logp = None
     if programs.reference is not None:
@@ -239,7 +286,11 @@ def grpo_iteration(state: RunState, step: int, cfg, plan, programs: IterationPro
     with timer("sync"):
         if hooks.active:
             master_logp = old_logp if not on_served else old_logp_fn(master, ro)
-            sync, sync_metrics = hooks.diagnostics(sync, master, served, ro, master_logp)
+            # The served copy's log-probs: the rollout's own unless it was sampled on an
+            # earlier export (then the served copy's of this one, computed).
+            served_ro = ro if not stale or recorded else dataclasses.replace(
+                ro, logprobs=old_logp if on_served else old_logp_fn(sampler_params, ro))
+            sync, sync_metrics = hooks.diagnostics(sync, master, served, served_ro, master_logp)
             k = cfg.sync.check_every
             if k and grpo_step_n % k == 0:
                 tok = task.tokenizer
@@ -247,6 +298,10 @@ def grpo_iteration(state: RunState, step: int, cfg, plan, programs: IterationPro
                                     tok.pad_id, bucket=False)[0]
                 sync_metrics.update(hooks.check(step, master, served, jnp.asarray(probe)))
             sync_metrics = {k: float(v) for k, v in sync_metrics.items()}
+    # Where the behaviour log-probs are the replay under the weights an update computes with
+    # (its first, or each on the served copy the updates do not move), they are its value.
+    behaviour_value = (g.replay == "auto" and g.logprobs == "hybrid" and not recorded
+                       and programs.model_params is None)
     n = shaped.shape[0]
     size = n // g.minibatches
     sums: dict[str, float] = {}
@@ -260,18 +315,25 @@ def grpo_iteration(state: RunState, step: int, cfg, plan, programs: IterationPro
                 # served copy, which the updates do not move).
                 first = epoch == 0 and i == 0
                 reuse = recorded if first or on_served else rule.recorded(ro, loss_weights())
-                replayed += int(g.logprobs == "hybrid" and not reuse)
+                value = (ro.logprobs[idx] if reuse else
+                         old_logp[idx] if behaviour_value and (first or on_served) else None)
+                replayed += int(g.logprobs == "hybrid" and value is None)
                 params, opt_grpo, m = programs.grpo_step(
                     params, opt_grpo, take_rows(ro, idx),
                     jnp.asarray(adv[idx]), old_logp[idx],
                     None if ref_logp is None else ref_logp[idx],
-                    sampler_params if on_served else None,
-                    ro.logprobs[idx] if reuse else None)
+                    sampler_params if on_served else None, value)
                 for k, v in m.items():
                     sums[k] = sums.get(k, 0.0) + float(v)
     updates = g.mu * g.minibatches
-    metrics = {k: v / updates for k, v in sums.items()
-               if measured or not k.startswith("mismatch_")}
+    metrics = {k: v / updates for k, v in sums.items() if not k.startswith("mismatch_")}
+    step_mismatch = {k: v / updates for k, v in sums.items() if k.startswith("mismatch_")}
+    if not stale:  # the step's mismatch is the numerics' (where it was measured)
+        metrics.update(step_mismatch if measured else {})
+    else:  # it measures the current policy against the behaviour one: the policy change too
+        metrics.update({k.replace("mismatch_", "offpolicy_"): v for k, v in step_mismatch.items()})
+        numerics = step_mismatch if recorded and verify else numerics
+        metrics.update(numerics or {})
     metrics["skipped"] = float(sums.get("skipped", 0.0) > 0)
     metrics.update(sync_metrics)
     metrics.update(spec_metrics)
@@ -291,6 +353,7 @@ def grpo_iteration(state: RunState, step: int, cfg, plan, programs: IterationPro
         learning_rate=g.lr, zero_variance_groups=float(n_zero_var),
         mean_exit_step=float((to_host(ro.exit_steps) * mask).sum() / max(lengths.sum(), 1)),
         replayed_updates=float(replayed), behaviour_recomputed=float(measured),
-        replay_verified=float(recorded and verify), **t,
+        replay_verified=float(verify and (recorded or (stale and rule.can_reuse))),
+        rollout_staleness=float(step - version), **t,
     )
     return dataclasses.replace(state, params=params, opt_grpo=opt_grpo, sync=sync), metrics

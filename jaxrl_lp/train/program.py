@@ -35,11 +35,18 @@ from jaxrl_lp.rollout.step import LoopSpec
 from jaxrl_lp.train.behaviour import ReplayRule
 from jaxrl_lp.train.checkpoint import Checkpointer
 from jaxrl_lp.train.config import TrainConfig
-from jaxrl_lp.train.grpo_iteration import IterationPrograms, Reference, grpo_iteration
+from jaxrl_lp.train.grpo_iteration import (
+    IterationPrograms,
+    Reference,
+    dispatch_rollout,
+    grpo_iteration,
+    sampling_key,
+)
 from jaxrl_lp.train.logger import MetricsLogger, plot_metrics
 from jaxrl_lp.train.preemption import Preempted, SignalGuard
 from jaxrl_lp.train.progress import PhaseProgress
 from jaxrl_lp.train.resume import restore_newest_intact
+from jaxrl_lp.train.rollout_queue import RolloutQueue, SamplerSide, weights_key
 from jaxrl_lp.train.run_lock import RunLock
 from jaxrl_lp.train.run_state import Progress, RunState
 from jaxrl_lp.train.sync_hooks import SyncHooks
@@ -212,6 +219,61 @@ def _reference_params(cfg: TrainConfig, plan: RunPlan, run_dir: Path, start) -> 
     return params if shardings is None else put_tree(params, shardings)
 
 
+def _rollout_queue(cfg: TrainConfig, plan: RunPlan, prompt_it, total: int) -> RolloutQueue | None:
+    """The off-policy run's rollouts in flight (`grpo.max_staleness > 0`), else None."""
+    g = cfg.grpo
+    if not g.max_staleness:
+        return None
+    side = plan.sampler or SamplerSide(learner_mesh=plan.mesh)
+    task = plan.task
+
+    def dispatch(step, version, weights, problems):
+        return dispatch_rollout(weights, version, sampling_key(cfg.run.seed, step), cfg, plan,
+                                [task.train[i] for i in problems], side)
+
+    return RolloutQueue(g.max_staleness, dispatch,
+                        lambda: [int(i) for i in prompt_it.next_global()], end=total)
+
+
+def _restore_like(state: RunState, plan: RunPlan, queue: RolloutQueue | None):
+    """What a checkpoint restores into: the run's state tree, and for an off-policy run the
+    sampler's weights of the versions its metadata lists (placed where the sampler runs)."""
+    if queue is None:
+        return state.tree()
+    mcfg = plan.model
+    shapes = jax.eval_shape(lambda: init_params(mcfg, jax.random.PRNGKey(0)))
+    side = plan.sampler or SamplerSide(learner_mesh=plan.mesh)
+    mesh = side.sampler_mesh
+    if mesh is not None:
+        shardings = param_shardings(shapes, mcfg, mesh)
+    else:  # one device: the sampler's, its first replica's, or the learner's
+        device = (side.replicas[0] if side.replicas else side.device) if side.separate \
+            else (side.learner_device or jax.devices()[0])
+        shardings = jax.tree.map(lambda _: jax.sharding.SingleDeviceSharding(device), shapes)
+    like = jax.tree.map(lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh),
+                        shapes, shardings)
+
+    def tree(meta: dict) -> dict:
+        versions = sorted({int(p["version"]) for p in meta.get("pending", [])})
+        out = state.tree()
+        if versions:
+            out["sampler"] = {weights_key(v): like for v in versions}
+        return out
+
+    return tree
+
+
+def _check_staleness(cfg: TrainConfig, meta: dict, progress: Progress) -> None:
+    """A run inside GRPO resumes with the `grpo.max_staleness` it was saved with."""
+    saved = int(meta.get("max_staleness", 0))
+    if progress.initial_accuracy is not None and saved != cfg.grpo.max_staleness:
+        raise ValueError(
+            f"the run in {cfg.run.out_dir} has done GRPO steps with grpo.max_staleness={saved}; "
+            f"resuming it with grpo.max_staleness={cfg.grpo.max_staleness} would not continue "
+            f"that run (its rollouts in flight were sampled for {saved}). Resume with --set "
+            f"grpo.max_staleness={saved}, or train into another run.out_dir")
+
+
 def _complete(run_dir: Path, ckpt: Checkpointer, total: int) -> dict | None:
     """The saved summary of a run that has done all `total` steps, else None."""
     steps = ckpt.steps()
@@ -250,8 +312,12 @@ def run_train(cfg: TrainConfig, *, stop_after: int | None = None, refresh: bool 
     run_dir.mkdir(parents=True, exist_ok=True)
     # One lock per run: process 0 holds it for all the run's processes. SIGTERM and SIGINT
     # stop the run after the step they arrive in, with a checkpoint (`train.preemption`).
+    # A one-device learner of its own (`run.learner_mesh=data=1@K`) computes on its device.
+    learner_device = None if plan.sampler is None else plan.sampler.learner_device
     with RunLock(run_dir) if jax.process_index() == 0 else contextlib.nullcontext(), \
-            SignalGuard(cfg.run.save_on_signal) as guard:
+            SignalGuard(cfg.run.save_on_signal) as guard, \
+            jax.default_device(learner_device) if learner_device is not None \
+            else contextlib.nullcontext():
         return _run_locked(cfg, plan, run_dir, t_start, stop_after, refresh, guard)
 
 
@@ -291,12 +357,21 @@ def _train(cfg: TrainConfig, plan: RunPlan, run_dir: Path, ckpt: Checkpointer, t
         lambda d, n: prompt_loader(range(len(task.train)), g.prompts_per_step // n,
                                    cfg.run.seed + 1, shard=(d, n)), mesh)
     progress = Progress()
-    resumed = restore_newest_intact(ckpt, state.tree(), cfg, mcfg, hooks, lpol, spol)
+    total = cfg.sft.steps + g.steps
+    queue = _rollout_queue(cfg, plan, prompt_it, total)
+    resumed = restore_newest_intact(ckpt, _restore_like(state, plan, queue), cfg, mcfg, hooks,
+                                    lpol, spol)
     if resumed is not None:
         tree, meta = resumed
         state, progress = RunState.from_tree(tree), Progress.from_meta(meta)
         sft_it.set_state(meta["sft_data"])
         prompt_it.set_state(meta["prompt_data"])
+        _check_staleness(cfg, meta, progress)
+        if queue is not None:  # the rollouts in flight, dispatched again on their weights
+            side = plan.sampler or SamplerSide(learner_mesh=plan.mesh)
+            queue.restore(meta.get("pending", []), state.sampler or {},
+                          lambda tree: side.hold(tree, copy=False))
+            state = dataclasses.replace(state, sampler=None)
     elif primary:
         (run_dir / "config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=2))
     # Records past the checkpoint are redone by this run: keep one record per step.
@@ -325,7 +400,6 @@ def _train(cfg: TrainConfig, plan: RunPlan, run_dir: Path, ckpt: Checkpointer, t
     if cfg.loss.kl_beta > 0 and progress.initial_accuracy is not None:  # resumed inside GRPO
         programs = programs._replace(reference=Reference(
             _reference_params(cfg, plan, run_dir, None), old_logp_fn))
-    total = cfg.sft.steps + g.steps
     # Held-out accuracy of the model's params (`score`), or of the run's own (`evaluate_now`:
     # a low-bit run's train tree is materialized first).
     score = lambda p: evaluate(p, mcfg, task, spol, loop, cfg.run.eval_size, max_new, mesh)
@@ -337,6 +411,9 @@ def _train(cfg: TrainConfig, plan: RunPlan, run_dir: Path, ckpt: Checkpointer, t
                     sft_data=sft_it.get_state(), prompt_data=prompt_it.get_state(),
                     model=json.loads(json.dumps(dataclasses.asdict(mcfg))),
                     sync=dataclasses.asdict(cfg.sync))
+        if queue is not None:  # the rollouts in flight and the sampler's weights they need
+            meta.update(max_staleness=g.max_staleness, pending=queue.meta())
+            state = dataclasses.replace(state, sampler=queue.tree() or None)
         ckpt.save(progress.step, state.tree(), meta)
     bar = PhaseProgress([("warm-start", cfg.sft.steps), ("grpo", g.steps)], progress.step,
                         enabled=cfg.run.progress and primary)
@@ -364,7 +441,7 @@ def _train(cfg: TrainConfig, plan: RunPlan, run_dir: Path, ckpt: Checkpointer, t
                 progress = dataclasses.replace(progress,
                                                initial_accuracy=evaluate_now(state.params))
                 logger.log(step, "eval", {"accuracy": progress.initial_accuracy})
-            state, m = grpo_iteration(state, step, cfg, plan, programs, prompt_it, hooks)
+            state, m = grpo_iteration(state, step, cfg, plan, programs, prompt_it, hooks, queue)
             phase = "grpo"
         m = {k: float(v) for k, v in m.items()}
         progress = progress.counted(skipped=m["skipped"] > 0)

@@ -22,9 +22,13 @@ def _warn(text: str) -> None:
     print(f"jaxrl-lp train: warning: {text}", file=sys.stderr)
 
 
-def restore_newest_intact(ckpt: Checkpointer, state: dict, cfg, mcfg, hooks: SyncHooks, lpol,
-                          spol, warn: Callable[[str], None] = _warn) -> tuple[dict, dict] | None:
+def restore_newest_intact(ckpt: Checkpointer, state: dict | Callable[[dict], dict], cfg, mcfg,
+                          hooks: SyncHooks, lpol, spol, warn: Callable[[str], None] = _warn
+                          ) -> tuple[dict, dict] | None:
     """`(state, meta)` of the newest intact checkpoint, or None when there is none.
+
+    `state` is the tree to restore into, or a function of a checkpoint's
+    metadata that gives it (an off-policy run's pending weights).
 
     Damaged steps met on the way are set aside and reported through `warn`.
 
@@ -60,6 +64,8 @@ def restore_step(ckpt: Checkpointer, step: int, state: dict, cfg, mcfg, hooks: S
     afresh); once GRPO steps have used the saved exporter, resuming with another
     would not continue that run, and is refused.
     """
+    if callable(state):  # the tree depends on what the checkpoint holds (`train.program`)
+        state = state(ckpt.meta(step))
     saved = ckpt.meta(step).get("sync")
     if saved is None or saved.get("exporter") == cfg.sync.exporter:
         return ckpt.restore(state, mcfg, step)

@@ -8,7 +8,9 @@ function changes is in its signature.
 
 A checkpoint stores `RunState.tree()`, a dict with the same four keys
 (`params`, `opt_sft`, `opt_grpo`, `sync`), so checkpoints written before these
-types existed restore unchanged.
+types existed restore unchanged. An off-policy run (`grpo.max_staleness > 0`)
+adds a fifth, `sampler`: the sampler's weights its pending rollouts are
+sampled on (`train.rollout_queue`).
 """
 
 from __future__ import annotations
@@ -34,10 +36,14 @@ class RunState:
     opt_sft: Any     # the warm-start optimizer's state
     opt_grpo: Any    # the GRPO optimizer's state
     sync: Any        # the exporter's state and diagnostics (`SyncHooks.init_state`)
+    sampler: Any = None  # off-policy runs: the sampler's weights by version
+                         # (`RolloutQueue.tree`); None: nothing in flight is kept
 
     def tree(self) -> dict:
-        """The checkpointed dict: `{"params", "opt_sft", "opt_grpo", "sync"}`."""
-        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        """The checkpointed dict: `{"params", "opt_sft", "opt_grpo", "sync"}`, and `"sampler"`
+        where it is not None."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+                if f.name != "sampler" or self.sampler is not None}
 
     @classmethod
     def from_tree(cls, tree: dict) -> RunState:

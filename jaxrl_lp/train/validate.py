@@ -50,6 +50,8 @@ class RunPlan(NamedTuple):
     mesh: Any = None                 # the device mesh (`run.mesh`), or None: one device
     weights: Any = None              # the train tree's representation (`sft.optimizer`;
                                      # `optim.weights`), or None: the model's f32 params
+    sampler: Any = None              # where the sampler runs (`train.rollout_queue.SamplerSide`);
+                                     # None: on the learner's devices (`mesh`)
 
 
 def _named(key: str, fn, *args, **kwargs):
@@ -175,10 +177,11 @@ def validate(cfg: TrainConfig) -> RunPlan:
     weights = _weights(cfg)
     _speculative(cfg, mcfg)
     _reference(cfg, mcfg)
+    mesh, sampler = _placement(cfg, mcfg) if cfg.run.learner_mesh else (_mesh(cfg, mcfg), None)
     return RunPlan(task=task, model=mcfg, max_new_tokens=max_new, seq_len=seq_len,
                    learner_policy=lpol, sampler_policy=spol, loop=loop, sampling=sampling,
-                   exporter=exporter, optimizers=make_optimizers(cfg), mesh=_mesh(cfg, mcfg),
-                   weights=weights)
+                   exporter=exporter, optimizers=make_optimizers(cfg), mesh=mesh,
+                   weights=weights, sampler=sampler)
 
 
 def _weights(cfg: TrainConfig):
@@ -195,6 +198,14 @@ def _weights(cfg: TrainConfig):
         if cfg.run.mesh:
             raise ValueError(f"sft.optimizer={cfg.sft.optimizer!r} runs on one device: set "
                              f"run.mesh='' (got run.mesh={cfg.run.mesh!r}) or sft.optimizer=adamw")
+        if cfg.run.learner_mesh:
+            from jaxrl_lp.parallel.placement import parse_placement
+
+            if parse_placement(cfg.run.learner_mesh, cfg.run.sampler_mesh).learner.spec.size > 1:
+                raise ValueError(
+                    f"sft.optimizer={cfg.sft.optimizer!r} runs on one device: set "
+                    f"run.learner_mesh to one device, e.g. data=1 (got "
+                    f"{cfg.run.learner_mesh!r}), or sft.optimizer=adamw")
         if cfg.sync.bf16_start:
             raise ValueError(f"sync.bf16_start rounds an f32 master, which "
                              f"sft.optimizer={cfg.sft.optimizer!r} does not have; set "
@@ -243,12 +254,71 @@ def _speculative(cfg: TrainConfig, mcfg: ModelConfig) -> None:
     if cfg.run.mesh:
         raise ValueError(f"{where} samples on one device: set run.mesh='' "
                          f"(got run.mesh={cfg.run.mesh!r}) or grpo.speculative=''")
+    if cfg.run.learner_mesh:
+        raise ValueError(f"{where} samples on the learner's one device: set "
+                         f"run.learner_mesh='' and run.sampler_mesh='' (got "
+                         f"{cfg.run.learner_mesh!r}, {cfg.run.sampler_mesh!r}) or "
+                         "grpo.speculative=''")
     drafter_cfg = None
     if spec.drafter == "dense":
         from jaxrl_lp.models.hf_config import read_hf_config
 
         drafter_cfg = _named(where, read_hf_config, spec.path)
     _named(where, spec.resolve, mcfg, drafter_cfg)
+
+
+def _check_rows(cfg: TrainConfig, spec, key: str) -> None:
+    """The batches split evenly over the data shards of the mesh `spec` (named by `key`)."""
+    d, g = spec.data_shards, cfg.grpo
+    rows = g.prompts_per_step * g.group_size // (g.minibatches * g.micro_batches)
+    for name, n, what in (
+        ("grpo.prompts_per_step", g.prompts_per_step, "prompts per step"),
+        ("grpo.micro_batches", rows, "sequences per micro-batch"),
+        ("sft.batch_size", cfg.sft.batch_size, "warm-start sequences per step"),
+    ):
+        if n % d:
+            raise ValueError(f"{name}: {n} {what} do not split over {key}={spec}'s {d} data "
+                             f"shards (data x fsdp); make it a multiple of {d}")
+
+
+def _placement(cfg: TrainConfig, mcfg: ModelConfig):
+    """`(learner mesh, SamplerSide)` of `run.learner_mesh` / `run.sampler_mesh`, checked
+    against the devices (when they are known), the model and the batch sizes."""
+    import jax
+
+    from jaxrl_lp.parallel import check_divisible
+    from jaxrl_lp.parallel.placement import parse_placement
+    from jaxrl_lp.train.rollout_queue import SamplerSide
+
+    placement = parse_placement(cfg.run.learner_mesh, cfg.run.sampler_mesh)
+    _check_rows(cfg, placement.learner.spec, "run.learner_mesh")
+    if cfg.distributed.coordinator and not jax.distributed.is_initialized():
+        return None, None  # the devices are not known yet: the spec alone is checked
+    devices = jax.devices()
+    placement.check(len(devices))
+    meshes = {}
+    for key, group in (("run.learner_mesh", placement.learner),
+                       ("run.sampler_mesh", placement.sampler)):
+        meshes[key] = _named(key, group.mesh, devices)
+        if meshes[key] is not None:
+            _named(key, check_divisible, mcfg, meshes[key])
+    learner, sampler = meshes["run.learner_mesh"], meshes["run.sampler_mesh"]
+    spec = placement.sampler.spec
+    # A data-only sampler mesh runs as replicas (`SamplerSide`): each samples a share of the
+    # prompts.
+    replicas = tuple(placement.sampler.devices(devices)) if spec.data == spec.size > 1 else ()
+    if replicas and cfg.grpo.prompts_per_step % len(replicas):
+        raise ValueError(f"grpo.prompts_per_step: {cfg.grpo.prompts_per_step} prompts do not "
+                         f"split over run.sampler_mesh={cfg.run.sampler_mesh!r}'s "
+                         f"{len(replicas)} sampler replicas; make it a multiple of "
+                         f"{len(replicas)}")
+    side = SamplerSide(
+        mesh=None if replicas else sampler, replicas=replicas,
+        device=None if sampler is not None else placement.sampler.device(devices),
+        learner_mesh=learner,
+        learner_device=None if learner is not None else placement.learner.device(devices),
+        model=mcfg, separate=True)
+    return learner, side
 
 
 def _mesh(cfg: TrainConfig, mcfg: ModelConfig):
@@ -267,16 +337,7 @@ def _mesh(cfg: TrainConfig, mcfg: ModelConfig):
     from jaxrl_lp.parallel import MeshSpec, check_divisible, make_mesh
 
     spec = MeshSpec.parse(cfg.run.mesh)
-    d, g = spec.data_shards, cfg.grpo
-    rows = g.prompts_per_step * g.group_size // (g.minibatches * g.micro_batches)
-    for key, n, what in (
-        ("grpo.prompts_per_step", g.prompts_per_step, "prompts per step"),
-        ("grpo.micro_batches", rows, "sequences per micro-batch"),
-        ("sft.batch_size", cfg.sft.batch_size, "warm-start sequences per step"),
-    ):
-        if n % d:
-            raise ValueError(f"{key}: {n} {what} do not split over run.mesh={spec}'s {d} data "
-                             f"shards (data x fsdp); make it a multiple of {d}")
+    _check_rows(cfg, spec, "run.mesh")
     if cfg.distributed.coordinator and not jax.distributed.is_initialized():
         return None
     mesh = _named("run.mesh", make_mesh, spec)
