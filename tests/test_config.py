@@ -114,6 +114,16 @@ BAD = {
                          ("self:loops=1,k=4", ["run.mesh=fsdp=8"])],
     "run.mesh": ["batch=8", "fsdp=0", "fsdp=3"],  # unknown axis, size 0, 3 != 8 devices
     "run.save_on_signal": ["sometimes"],
+    # without the sampler's; with run.mesh; overlapping the sampler's; not a mesh
+    "run.learner_mesh": ["fsdp=4", ("fsdp=4", ["run.mesh=fsdp=8", "run.sampler_mesh=data=4"]),
+                         ("fsdp=4", ["run.sampler_mesh=data=4@2"]),
+                         ("batch=4", ["run.sampler_mesh=data=4"])],
+    # without the learner's; past the 8 devices; a bad first device; 32 prompts over 3
+    # replicas
+    "run.sampler_mesh": ["data=4", ("data=8", ["run.learner_mesh=fsdp=4"]),
+                         ("data=4@x", ["run.learner_mesh=fsdp=4"]),
+                         ("data=3", ["run.learner_mesh=fsdp=4"])],
+    "grpo.max_staleness": ["-1", "abc"],
     "distributed.coordinator": ["nohost", "host:port"],
     "distributed.num_processes": ["0", "abc"],
     "distributed.process_id": ["-2", "abc"],

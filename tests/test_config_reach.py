@@ -99,6 +99,9 @@ RUNS = {
     "speculative": ["grpo.speculative=self:loops=1,k=2"],
     # Sharded over the 8 CPU devices the tests have (conftest's XLA_FLAGS).
     "mesh": ["run.mesh=fsdp=8", "grpo.prompts_per_step=8"],
+    # Off-policy: the sampler two versions behind, on 2 replicas of its own beside a learner
+    # sharded over 2 devices.
+    "offpolicy": ["grpo.max_staleness=2", "run.learner_mesh=fsdp=2", "run.sampler_mesh=data=2"],
     # GSM8K-format data with the tokenizer and weights of a Hugging Face checkpoint, which
     # is also the KL reference.
     "gsm8k": [

@@ -49,7 +49,12 @@ from jaxrl_lp.train.run_state import RunState
 from jaxrl_lp.train.sync_hooks import SyncHooks
 
 __all__ = ["IterationPrograms", "Reference", "dispatch_rollout", "grpo_iteration",
-           "sampling_key"]
+           "sampler_side", "sampling_key"]
+
+
+def sampler_side(plan) -> SamplerSide:
+    """Where a run's sampler runs: its own devices (`plan.sampler`), or the learner's."""
+    return plan.sampler or SamplerSide(learner_mesh=plan.mesh, model=plan.model)
 
 
 def sampling_key(seed: int, step: int) -> jax.Array:
@@ -192,7 +197,7 @@ def grpo_iteration(state: RunState, step: int, cfg, plan, programs: IterationPro
     g = cfg.grpo
     task, timer = plan.task, PhaseTimer()
     view = programs.model_params or (lambda p: p)
-    side = plan.sampler or SamplerSide(learner_mesh=plan.mesh)
+    side = sampler_side(plan)
     # What the step updates: each update's params and GRPO optimizer state, the sync state.
     params, opt_grpo = state.params, state.opt_grpo
     master = view(params)

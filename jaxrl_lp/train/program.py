@@ -40,13 +40,14 @@ from jaxrl_lp.train.grpo_iteration import (
     Reference,
     dispatch_rollout,
     grpo_iteration,
+    sampler_side,
     sampling_key,
 )
 from jaxrl_lp.train.logger import MetricsLogger, plot_metrics
 from jaxrl_lp.train.preemption import Preempted, SignalGuard
 from jaxrl_lp.train.progress import PhaseProgress
 from jaxrl_lp.train.resume import restore_newest_intact
-from jaxrl_lp.train.rollout_queue import RolloutQueue, SamplerSide, weights_key
+from jaxrl_lp.train.rollout_queue import RolloutQueue, weights_key
 from jaxrl_lp.train.run_lock import RunLock
 from jaxrl_lp.train.run_state import Progress, RunState
 from jaxrl_lp.train.sync_hooks import SyncHooks
@@ -224,7 +225,7 @@ def _rollout_queue(cfg: TrainConfig, plan: RunPlan, prompt_it, total: int) -> Ro
     g = cfg.grpo
     if not g.max_staleness:
         return None
-    side = plan.sampler or SamplerSide(learner_mesh=plan.mesh)
+    side = sampler_side(plan)
     task = plan.task
 
     def dispatch(step, version, weights, problems):
@@ -235,43 +236,41 @@ def _rollout_queue(cfg: TrainConfig, plan: RunPlan, prompt_it, total: int) -> Ro
                         lambda: [int(i) for i in prompt_it.next_global()], end=total)
 
 
-def _restore_like(state: RunState, plan: RunPlan, queue: RolloutQueue | None):
-    """What a checkpoint restores into: the run's state tree, and for an off-policy run the
-    sampler's weights of the versions its metadata lists (placed where the sampler runs)."""
-    if queue is None:
-        return state.tree()
-    mcfg = plan.model
-    shapes = jax.eval_shape(lambda: init_params(mcfg, jax.random.PRNGKey(0)))
-    side = plan.sampler or SamplerSide(learner_mesh=plan.mesh)
-    mesh = side.sampler_mesh
-    if mesh is not None:
-        shardings = param_shardings(shapes, mcfg, mesh)
-    else:  # one device: the sampler's, its first replica's, or the learner's
-        device = (side.replicas[0] if side.replicas else side.device) if side.separate \
-            else (side.learner_device or jax.devices()[0])
-        shardings = jax.tree.map(lambda _: jax.sharding.SingleDeviceSharding(device), shapes)
-    like = jax.tree.map(lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh),
-                        shapes, shardings)
+def _restore_like(cfg: TrainConfig, state: RunState, plan: RunPlan, queue: RolloutQueue | None):
+    """What a checkpoint restores into, from its metadata: the run's state tree, and for an
+    off-policy run the sampler's weights of the versions it lists (placed where the sampler
+    runs). A run inside GRPO must resume with the `grpo.max_staleness` it was saved with."""
+    like = None
+    if queue is not None:
+        mcfg = plan.model
+        shapes = jax.eval_shape(lambda: init_params(mcfg, jax.random.PRNGKey(0)))
+        side = sampler_side(plan)
+        mesh = side.sampler_mesh
+        if mesh is not None:
+            shardings = param_shardings(shapes, mcfg, mesh)
+        else:  # one device: the sampler's, its first replica's, or the learner's
+            device = (side.replicas[0] if side.replicas else side.device) if side.separate \
+                else (side.learner_device or jax.devices()[0])
+            shardings = jax.tree.map(lambda _: jax.sharding.SingleDeviceSharding(device), shapes)
+        like = jax.tree.map(lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh),
+                            shapes, shardings)
 
     def tree(meta: dict) -> dict:
-        versions = sorted({int(p["version"]) for p in meta.get("pending", [])})
+        saved = int(meta.get("max_staleness", 0))
+        if meta.get("initial_accuracy") is not None and saved != cfg.grpo.max_staleness:
+            raise ValueError(
+                f"the run in {cfg.run.out_dir} has done GRPO steps with grpo.max_staleness="
+                f"{saved}; resuming it with grpo.max_staleness={cfg.grpo.max_staleness} would "
+                f"not continue that run (its rollouts in flight were sampled for {saved}). "
+                f"Resume with --set grpo.max_staleness={saved}, or train into another "
+                "run.out_dir")
         out = state.tree()
+        versions = sorted({int(p["version"]) for p in meta.get("pending", [])})
         if versions:
             out["sampler"] = {weights_key(v): like for v in versions}
         return out
 
     return tree
-
-
-def _check_staleness(cfg: TrainConfig, meta: dict, progress: Progress) -> None:
-    """A run inside GRPO resumes with the `grpo.max_staleness` it was saved with."""
-    saved = int(meta.get("max_staleness", 0))
-    if progress.initial_accuracy is not None and saved != cfg.grpo.max_staleness:
-        raise ValueError(
-            f"the run in {cfg.run.out_dir} has done GRPO steps with grpo.max_staleness={saved}; "
-            f"resuming it with grpo.max_staleness={cfg.grpo.max_staleness} would not continue "
-            f"that run (its rollouts in flight were sampled for {saved}). Resume with --set "
-            f"grpo.max_staleness={saved}, or train into another run.out_dir")
 
 
 def _complete(run_dir: Path, ckpt: Checkpointer, total: int) -> dict | None:
@@ -359,16 +358,15 @@ def _train(cfg: TrainConfig, plan: RunPlan, run_dir: Path, ckpt: Checkpointer, t
     progress = Progress()
     total = cfg.sft.steps + g.steps
     queue = _rollout_queue(cfg, plan, prompt_it, total)
-    resumed = restore_newest_intact(ckpt, _restore_like(state, plan, queue), cfg, mcfg, hooks,
-                                    lpol, spol)
+    resumed = restore_newest_intact(ckpt, _restore_like(cfg, state, plan, queue), cfg, mcfg,
+                                    hooks, lpol, spol)
     if resumed is not None:
         tree, meta = resumed
         state, progress = RunState.from_tree(tree), Progress.from_meta(meta)
         sft_it.set_state(meta["sft_data"])
         prompt_it.set_state(meta["prompt_data"])
-        _check_staleness(cfg, meta, progress)
         if queue is not None:  # the rollouts in flight, dispatched again on their weights
-            side = plan.sampler or SamplerSide(learner_mesh=plan.mesh)
+            side = sampler_side(plan)
             queue.restore(meta.get("pending", []), state.sampler or {},
                           lambda tree: side.hold(tree, copy=False))
             state = dataclasses.replace(state, sampler=None)
