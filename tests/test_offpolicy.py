@@ -209,3 +209,25 @@ def test_sigkill_during_an_overlapped_step_resumes_bit_identically(tmp_path, off
     # after the last step nothing is.
     assert [(p["step"], p["version"]) for p in meta[6]["pending"]] == [(6, 5)]
     assert meta[8]["pending"] == [] and meta[6]["max_staleness"] == 1
+
+
+@pytest.mark.slow
+@pytest.mark.ci
+def test_study_staleness_quick(tmp_path, capsys):
+    from jaxrl_lp.cli.main import main
+
+    out = tmp_path / "study"
+    assert main(["study", "staleness", "--quick", "--arms", "k0,k1_decoupled", "--steps", "3",
+                 "--out", str(out)]) == 0
+    got = json.loads(capsys.readouterr().out)
+    assert got == json.loads((out / "staleness.json").read_text())
+    k0, k1 = got["arms"]["k0"], got["arms"]["k1_decoupled"]
+    assert k0["rollout_staleness_max"] == 0.0 and k1["rollout_staleness_max"] == 1.0
+    assert k0["offpolicy_k3_mean"] is None and k1["offpolicy_k3_mean"] is not None
+    # Verified every step, matched policies: the numerics part is exactly 0 in both arms.
+    assert k0["mismatch_max_abs_dlogp"] == 0.0 == k1["mismatch_max_abs_dlogp"]
+    assert k0["mismatch_measured_steps"] == 3 == k1["mismatch_measured_steps"]
+    assert k0["gain_vs_synchronous"] == 0.0
+    for name in ("accuracy.png", "reward.png", "offpolicy.png", "staleness_series.json"):
+        assert (out / name).is_file(), name
+    assert main(["study", "staleness", "--arms", "k9"]) == 2

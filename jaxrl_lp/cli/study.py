@@ -15,6 +15,9 @@ Targets:
   matched-precision  GRPO with sampler and learner in the same FP8/FP4 format against an
                      unmatched learner with and without TIS/MIS
                      (`jaxrl_lp.studies.matched_precision`).
+  staleness          off-policy GRPO at max_staleness 0, 1, 2 (and decoupled PPO at 1) on the
+                     default task: gain against the synchronous run, policy change, numerics
+                     mismatch (`jaxrl_lp.studies.staleness`).
 
 Each prints its result as JSON and writes it (and plots) under `--out`
 (default `runs/study-<name>`), replacing what is there.
@@ -40,6 +43,7 @@ STUDIES: dict[str, tuple[str, str]] = {
     "backward-state": ("backward_state", "run_backward_state"),
     "error-diffusion": ("error_diffusion", "run_error_diffusion"),
     "matched-precision": ("matched_precision", "run_matched_precision"),
+    "staleness": ("staleness", "run_staleness"),
 }
 
 
