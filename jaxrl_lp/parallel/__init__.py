@@ -2,6 +2,7 @@
 
 from jaxrl_lp.parallel.context import constrain, current_mesh, use_mesh
 from jaxrl_lp.parallel.mesh import AXES, BATCH_AXES, MeshSpec, make_mesh
+from jaxrl_lp.parallel.placement import DeviceGroup, Placement, parse_placement
 from jaxrl_lp.parallel.rules import (
     DEFAULT_RULES,
     ShardingRules,
@@ -15,7 +16,9 @@ __all__ = [
     "AXES",
     "BATCH_AXES",
     "DEFAULT_RULES",
+    "DeviceGroup",
     "MeshSpec",
+    "Placement",
     "ShardingRules",
     "check_divisible",
     "constrain",
@@ -23,6 +26,7 @@ __all__ = [
     "make_mesh",
     "param_logical_axes",
     "param_shardings",
+    "parse_placement",
     "spec_for",
     "use_mesh",
 ]

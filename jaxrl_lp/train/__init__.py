@@ -17,6 +17,7 @@ from jaxrl_lp.train.config import (
 )
 from jaxrl_lp.train.defaults import default_config
 from jaxrl_lp.train.program import NonFiniteError, evaluate, evaluate_run, run_train
+from jaxrl_lp.train.rollout_queue import RolloutQueue, SamplerSide
 from jaxrl_lp.train.validate import RunPlan, validate
 
 __all__ = [
@@ -24,8 +25,10 @@ __all__ = [
     "GRPOConfig",
     "NonFiniteError",
     "RunConfig",
+    "RolloutQueue",
     "RunPlan",
     "SFTConfig",
+    "SamplerSide",
     "TaskConfig",
     "TrainConfig",
     "apply_overrides",
