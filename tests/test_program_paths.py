@@ -20,6 +20,7 @@ import pytest
 from helpers import TINY_MODEL
 
 import jaxrl_lp.train.grpo_iteration as grpo_iteration
+import jaxrl_lp.train.rollout_queue as rollout_queue
 import jaxrl_lp.train.program as program
 from jaxrl_lp.train import apply_overrides, default_config, run_train
 from jaxrl_lp.train.behaviour import ReplayMismatchError
@@ -195,7 +196,7 @@ def test_a_refill_round_off_the_samplers_bits_stops_the_verified_step(warm_start
                                                                       monkeypatch):
     """verify_every replays the refill rounds too: one ulp off in their recorded log-probs
     (every sampler call after the run's first) stops the first GRPO step."""
-    real, calls = grpo_iteration.generate, []
+    real, calls = rollout_queue.generate, []
 
     def off(*args, **kwargs):
         ro = real(*args, **kwargs)
@@ -203,7 +204,7 @@ def test_a_refill_round_off_the_samplers_bits_stops_the_verified_step(warm_start
         return ro if len(calls) == 1 else dataclasses.replace(
             ro, logprobs=jnp.nextafter(ro.logprobs, 0.0))
 
-    monkeypatch.setattr(grpo_iteration, "generate", off)
+    monkeypatch.setattr(rollout_queue, "generate", off)  # where the sampler calls it
     with pytest.raises(ReplayMismatchError, match=rf"at step {SFT} .*grpo.replay=always"):
         _run(warm_start, tmp_path / "run", _dynamic())
     assert len(calls) > 1  # the step refilled before it was verified
