@@ -117,7 +117,10 @@ BAD = {
     # without the sampler's; with run.mesh; overlapping the sampler's; not a mesh
     "run.learner_mesh": ["fsdp=4", ("fsdp=4", ["run.mesh=fsdp=8", "run.sampler_mesh=data=4"]),
                          ("fsdp=4", ["run.sampler_mesh=data=4@2"]),
-                         ("batch=4", ["run.sampler_mesh=data=4"])],
+                         ("batch=4", ["run.sampler_mesh=data=4"]),
+                         ("fsdp=4", ["run.sampler_mesh=data=4",
+                                     "distributed.coordinator=localhost:1234",
+                                     "distributed.num_processes=2", "distributed.process_id=0"])],
     # without the learner's; past the 8 devices; a bad first device; 32 prompts over 3
     # replicas
     "run.sampler_mesh": ["data=4", ("data=8", ["run.learner_mesh=fsdp=4"]),

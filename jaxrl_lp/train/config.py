@@ -384,6 +384,14 @@ class TrainConfig:
 
     def __post_init__(self):
         check_str("init_from", self.init_from, what="a checkpoint directory or ''")
+        if self.run.learner_mesh and self.distributed.coordinator:
+            # Every process runs every program of a run; a device group that some processes
+            # hold none of would need the sampler and the learner as programs of their own.
+            raise ValueError(
+                f"run.learner_mesh={self.run.learner_mesh!r} / run.sampler_mesh="
+                f"{self.run.sampler_mesh!r} place the learner and the sampler in one process; "
+                f"with distributed.coordinator={self.distributed.coordinator!r} use run.mesh "
+                "(they share the devices and take turns) or run one process")
 
 
 def _convert(value: str, current: Any, hint: Any, key: str) -> Any:
