@@ -95,6 +95,32 @@ def test_tiny_plan_roofline_and_summary(tiny_plan):
     assert tiny_plan["mesh"] == "data=2,fsdp=2,tensor=2" and tiny_plan["devices"] == 8
 
 
+def test_tiny_plan_offpolicy_estimate(tiny_plan):
+    """Per split of the 8 devices: the sampler's k replicas decode decode_batch / k rows each,
+    reading the whole model per step; the learner's programs scale by 8 / (8 - k); overlapped
+    is the longer of the two, synchronous on the split their sum."""
+    tgt = TARGETS["h100"]
+    off, s = tiny_plan["summary"]["offpolicy"], tiny_plan["summary"]
+    assert off["synchronous_s"] == s["iteration_s"]
+    splits = {x["sampler_devices"]: x for x in off["splits"]}
+    assert sorted(splits) == [k for k in range(1, 8) if tiny_plan["shapes"]["decode_batch"] % k == 0]
+    learn = tiny_plan["behaviour_logprobs"]["roofline"]["time_s"] \
+        + tiny_plan["grpo_step"]["roofline"]["time_s"]
+    for k, x in splits.items():
+        assert x["learner_devices"] == 8 - k
+        assert x["learn_s"] == pytest.approx(learn * 8 / (8 - k), rel=1e-9)
+        assert x["overlapped_s"] == max(x["sample_s"], x["learn_s"])
+        assert x["synchronous_split_s"] == pytest.approx(x["sample_s"] + x["learn_s"])
+    # Fewer replicas hold more rows each: never a shorter sampling phase.
+    assert splits[1]["sample_s"] >= splits[2]["sample_s"] >= splits[4]["sample_s"]
+    # A replica holds the whole model: the per-device params times the fsdp x tensor split.
+    assert splits[4]["sampler_replica_bytes"] >= tiny_plan["per_device_bytes"]["params"] * 4
+    assert off["best"] == min((x for x in off["splits"] if x["fits"]),
+                              key=lambda x: x["overlapped_s"])
+    assert off["speedup"] == pytest.approx(s["iteration_s"] / off["best"]["overlapped_s"])
+    assert splits[4]["fits"] == (splits[4]["sampler_replica_bytes"] <= tgt.hbm_bytes)
+
+
 def test_hlo_cost_counts_loop_bodies_by_trip_count():
     mesh = jax.make_mesh((8,), ("d",))
 

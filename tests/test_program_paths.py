@@ -20,8 +20,8 @@ import pytest
 from helpers import TINY_MODEL
 
 import jaxrl_lp.train.grpo_iteration as grpo_iteration
-import jaxrl_lp.train.rollout_queue as rollout_queue
 import jaxrl_lp.train.program as program
+import jaxrl_lp.train.rollout_queue as rollout_queue
 from jaxrl_lp.train import apply_overrides, default_config, run_train
 from jaxrl_lp.train.behaviour import ReplayMismatchError
 from jaxrl_lp.train.checkpoint import Checkpointer

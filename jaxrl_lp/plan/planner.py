@@ -58,6 +58,7 @@ from jaxrl_lp.plan.inputs import (
     per_device_bytes,
     unstacked_shardings,
 )
+from jaxrl_lp.plan.offpolicy import offpolicy_estimate
 from jaxrl_lp.plan.programs import native
 from jaxrl_lp.plan.request import check_request
 from jaxrl_lp.plan.roofline import cost_figures, memory_figures, roofline
@@ -211,7 +212,10 @@ def plan(cfg: TrainConfig, mesh: str, devices: int, target: str = "h100", *,
            "decode_step": _compiled_figures(dec, dec_s, tgt),
            "lowers_for": {"platform": tgt.platform, "target": tgt.name,
                           "programs": lowered_for}}
-    return _summarize(out, cfg, tgt)
+    out = _summarize(out, cfg, tgt)
+    # The sampler and the learner on devices of their own, overlapped (`grpo.max_staleness`).
+    out["summary"]["offpolicy"] = offpolicy_estimate(out, spec, tgt, g.mu * g.minibatches)
+    return out
 
 
 def _weights_read(params, mcfg: ModelConfig, spec: MeshSpec) -> int:
