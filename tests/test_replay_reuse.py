@@ -238,6 +238,32 @@ def _records(run_dir):
 REUSE_KEYS = ("replayed_updates", "behaviour_recomputed", "replay_verified")
 
 
+def test_a_step_on_the_behaviour_replay_is_the_replaying_step_bit_for_bit():
+    """Where the weights moved since sampling (an off-policy rollout), the training program's
+    behaviour log-probs are the replay under the update's weights, taken micro-batch by
+    micro-batch (`jit_learner_logprobs`); given as the first update's hybrid value, the update
+    is the one that replays inside the step, bit for bit, micro-batched the same way."""
+    from jaxrl_lp.rl.logprobs import jit_learner_logprobs
+
+    cfg, params, loop = _model("looped_dense")
+    ro = _rollout("looped_dense")
+    moved = jax.tree.map(lambda x: x * (1.0 + 1e-3), params)  # the learner moved on
+    behaviour = jit_learner_logprobs(cfg, Policy.parse("fp32"), "hybrid", loop=loop,
+                                     micro_batches=2)(moved, ro)
+    mask = np.asarray(ro.completion_mask) > 0
+    assert (np.asarray(behaviour)[mask] != np.asarray(ro.logprobs)[mask]).any()
+    opt = optax.adam(1e-2)
+    step = make_grpo_step(cfg, Policy.parse("fp32"), LossConfig(), opt, loop=loop,
+                          micro_batches=2)
+    adv = jnp.asarray(np.linspace(-1.0, 1.0, ro.logprobs.shape[0]), jnp.float32)
+    out = []
+    for value in (None, behaviour):
+        p, _, m = step(copy(moved), opt.init(moved), ro, adv, behaviour, None, None, value)
+        out.append((p, {k: float(v) for k, v in m.items()}))
+    _assert_same_update(out, moved)
+    assert out[1][1]["ratio_mean"] != 1.0  # the policy change, against the recorded values
+
+
 def test_minibatches_4_replay_exactly_the_three_later_ones(tmp_path):
     """`auto` replays the three later minibatches; `always` all four. On XLA:CPU a replay of a
     minibatch's rows rounds otherwise than the sampler's whole batch (about 1 ulp on a third
