@@ -37,5 +37,6 @@ def test_bench_learner_refuses_bad_packing_and_methods(capsys):
     assert "--pack-buckets must be >= 0 (0: no packing); got -1" in capsys.readouterr().err
     assert main(["bench", "learner", "--size", "tiny", "--methods", "dense,sparse",
                  "--no-tunix"]) == 2
-    allowed = "allowed: dense, hybrid, hybrid-recorded, dense-unpacked, hybrid-unpacked"
+    allowed = ("allowed: dense, hybrid, hybrid-recorded, dense-unpacked, hybrid-unpacked, "
+               "hybrid-recorded-unpacked")
     assert allowed in capsys.readouterr().err

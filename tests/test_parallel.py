@@ -119,6 +119,9 @@ def test_grpo_step_on_a_mesh_equals_one_device_and_nothing_is_whole(mesh_spec):
     mesh = make_mesh(mesh_spec)
     step = make_grpo_step(cfg, Policy.parse("fp32"), loss, opt, loop=loop, micro_batches=2,
                           mesh=mesh)
+    # Both skip the padding, the mesh step each data shard's rows apart (tests/test_packing.py
+    # compares it with the unpacked step).
+    assert one.packs and step.packs
     sharded = shard_params(copy(params), cfg, mesh)
     state = put_tree(opt.init(params), state_shardings(opt.init(params), params,
                                                        param_shardings(params, cfg, mesh), mesh))
