@@ -19,8 +19,9 @@ What one device holds and does is read from the compiled programs:
 
 - memory: parameters, optimizer state and KV cache from their shapes and
   shardings; each program's arguments, outputs, temporaries and code from
-  XLA's memory analysis. `learner_peak` is the larger of the GRPO step's
-  peak and the behaviour log-probs' (plus the resident optimizer state);
+  XLA's memory analysis. `learner_peak` is the largest peak of the GRPO
+  step forms an iteration runs and, where they run, the behaviour
+  log-probs' (plus the resident optimizer state);
   `sampler_peak` is the master parameters and optimizer state (resident
   while the sampler runs) plus the decode step's peak (its per-layer copy of
   the weights and the KV cache). `fits`: both within the target's HBM.
@@ -293,18 +294,18 @@ def iteration_updates(cfg: TrainConfig) -> dict:
 def _summarize(out: dict, cfg: TrainConfig, tgt: Target) -> dict:
     """Adds the headline figures: peaks, `fits`, tokens/s bounds, a GRPO iteration's time."""
     shp, per = out["shapes"], out["per_device_bytes"]
-    steps = [out["grpo_step"]] + ([out["grpo_step_recorded"]]
-                                  if "grpo_step_recorded" in out else [])
-    # The optimizer state stays resident while the log-probs are taken and while sampling.
-    learner = max(*(s["memory"]["peak"] for s in steps),
-                  per["optimizer_state"] + out["behaviour_logprobs"]["memory"]["peak"])
-    sampler = per["params"] + per["optimizer_state"] + out["decode_step"]["memory"]["peak"]
     counts = iteration_updates(cfg)
-    seconds = {"replaying": out["grpo_step"]["roofline"]["time_s"],
-               "dense": out["grpo_step"]["roofline"]["time_s"]}
-    if "grpo_step_recorded" in out:
-        seconds["recorded"] = out["grpo_step_recorded"]["roofline"]["time_s"]
-    update_s = {k: seconds[k] for k in ("recorded", "replaying", "dense") if counts[k]}
+    programs = {"replaying": out["grpo_step"], "dense": out["grpo_step"],
+                "recorded": out.get("grpo_step_recorded")}
+    runs = [k for k in ("recorded", "replaying", "dense") if counts[k]]
+    # The programs the iteration runs; the optimizer state stays resident while the
+    # log-probs are taken and while sampling.
+    learner = max(programs[k]["memory"]["peak"] for k in runs)
+    if counts["behaviour"]:
+        learner = max(learner,
+                      per["optimizer_state"] + out["behaviour_logprobs"]["memory"]["peak"])
+    sampler = per["params"] + per["optimizer_state"] + out["decode_step"]["memory"]["peak"]
+    update_s = {k: programs[k]["roofline"]["time_s"] for k in runs}
     updates_s = sum(counts[k] * t for k, t in update_s.items())
     n_updates = sum(counts[k] for k in update_s)
     decode_s = out["decode_step"]["roofline"]["time_s"]
