@@ -142,3 +142,25 @@ def grpo_loss_reference(learner, old, sampler, adv, mask, loss_cfg, max_tokens=N
         "mismatch_max_abs_dlogp": np.max(np.abs(d)[live]),
         "mismatch_prob_err": mean(np.exp(np.abs(d))),
     }
+
+
+def assert_same_sgd_step(many, one, params) -> None:
+    """Two GRPO steps' `(params, metrics)` agree (f32: loss and grad norm within 1e-5 relative,
+    each parameter within 1e-5 relative + 1e-7), and the step moved the parameters (> 1e-4).
+
+    For steps taken with SGD (with momentum): the update is proportional to the gradient, so
+    the parameters compare the gradients (Adam divides near-zero gradients by their own size,
+    which turns last-bit differences of a gradient of 1e-9 into differences of the update).
+    """
+    import jax
+    import numpy as np
+
+    (p_many, m_many), (p_one, m_one) = many, one
+    np.testing.assert_allclose(float(m_many["loss"]), float(m_one["loss"]), rtol=1e-5, atol=1e-7)
+    np.testing.assert_allclose(float(m_many["grad_norm"]), float(m_one["grad_norm"]), rtol=1e-5)
+    moved = 0.0
+    for a, b, p in zip(jax.tree.leaves(p_many), jax.tree.leaves(p_one), jax.tree.leaves(params),
+                       strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-7)
+        moved = max(moved, float(np.abs(np.asarray(b) - np.asarray(p)).max()))
+    assert moved > 1e-4  # the step moved the parameters

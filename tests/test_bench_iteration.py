@@ -1,7 +1,15 @@
-"""`jaxrl-lp bench iteration` end to end on the tiny preset (timing figures are not asserted)."""
+"""`jaxrl-lp bench iteration` end to end on the tiny preset (timing figures are not asserted).
+
+The roofline (`bench.roofline`): the machine's rates are measured in the same run, and each
+entry's bounds follow from them and from the compiled programs' FLOPs; with a Tunix entry
+(Tunix is not installed here: a recorded one stands in) its fractions and the best ratio the
+bounds allow follow from the same bounds.
+"""
 
 import json
 
+import jax
+import numpy as np
 import pytest
 
 from jaxrl_lp.cli.main import main
@@ -26,8 +34,90 @@ def test_bench_iteration_reports_phases_and_which_updates_replayed(capsys):
         phases = sum(r[p] for p in ("sample", "score", "behaviour", "update"))
         assert phases == pytest.approx(r["iteration_s"], rel=1e-3, abs=1e-3)
         assert r["tokens_per_s"] > 0 and r["verify_replay_s"] > 0
-        assert "vs_tunix" not in r
+        assert "vs_tunix" not in r and "max_ratio_vs_tunix_at_bound" not in r
     assert res["targets_met"] == {}
+    # The machine's rates, measured before and after the race; the bounds take the better.
+    m = res["machine"]
+    for when in ("before_race", "after_race"):
+        ws = m[when]["weight_stream"]
+        assert ws["batch"] == 4 and set(ws["forms"]) == {"dot_in_out", "reduce_out_in"}
+        assert ws["gb_per_s"] == max(f["gb_per_s"] for f in ws["forms"].values()) > 0
+        assert m[when]["matmul"]["rows"] == 4 * (4 + 4) and m[when]["matmul"]["gflop_per_s"] > 0
+    assert m["weight_stream_gb_per_s"] == max(m[w]["weight_stream"]["gb_per_s"]
+                                              for w in ("before_race", "after_race"))
+    # The sample bound: every sampled token one pass over the weights a decode step reads
+    # (tiny-qwen3: 2 layers and the head, f32; its embedding is gathered, not streamed).
+    from jaxrl_lp.bench.sampler import weight_bytes
+    from jaxrl_lp.models import get_preset, init_params
+
+    cfg = get_preset("tiny-qwen3")
+    nbytes = weight_bytes(cfg, init_params(cfg, jax.random.PRNGKey(0)))
+    for r in (one, two):
+        assert r["bounds"]["sample_s"] == pytest.approx(
+            4 * nbytes / (m["weight_stream_gb_per_s"] * 1e9), rel=1e-3)
+        flops = r["compiled_flops"]["updates"]
+        assert len(flops) == len(r["compiled_flops"]["xla_cost_analysis_updates"])
+        # Loop-aware: XLA counts a loop body once, the walk by its trip count.
+        assert all(f >= x > 0 for f, x in zip(flops, r["compiled_flops"][
+            "xla_cost_analysis_updates"], strict=True))
+        for phase in ("sample", "update"):
+            assert r["fraction_of_bound"][phase] == pytest.approx(
+                r["bounds"][f"{phase}_s"] / r[phase], rel=2e-3)
+    # The second minibatch replays: its program holds the replay's decode loop too.
+    assert two["compiled_flops"]["updates"][1] > two["compiled_flops"]["updates"][0]
+    assert two["compiled_flops"]["updates"][0] < one["compiled_flops"]["updates"][0]  # 2 rows
+    rate = m["matmul_gflop_per_s"] * 1e9
+    stream = 4 * nbytes / (m["weight_stream_gb_per_s"] * 1e9)
+    assert one["bounds"]["update_s"] == pytest.approx(
+        one["compiled_flops"]["updates"][0] / rate, rel=1e-3)
+    assert two["bounds"]["update_s"] == pytest.approx(
+        two["compiled_flops"]["updates"][0] / rate
+        + max(two["compiled_flops"]["updates"][1] / rate, stream), rel=1e-3)
+
+
+class _Recorded:
+    """An iteration object with fixed compiled FLOPs (what `_with_bounds` reads of one)."""
+
+    def __init__(self, params, minibatches, updates, replays):
+        self.params, self.minibatches = params, minibatches
+        self._flops = {"updates": updates, "replays": replays, "behaviour": 0.0,
+                       "xla_updates": updates}
+
+    def compiled_flops(self):
+        return self._flops
+
+
+def test_bounds_put_tunix_and_ours_against_the_same_work():
+    """A Tunix entry gets the bounds of our first update's work, k times; the best ratio the
+    bounds allow is Tunix's measured iteration over our bound iteration."""
+    import argparse
+
+    from jaxrl_lp.bench.iteration import _with_bounds
+    from jaxrl_lp.bench.sampler import weight_bytes
+    from jaxrl_lp.models import get_preset, init_params
+
+    cfg = get_preset("tiny-qwen3")
+    params = init_params(cfg, jax.random.PRNGKey(0))
+    nbytes = weight_bytes(cfg, params)
+    machine = {"weight_stream_gb_per_s": 10.0, "matmul_gflop_per_s": 100.0}
+    args = argparse.Namespace(new_tokens=50)
+    ours = {"hybrid_mb2": _Recorded(params, 2, [4e9, 6e9], [False, True])}
+    res = {"params": 1, "hybrid_mb2": {"iteration_s": 2.0, "sample": 1.0, "update": 0.9,
+                                       "behaviour": 0.0, "score": 0.1},
+           "tunix_mb2": {"iteration_s": 3.0, "sample": 1.5, "update": 1.4, "score": 0.1}}
+    _with_bounds(res, ours, cfg, args, [2], machine)
+    sample = 50 * nbytes / 10e9
+    b = res["hybrid_mb2"]["bounds"]
+    assert b["sample_s"] == pytest.approx(sample, rel=1e-3)
+    # The replaying update: its FLOPs (0.06 s) or its decode loop's stream, the larger.
+    assert b["update_s"] == pytest.approx(0.04 + max(0.06, sample), rel=1e-3)
+    t = res["tunix_mb2"]["bounds"]
+    assert t["sample_s"] == b["sample_s"] and t["update_s"] == pytest.approx(0.08, rel=1e-3)
+    assert res["tunix_mb2"]["fraction_of_bound"]["update"] == pytest.approx(0.08 / 1.4, rel=2e-3)
+    assert res["hybrid_mb2"]["max_ratio_vs_tunix_at_bound"] == pytest.approx(
+        3.0 / b["iteration_s"], rel=2e-3)
+    assert np.isclose(res["hybrid_mb2"]["fraction_of_bound"]["iteration"],
+                      b["iteration_s"] / 2.0, rtol=2e-3)
 
 
 def test_bench_iteration_refuses_bad_arguments(capsys):

@@ -2,6 +2,8 @@
 
 import json
 
+import pytest
+
 from jaxrl_lp.cli.main import main
 
 
@@ -37,5 +39,25 @@ def test_bench_learner_refuses_bad_packing_and_methods(capsys):
     assert "--pack-buckets must be >= 0 (0: no packing); got -1" in capsys.readouterr().err
     assert main(["bench", "learner", "--size", "tiny", "--methods", "dense,sparse",
                  "--no-tunix"]) == 2
-    allowed = "allowed: dense, hybrid, hybrid-recorded, dense-unpacked, hybrid-unpacked"
+    allowed = ("allowed: dense, hybrid, hybrid-recorded, dense-unpacked, hybrid-unpacked, "
+               "hybrid-recorded-unpacked")
     assert allowed in capsys.readouterr().err
+
+
+@pytest.mark.slow
+@pytest.mark.ci
+def test_bench_learner_looped_races_the_packed_step_against_every_slot(capsys):
+    """`--looped`: the preset's shapes as a looped model (ours only); the packed step computes
+    fewer FLOPs than the one on every slot, for the same update."""
+    assert main(["bench", "learner", "--size", "tiny", "--looped", "--batch", "4", "--group", "2",
+                 "--seq-len", "24", "--prompt-len", "8", "--repeats", "1", "--min-time", "0",
+                 "--methods", "dense,dense-unpacked"]) == 0
+    res = json.loads(capsys.readouterr().out)
+    assert res["preset"] == "tiny-qwen3-looped-r4"
+    assert res["tunix"] == {"available": False, "reason": "--looped: Tunix has no looped model"}
+    body, head = res["packed_rows"]
+    assert body < 4 * 24 and head < 4 * 16
+    packed, every = res["dense"], res["dense-unpacked"]
+    assert packed["compiled_flops"] < every["compiled_flops"]
+    assert abs(packed["grad_norm_first"] - every["grad_norm_first"]) < 1e-5 * every["grad_norm_first"]
+    assert res["dense_packing_speedup"] > 0

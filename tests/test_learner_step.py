@@ -1,8 +1,9 @@
 """The learner-step builders return one kind of object whatever their options.
 
 `make_grpo_step` and `make_sft_step` return a `LearnerStep` on one device,
-packed, and on a mesh of 8 simulated devices; each lowers on the arguments it
-is called with, and a packed step at fixed row counts lowers on abstract ones.
+packed, and on a mesh of 8 simulated devices (packed by default too); each
+lowers on the arguments it is called with, and a packed step at fixed row
+counts lowers on abstract ones.
 """
 
 import functools
@@ -47,7 +48,7 @@ def test_grpo_step_is_one_kind_of_object_and_lowers(name):
     step = make_grpo_step(cfg, Policy.parse("fp32"), LossConfig(), opt, loop=loop,
                           method="dense", **_options(name))
     assert type(step) is LearnerStep
-    assert step.packs == (name == "packed")
+    assert step.packs == (name != "one device")
     adv = jnp.linspace(-1.0, 1.0, ro.logprobs.shape[0])
     text = step.lower(params, opt.init(params), ro, adv, ro.logprobs).as_text()
     assert "func.func public @main" in text
@@ -61,7 +62,7 @@ def test_sft_step_is_one_kind_of_object_and_lowers(name):
     opt = optax.sgd(0.1)
     step = make_sft_step(cfg, Policy.parse("fp32"), opt, **_options(name))
     assert type(step) is LearnerStep
-    assert step.packs == (name == "packed")
+    assert step.packs == (name != "one device")
     tokens = jnp.concatenate([ro.prompt_tokens, ro.completion_tokens], axis=1)
     mask = jnp.concatenate([jnp.ones(ro.prompt_tokens.shape), ro.completion_mask], axis=1)
     assert "func.func public @main" in step.lower(params, opt.init(params), tokens,

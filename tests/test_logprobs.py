@@ -162,19 +162,22 @@ def test_learner_refuses_a_rollout_sampled_with_another_loop_spec_or_policy():
 
 
 # ---------------------------------------------------------------- hybrid: replay value, dense gradient
-def _grad_fn(cfg, policy, loop, method):
-    """Jitted (params, ro, w) -> (grads, logp) of sum(mask * w * logp) with `method` log-probs."""
+def _grad_fn(cfg, policy, loop, method, packed_rows=None):
+    """Jitted (params, ro, w) -> (grads, logp) of sum(mask * w * logp) with `method` log-probs
+    (the dense forward packed at `packed_rows`, or on the whole grid)."""
 
     def f(params, ro, w_BxN):
-        logp, _ = learner_logprobs(params, cfg, policy, ro, method, loop=loop)
+        logp, _ = learner_logprobs(params, cfg, policy, ro, method, loop=loop,
+                                   packed_rows=packed_rows)
         return jnp.sum(logp * ro.completion_mask * w_BxN), logp
 
     return jax.jit(jax.grad(f, has_aux=True))
 
 
-def _both_grads_fn(cfg, policy, loop):
+def _both_grads_fn(cfg, policy, loop, packed_rows=None):
     """`_grad_fn`'s hybrid and dense in one jitted program (one compilation instead of two)."""
-    hybrid, dense = (_grad_fn(cfg, policy, loop, m).__wrapped__ for m in ("hybrid", "dense"))
+    hybrid, dense = (_grad_fn(cfg, policy, loop, m, packed_rows).__wrapped__
+                     for m in ("hybrid", "dense"))
     return jax.jit(lambda params, ro, w: (hybrid(params, ro, w), dense(params, ro, w)))
 
 
@@ -186,21 +189,28 @@ def _both_grads_fn(cfg, policy, loop):
 # may share the dense forward/backward of the two, so `programs=1` checks the
 # hybrid's value (replay's bits, != dense) and that its gradient is dense's,
 # not that two separately compiled programs agree bit for bit; `-m slow` adds
-# that for bf16 (looped deferred and dense).
-@pytest.mark.parametrize("pol,kind,programs", [
-    ("fp32", "looped_deferred", 2),
-    ("bf16", "looped_deferred", 1),
-    pytest.param("bf16", "looped_deferred", 2, marks=pytest.mark.slow),
-    pytest.param("bf16", "dense", 2, marks=pytest.mark.slow),
+# that for bf16 (looped deferred and dense). `packed`: the dense forward on the packed rows
+# (`models.packing`, as the learner step runs it), the replay untouched.
+@pytest.mark.parametrize("pol,kind,programs,packed", [
+    ("fp32", "looped_deferred", 2, False),
+    ("bf16", "looped_deferred", 1, False),
+    ("fp32", "looped_deferred", 1, True),
+    pytest.param("bf16", "looped_deferred", 2, False, marks=pytest.mark.slow),
+    pytest.param("bf16", "dense", 2, False, marks=pytest.mark.slow),
+    pytest.param("bf16", "dense", 1, True, marks=pytest.mark.slow),
 ])
-def test_hybrid_value_is_replay_and_gradient_is_dense_exactly(pol, kind, programs):
+def test_hybrid_value_is_replay_and_gradient_is_dense_exactly(pol, kind, programs, packed):
+    from jaxrl_lp.rl.logprobs import packed_rows_of
+
     cfg, params, policy, loop, ro, replay, _ = case(pol, kind)
     w = jax.random.normal(jax.random.PRNGKey(7), ro.logprobs.shape)
+    rows = packed_rows_of(ro) if packed else None
     if programs == 2:
-        g_hybrid, hybrid = _grad_fn(cfg, policy, loop, "hybrid")(params, ro, w)
-        g_dense, dense = _grad_fn(cfg, policy, loop, "dense")(params, ro, w)
+        g_hybrid, hybrid = _grad_fn(cfg, policy, loop, "hybrid", rows)(params, ro, w)
+        g_dense, dense = _grad_fn(cfg, policy, loop, "dense", rows)(params, ro, w)
     else:
-        (g_hybrid, hybrid), (g_dense, dense) = _both_grads_fn(cfg, policy, loop)(params, ro, w)
+        (g_hybrid, hybrid), (g_dense, dense) = _both_grads_fn(cfg, policy, loop, rows)(
+            params, ro, w)
     mask = np.asarray(ro.completion_mask) > 0
     # The value inside a differentiated program is replay's bits, hence the sampler's.
     assert masked_max_abs_diff(hybrid, replay, ro.completion_mask) == 0.0

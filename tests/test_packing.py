@@ -1,12 +1,16 @@
 """The padding-free learner (`models.packing`): packed rows give the unpacked values and gradients.
 
-One batch of ragged rollouts of the tiny dense model (prompts of 1-6 tokens
-left-padded to 8, completions ending at EOS or at 12 tokens); the packed
-dense log-probs against the plain ones, in the plain read-out and through
-the fused log-prob kernel (interpret mode), and one GRPO step each way.
-Tolerances: the two compute the same sums with matmuls of other row
-counts, which XLA:CPU may round differently (`pytest -s` prints the
-differences: about 5e-7 in values and 6e-7 relative in gradients here).
+One batch of ragged rollouts per model kind (prompts of 1-6 tokens
+left-padded to 8, completions ending at EOS or at 12 tokens): the tiny dense
+model, and the tiny looped one (R = 4, exits at every loop step) in both
+compute modes, whose dense forward applies the recorded exit schedule to
+its packed rows. The packed dense log-probs against the plain ones, in the
+plain read-out and through the fused log-prob kernel (interpret mode), one
+GRPO step each way, and the same on a mesh of 8 simulated devices, where
+each data shard packs its own rows. Tolerances: the two compute the same
+sums with matmuls of other row counts, which XLA:CPU may round differently
+(`pytest -s` prints the differences: about 5e-7 in values and 6e-7 relative
+in gradients here, dense and looped alike).
 """
 
 import dataclasses
@@ -17,6 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from helpers import assert_same_sgd_step
 
 from jaxrl_lp.bench.exactness import exactness_model, exactness_rollout
 from jaxrl_lp.models.packing import bucket_rows, gather_rows, make_packing, pack, unpack
@@ -26,14 +31,14 @@ from jaxrl_lp.rl.logprobs import dense_logprobs, packed_rows_of
 
 
 @functools.cache
-def _sampled():
-    cfg, params, loop = exactness_model("dense")
+def _sampled(kind):
+    cfg, params, loop = exactness_model(kind)
     return cfg, params, exactness_rollout(params, cfg, "fp32", loop)
 
 
-def batch(pol):
+def batch(pol, kind="dense"):
     """The f32 rollout, read under `pol` (dense_logprobs does not check the sampler's policy)."""
-    cfg, params, ro = _sampled()
+    cfg, params, ro = _sampled(kind)
     return cfg, params, Policy.parse(pol), ro
 
 
@@ -81,10 +86,22 @@ def test_bucket_rows():
         bucket_rows(9, 8, 4)
 
 
-@pytest.mark.parametrize("pol", ["fp32", "fp32,k=interpret"])
-def test_packed_dense_logprobs_equal_the_unpacked_ones(pol):
-    """Values and gradients of a masked loss of log-probs and entropies; NaN when rows are short."""
-    cfg, params, policy, ro = batch(pol)
+# Each looped cell compiles two looped forwards and backwards (~10 s of CPU cold): the
+# deferred mode (the harder schedule) by default, the dense mode in CI's slow tier.
+@pytest.mark.parametrize("pol,kind", [
+    ("fp32", "dense"), ("fp32,k=interpret", "dense"), ("fp32", "looped_deferred"),
+    pytest.param("fp32", "looped_dense", marks=(pytest.mark.slow, pytest.mark.ci))])
+def test_packed_dense_logprobs_equal_the_unpacked_ones(pol, kind):
+    """Values and gradients of a masked loss of log-probs and entropies; NaN when rows are short.
+
+    Looped models: the packed forward replays the same recorded schedule (in deferred mode
+    an exited token's K/V at deeper steps are its exit step's), so it gives the unpacked
+    values; a packing that lost the schedule would be off by more than 1e-2 here
+    (tests/test_logprobs.py, `test_dense_learner_applies_the_deferred_schedule`)."""
+    cfg, params, policy, ro = batch(pol, kind)
+    if cfg.is_looped:  # the schedule is not trivial: tokens exit at several loop steps
+        exits = np.asarray(ro.exit_steps)[np.asarray(ro.completion_mask) > 0]
+        assert len(set(exits.tolist())) >= 3
     # A hole in one row's mask: the token stays context for the ones after it.
     assert float(ro.completion_mask[1, 4]) == 1.0
     ro = dataclasses.replace(ro, completion_mask=ro.completion_mask.at[1, 3].set(0.0))
@@ -112,15 +129,20 @@ def test_packed_dense_logprobs_equal_the_unpacked_ones(pol):
         np.testing.assert_allclose(c, a, atol=1e-5 * float(jnp.max(jnp.abs(a))) + 1e-12)
     grad_rel = max(float(jnp.max(jnp.abs(c - a)) / (jnp.max(jnp.abs(a)) + 1e-12))
                    for a, c in zip(jax.tree.leaves(g0), jax.tree.leaves(g1), strict=True))
-    print(f"{pol}: packed - plain, max |dlogp| {float(jnp.max(jnp.where(mask, abs(lp1 - lp0), 0))):.2g}"
+    print(f"{pol} {kind}: packed - plain, max |dlogp| "
+          f"{float(jnp.max(jnp.where(mask, abs(lp1 - lp0), 0))):.2g}"
           f", max relative gradient difference {grad_rel:.2g}")
-    if pol == "fp32":  # one more compilation; the check does not depend on the read-out
+    if (pol, kind) == ("fp32", "dense"):  # one more compilation; not the read-out's check
         (_, (short, _)), _ = run(params, (rows[0] - 8, rows[1]))
         assert bool(jnp.all(jnp.isnan(short)))
 
 
-def test_packed_grpo_step_equals_the_unpacked_step():
-    cfg, params, policy, ro = batch("fp32")
+# The looped step compiles two looped GRPO steps (~25 s on shared cores): CI's slow tier. The
+# default suite's looped steps pack (tests/test_replay_reuse.py, tests/test_parallel.py).
+@pytest.mark.parametrize("kind", [
+    "dense", pytest.param("looped_deferred", marks=(pytest.mark.slow, pytest.mark.ci))])
+def test_packed_grpo_step_equals_the_unpacked_step(kind):
+    cfg, params, policy, ro = batch("fp32", kind)
     opt = optax.sgd(0.1)
     adv = jnp.linspace(-1.0, 1.0, ro.logprobs.shape[0])
     out = {}
@@ -128,6 +150,7 @@ def test_packed_grpo_step_equals_the_unpacked_step():
     for buckets, mbs in ((0, 1), (16, 2)):
         step = make_grpo_step(cfg, policy, LossConfig(), opt, method="dense",
                               pack_buckets=buckets, micro_batches=mbs, remat=buckets > 0)
+        assert step.packs == (buckets > 0)
         if buckets:  # the layers run on the packed rows of a micro-batch
             body, _ = packed_rows_of(ro, micro_batches=2)
             assert body < ro.logprobs.shape[0] // 2 * (ro.prompt_tokens.shape[1] + ro.logprobs.shape[1])
@@ -138,18 +161,42 @@ def test_packed_grpo_step_equals_the_unpacked_step():
     assert_same_update(out[0], out[16])
 
 
-def test_packing_refuses_looped_models_and_caches():
+def test_packed_forward_refuses_caches_and_the_sampler_forms():
+    from jaxrl_lp.models.cache import init_cache
+    from jaxrl_lp.models.loop import LoopSpec
     from jaxrl_lp.models.model import forward
 
-    looped_cfg, looped_params, _ = exactness_model("looped_dense")
-    dcfg, dparams, _, ro = batch("fp32")
-    with pytest.raises(ValueError, match="packed dense forward is built for dense models"):
-        dense_logprobs(looped_params, looped_cfg, Policy.parse("fp32"), ro, packed_rows=(8, 8))
     packing, _ = make_packing(jnp.ones((1, 4), bool), 4)
-    from jaxrl_lp.models.cache import init_cache
-    with pytest.raises(ValueError, match="packed forward has no KV cache"):
-        forward(dparams, dcfg, "fp32", jnp.ones((1, 4), jnp.int32),
-                cache=init_cache(dcfg, Policy.parse("fp32"), 1, 4), packing=packing)
+    tokens = jnp.ones((1, 4), jnp.int32)
+    for kind in ("dense", "looped_deferred"):
+        cfg, params, policy, _ = batch("fp32", kind)
+        with pytest.raises(ValueError, match="no KV cache"):
+            forward(params, cfg, policy, tokens, cache=init_cache(cfg, policy, 1, 4),
+                    packing=packing)
+    loop = LoopSpec("full", "deferred")
+    with pytest.raises(ValueError, match="no early stop and the exit read-out"):
+        forward(params, cfg, policy, tokens, loop=loop, early_stop=True, packing=packing)
+    with pytest.raises(ValueError, match="no early stop and the exit read-out"):
+        forward(params, cfg, policy, tokens, loop=loop, readout="expected", packing=packing)
+    with pytest.raises(ValueError, match="groups=3 must be >= 1 and divide the 2 rows"):
+        make_packing(jnp.ones((2, 4), bool), 4, groups=3)
+
+
+def test_groups_pack_each_block_of_rows_apart():
+    """`make_packing(groups=S)`: each block of B / S rows in rows of its own, round trip exact."""
+    real = jnp.array([[0, 1, 1, 0], [1, 1, 0, 0], [0, 0, 0, 1], [1, 0, 1, 1]], bool)
+    packing, fits = make_packing(real, 5, groups=2)
+    assert packing.groups == 2 and packing.rows == 5 and bool(fits)
+    # Group 0 holds rows 0-1 (flat slots 0-7), group 1 rows 2-3, each its real slots first.
+    np.testing.assert_array_equal(packing.index_M, [[1, 2, 4, 5, 0], [3, 4, 6, 7, 0]])
+    x = jnp.arange(16.0).reshape(4, 4)
+    packed = pack(x, packing)
+    assert packed.shape == (2, 5)
+    # Back on the grid: the packed slots (real, and group 0's pad slot 0 of row 0, group 1's
+    # of row 2), zeros elsewhere.
+    kept = jnp.asarray([[1, 1, 1, 0], [1, 1, 0, 0], [1, 0, 0, 1], [1, 0, 1, 1]], bool)
+    np.testing.assert_array_equal(unpack(packed, packing, 4, 4), jnp.where(kept, x, 0.0))
+    assert not bool(make_packing(real, 3, groups=2)[1])  # group 1 has 4 real slots
 
 
 def test_packed_sft_step_equals_the_unpacked_step():
@@ -173,3 +220,56 @@ def test_packed_sft_step_equals_the_unpacked_step():
         out[buckets] = step(jax.tree.map(jnp.copy, params), opt.init(params),
                             jnp.asarray(b.tokens_BxL), jnp.asarray(b.loss_mask_BxL))
     assert_same_update(out[0], out[16])
+
+
+# ---------------------------------------------------------------- on a mesh: each data shard packs
+MESH_PROMPTS = ((1, 5, 7), (2, 9, 4, 11, 3, 8), (6,), (12, 13, 14, 15))  # x G = 2: 8 rows
+
+
+# 30-100 s each on 2 shared cores: CI's slow tier. The default suite's sharded step
+# (tests/test_parallel.py, looped deferred on both meshes) packs by default too, against the
+# packed one-device step.
+@pytest.mark.slow
+@pytest.mark.ci
+@pytest.mark.parametrize("kind,mesh_spec", [("looped_dense", "fsdp=8"),
+                                            ("looped_deferred", "data=2,fsdp=2,tensor=2")])
+def test_packed_step_on_a_mesh_equals_the_unpacked_step_on_one_device(kind, mesh_spec):
+    """The sharded packed step packs each data shard's rows apart (S groups, read on the
+    lowered program) and updates the parameters as the unpacked one-device step does; the
+    behaviour log-probs (`jit_learner_logprobs`, dense) on the mesh are packed too."""
+    if jax.device_count() < 8:
+        pytest.skip("needs 8 (simulated) devices")
+    from jaxrl_lp.parallel import make_mesh, param_shardings
+    from jaxrl_lp.parallel.shard import put_tree, state_shardings
+    from jaxrl_lp.rl.logprobs import jit_learner_logprobs, pack_groups
+
+    cfg, params, loop = exactness_model(kind)
+    policy = Policy.parse("fp32")
+    ro = exactness_rollout(params, cfg, policy, loop, prompts=MESH_PROMPTS, max_new_tokens=8)
+    adv = jax.random.normal(jax.random.PRNGKey(5), ro.logprobs.shape[:1])
+    # SGD with momentum: the update is proportional to the gradient (tests/test_parallel.py).
+    opt = optax.chain(optax.clip_by_global_norm(1.0), optax.sgd(0.5, momentum=0.9))
+    copy = lambda t: jax.tree.map(jnp.copy, t)
+    mb = 2 if mesh_spec.startswith("data") else 1
+    one = make_grpo_step(cfg, policy, LossConfig(), opt, loop=loop, micro_batches=mb,
+                         pack_buckets=0)
+    p1, _, m1 = one(copy(params), opt.init(params), ro, adv, ro.logprobs)
+    mesh = make_mesh(mesh_spec)
+    step = make_grpo_step(cfg, policy, LossConfig(), opt, loop=loop, micro_batches=mb, mesh=mesh)
+    groups = pack_groups(8 // mb, mesh)
+    assert step.packs and groups == (8 if mb == 1 else 4)
+    body, _ = step.rows_of(ro)
+    assert body < 8 // mb // groups * (ro.prompt_tokens.shape[1] + 8)
+    psh = param_shardings(params, cfg, mesh)
+    state = lambda: put_tree(opt.init(params), state_shardings(opt.init(params), params, psh,
+                                                               mesh))
+    text = step.lower(put_tree(copy(params), psh), state(), ro, adv, ro.logprobs).as_text()
+    assert f"tensor<{groups}x{body}x{cfg.hidden_size}xf32>" in text
+    p8, _, m8 = step(put_tree(copy(params), psh), state(), ro, adv, ro.logprobs)
+    assert_same_sgd_step((p8, m8), (p1, m1), params)
+    logp = jit_learner_logprobs(cfg, policy, "dense", loop=loop, mesh=mesh, micro_batches=mb)
+    assert logp.packs
+    plain = jit_learner_logprobs(cfg, policy, "dense", loop=loop, pack_buckets=0)(params, ro)
+    mask = np.asarray(ro.completion_mask) > 0
+    np.testing.assert_allclose(np.asarray(logp(put_tree(copy(params), psh), ro))[mask],
+                               np.asarray(plain)[mask], atol=1e-5)

@@ -80,7 +80,7 @@ def test_tiny_plan_kv_cache_is_split_by_batch_and_kv_heads(tiny_plan):
 
 def test_tiny_plan_roofline_and_summary(tiny_plan):
     tgt = TARGETS["h100"]
-    for name in ("grpo_step", "behaviour_logprobs", "decode_step"):
+    for name in ("grpo_step", "grpo_step_recorded", "behaviour_logprobs", "decode_step"):
         prog = tiny_plan[name]
         walk, xla, roof = prog["loop_aware"], prog["xla_cost_analysis"], prog["roofline"]
         assert walk["unknown_trip_loops"] == 0
@@ -119,6 +119,61 @@ def test_tiny_plan_offpolicy_estimate(tiny_plan):
                               key=lambda x: x["overlapped_s"])
     assert off["speedup"] == pytest.approx(s["iteration_s"] / off["best"]["overlapped_s"])
     assert splits[4]["fits"] == (splits[4]["sampler_replica_bytes"] <= tgt.hbm_bytes)
+
+
+def test_tiny_plan_prices_the_updates_the_program_runs(tiny_plan):
+    """The default config (hybrid, `grpo.replay=auto`, mu = 1, one minibatch, no exporter):
+    its one update takes the rollout's log-probs (`grpo_step_recorded`, no replay in it), the
+    behaviour log-probs run only on the verification steps (1 in `grpo.verify_every` = 10),
+    and the iteration is priced so; the replaying step is reported beside it."""
+    s = tiny_plan["summary"]
+    rec, rep = tiny_plan["grpo_step_recorded"], tiny_plan["grpo_step"]
+    assert s["updates"] == {"recorded": 1} and s["behaviour_passes"] == pytest.approx(0.1)
+    # The recorded step is the replaying one without the replay's decode loop.
+    assert rec["loop_aware"]["flops"] < rep["loop_aware"]["flops"]
+    assert rec["roofline"]["time_s"] < rep["roofline"]["time_s"]
+    assert s["update_s"] == {"recorded": rec["roofline"]["time_s"]}
+    shp = tiny_plan["shapes"]
+    assert s["iteration_s"] == pytest.approx(
+        shp["max_new"] * tiny_plan["decode_step"]["roofline"]["time_s"]
+        + 0.1 * tiny_plan["behaviour_logprobs"]["roofline"]["time_s"]
+        + rec["roofline"]["time_s"], rel=1e-9)
+    assert s["learner_tokens_per_s"] == pytest.approx(
+        shp["rows"] * (shp["prompt_len"] + shp["max_new"]) / rec["roofline"]["time_s"])
+    # The peak of the programs it runs: the replaying step does not run here.
+    per = tiny_plan["per_device_bytes"]
+    assert s["learner_peak_bytes"] == max(
+        rec["memory"]["peak"],
+        per["optimizer_state"] + tiny_plan["behaviour_logprobs"]["memory"]["peak"])
+
+
+@pytest.mark.parametrize("sets,counts", [
+    ([], {"recorded": 1, "replaying": 0, "dense": 0, "behaviour": 0.1}),
+    (["grpo.mu=2", "grpo.minibatches=4"],
+     {"recorded": 1, "replaying": 7, "dense": 0, "behaviour": 0.1}),
+    (["grpo.minibatches=2", "grpo.replay=always"],
+     {"recorded": 0, "replaying": 2, "dense": 0, "behaviour": 1.0}),
+    (["grpo.minibatches=2", "grpo.logprobs=dense"],
+     {"recorded": 0, "replaying": 0, "dense": 2, "behaviour": 1.0}),
+    (["grpo.minibatches=2", "grpo.verify_every=0"],
+     {"recorded": 1, "replaying": 1, "dense": 0, "behaviour": 0.0}),
+    (["grpo.learner_policy=bf16"], {"recorded": 0, "replaying": 1, "dense": 0, "behaviour": 1.0}),
+    # The served copy's loss: the copy does not move within a step, no update replays; the
+    # sync diagnostics take the master's log-probs every step.
+    (["grpo.minibatches=2", "sync.exporter=bf16:error_feedback", "sync.loss_on_served=true"],
+     {"recorded": 2, "replaying": 0, "dense": 0, "behaviour": 1.1}),
+    # An exporter without it: the master the loss reads is not what the sampler ran.
+    (["sync.exporter=bf16:error_feedback"],
+     {"recorded": 0, "replaying": 1, "dense": 0, "behaviour": 1.0}),
+])
+def test_iteration_updates_follow_the_replay_rule(sets, counts):
+    """`plan.iteration_updates` decides as `train.grpo_iteration` does (tests/test_replay_reuse.py
+    checks it against the runs' `replayed_updates`)."""
+    from jaxrl_lp.plan import iteration_updates
+    from jaxrl_lp.train import default_config
+
+    assert iteration_updates(apply_overrides(default_config(), sets)) == pytest.approx(counts)
+
 
 
 def test_hlo_cost_counts_loop_bodies_by_trip_count():

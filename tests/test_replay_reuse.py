@@ -269,14 +269,20 @@ def test_minibatches_4_replay_exactly_the_three_later_ones(tmp_path):
     minibatch's rows rounds otherwise than the sampler's whole batch (about 1 ulp on a third
     of the tokens), so `always` was never exact on its first minibatch and the two runs
     agree to rounding, not bit for bit; `auto`'s first update takes the sampler's bits."""
+    from jaxrl_lp.plan import iteration_updates
     from jaxrl_lp.train.checkpoint import Checkpointer
 
-    runs = {}
+    runs, planned = {}, {}
     for mode in ("auto", "always"):
         out = tmp_path / mode
-        run_train(_cfg(out, *LEARNS, "grpo.minibatches=4", f"grpo.replay={mode}"))
+        cfg = _cfg(out, *LEARNS, "grpo.minibatches=4", f"grpo.replay={mode}")
+        run_train(cfg)
         runs[mode] = [r for r in _records(out) if r["phase"] == "grpo"]
+        planned[mode] = iteration_updates(cfg)
     auto, always = runs["auto"], runs["always"]
+    # `jaxrl-lp plan` prices the updates by the same rule: one recorded, three replaying.
+    assert planned["auto"] == {"recorded": 1, "replaying": 3, "dense": 0, "behaviour": 0.5}
+    assert planned["always"] == {"recorded": 0, "replaying": 4, "dense": 0, "behaviour": 1.0}
     # From the second step Adam's moments move every update; at the first, the updates
     # before the first minibatch with a signal leave the weights as they were.
     assert [r["replayed_updates"] for r in auto[1:]] == [3.0, 3.0]
@@ -341,8 +347,17 @@ def test_replay_always_at_one_minibatch_is_the_auto_run_bit_for_bit(finished_run
 
 def test_a_finished_run_took_the_recorded_logprobs(finished_runs):
     """The shared runs (minibatches 1, verify_every 10): only the first GRPO step replays the
-    behaviour log-probs, and no update replays, with or without the served copy's loss."""
+    behaviour log-probs, and no update replays, with or without the served copy's loss; the
+    plan's rule (`plan.iteration_updates`) says so of their configs."""
+    from jaxrl_lp.plan import iteration_updates
+    from jaxrl_lp.train.run_io import run_config
+
     for name in ("plain", "fair"):
+        counts = iteration_updates(run_config(finished_runs[name][0]))
+        assert (counts["recorded"], counts["replaying"]) == (1, 0), name
+        # Verified every 10 steps; under the served copy's loss the sync diagnostics take the
+        # master's log-probs every step.
+        assert counts["behaviour"] == (1.1 if name == "fair" else 0.1), name
         grpo = [r for r in _records(finished_runs[name][0]) if r["phase"] == "grpo"]
         assert len(grpo) == 6
         assert [r["behaviour_recomputed"] for r in grpo] == [1.0] + [0.0] * 5, name

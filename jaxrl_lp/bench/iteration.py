@@ -48,6 +48,23 @@ the same distribution, other tokens per key, `rollout.sampling.draw_categorical`
 
 A looped preset (`--looped-size`, the `small-qwen3` shapes as an Ouro-style
 model, R = 4) runs ours only: Tunix has no looped model.
+
+The roofline (`bench.roofline`, module docstring there): in the same process
+and run, before and after the race, this machine's weight-stream bandwidth
+(a batch-B matrix-vector pass over the dense preset's decode weights) and
+f32 matmul rate (the update's matmuls at its B x (prompt + new) rows) are
+measured (`machine`; the better of the two measurements is used). Every
+entry then gets `bounds`: the least seconds of its sample phase (every
+sampled token one pass over the weights a decode step reads), of its
+updates (each compiled update program's loop-aware FLOPs, `plan.hlo_cost`,
+over the matmul rate; a replaying update at least its decode loop's weight
+stream) and of a dense learner's behaviour forward, and `fraction_of_bound`
+(bound / measured seconds: 1 is at the bound). Tunix's entries are put
+against the same bounds: the work of our compiled update (which skips the
+padding; Tunix computes every slot). `max_ratio_vs_tunix_at_bound` is the
+iteration ratio ours would have against that Tunix run if ours ran at its
+bounds: Tunix's measured iteration over our bound iteration. `--no-roofline`
+skips it.
 """
 
 from __future__ import annotations
@@ -65,11 +82,13 @@ import optax
 
 from jaxrl_lp.bench import tunix_ref
 from jaxrl_lp.bench.learner import LOSS, PAD_ID, SIZES
-from jaxrl_lp.bench.sampler import LOOPED_SIZES, _first_call, _race
+from jaxrl_lp.bench.roofline import measure_matmul_rate, measure_weight_stream, phase_bounds
+from jaxrl_lp.bench.sampler import LOOPED_SIZES, _first_call, _race, weight_bytes
 from jaxrl_lp.models.config import ModelConfig, get_preset
 from jaxrl_lp.models.hf_io import save_hf_checkpoint
 from jaxrl_lp.models.model import init_params
 from jaxrl_lp.numerics.policy import Policy
+from jaxrl_lp.plan.hlo_cost import hlo_cost
 from jaxrl_lp.rl.advantages import group_advantages
 from jaxrl_lp.rl.logprobs import jit_learner_logprobs
 from jaxrl_lp.rl.train_step import make_grpo_step
@@ -83,6 +102,12 @@ __all__ = ["add_arguments", "run"]
 NO_EOS = -1  # an EOS id no sampled token equals: every sequence runs to --new-tokens
 VERIFY_EVERY = 10  # grpo.verify_every's default
 TARGET_VS_TUNIX = 1.5
+
+
+def _xla_flops(compiled) -> float:
+    ca = compiled.cost_analysis()
+    ca = ca[0] if isinstance(ca, (list, tuple)) else ca
+    return float(ca.get("flops", 0.0))
 
 
 def _reward(completion_BxN: np.ndarray) -> np.ndarray:
@@ -118,6 +143,7 @@ class _Iteration:
         self.opt = optimizer.init(params)
         self.count = 0
         self.last_rollout = None
+        self.last_updates = []  # (rows, reuse) of each update of the last iteration
 
     def __call__(self) -> dict:
         timer, i = PhaseTimer(), self.count
@@ -137,18 +163,45 @@ class _Iteration:
             old_logp = ro.logprobs if recorded else jax.block_until_ready(
                 self.behaviour(self.params, ro))
         size, replayed = len(rewards) // self.minibatches, 0
+        self.last_updates = []
         with timer("update"):
             for k in range(self.minibatches):
                 idx = np.arange(k * size, (k + 1) * size)
                 reuse = recorded if k == 0 else self.rule.recorded(ro, self.params)
                 replayed += int(self.method == "hybrid" and not reuse)
+                self.last_updates.append((idx, reuse))
                 self.params, self.opt, m = self.step(
                     self.params, self.opt, take_rows(ro, idx), jnp.asarray(adv[idx]),
                     old_logp[idx], None, None, ro.logprobs[idx] if reuse else None)
             jax.block_until_ready(m["loss"])
         self.last_rollout = ro
+        self.last_adv, self.last_old_logp = adv, old_logp
         return {**timer.metrics(), "replayed_updates": replayed,
                 "behaviour_recomputed": int(not recorded)}
+
+    def compiled_flops(self) -> dict:
+        """The loop-aware FLOPs (`plan.hlo_cost`) of the programs the last iteration ran.
+
+        `updates`: per update, its program's FLOPs and whether it replayed;
+        `behaviour`: the behaviour program's where it ran (0 otherwise); `xla_updates`:
+        XLA's own count of the same programs (a scanned layer counted once). The
+        programs are jit's, compiled already.
+        """
+        ro, flops, xla, memo = self.last_rollout, [], [], {}
+        for idx, reuse in self.last_updates:
+            args = (self.params, self.opt, take_rows(ro, idx), jnp.asarray(self.last_adv[idx]),
+                    self.last_old_logp[idx], None, None, ro.logprobs[idx] if reuse else None)
+            if reuse not in memo:
+                compiled = self.step.lower(*args).compile()
+                memo[reuse] = (hlo_cost(compiled.as_text()).flops, _xla_flops(compiled))
+            flops.append(memo[reuse][0])
+            xla.append(memo[reuse][1])
+        behaviour = 0.0
+        if self.method == "dense":  # its behaviour forward runs every iteration
+            behaviour = hlo_cost(self.behaviour.lower(self.params, ro).compile().as_text()).flops
+        return {"updates": flops, "replays": [self.method == "hybrid" and not r
+                                              for _, r in self.last_updates],
+                "behaviour": behaviour, "xla_updates": xla}
 
     def verify_seconds(self) -> float:
         """Seconds of the whole-batch replay a `grpo.verify_every` step adds (compiled first)."""
@@ -248,6 +301,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--min-time", type=float, default=0.0,
                         help="keep alternating until each took about this many seconds")
     parser.add_argument("--no-tunix", action="store_true", help="skip the Tunix reference")
+    parser.add_argument("--no-roofline", action="store_true",
+                        help="skip the machine's bandwidth and matmul rate and the bounds")
     parser.add_argument("--seed", type=int, default=0)
 
 
@@ -304,7 +359,56 @@ def _race_iterations(calls: dict, repeats: int, min_time: float):
     return firsts, times, phases
 
 
-def _preset_race(cfg, policy, args, mbs, methods, draws, optimizer, tunix_ckpt=None) -> dict:
+def _machine(cfg: ModelConfig, args) -> dict:
+    """This machine's weight-stream bandwidth and f32 matmul rate (`bench.roofline`)."""
+    return {"weight_stream": measure_weight_stream(cfg, args.batch),
+            "matmul": measure_matmul_rate(cfg, args.batch * (args.prompt_len + args.new_tokens))}
+
+
+def _best_machine(before: dict, after: dict) -> dict:
+    """Both measurements, and the rates the bounds use: the better of the two."""
+    return {"before_race": before, "after_race": after,
+            "weight_stream_gb_per_s": max(m["weight_stream"]["gb_per_s"] for m in (before, after)),
+            "matmul_gflop_per_s": max(m["matmul"]["gflop_per_s"] for m in (before, after))}
+
+
+def _with_bounds(res: dict, ours: dict, cfg, args, mbs, machine: dict) -> None:
+    """Adds `bounds`, `fraction_of_bound` and `max_ratio_vs_tunix_at_bound` (module docstring)."""
+    nbytes = weight_bytes(cfg, next(iter(ours.values())).params)
+    rates = dict(bandwidth=machine["weight_stream_gb_per_s"] * 1e9,
+                 matmul_rate=machine["matmul_gflop_per_s"] * 1e9)
+    common = dict(tokens=args.new_tokens, weight_bytes=nbytes, decode_steps=args.new_tokens,
+                  **rates)
+    first_update = {}  # minibatches -> the first update's FLOPs (the unreplayed step)
+    for name, it in ours.items():
+        flops = it.compiled_flops()
+        res[name]["compiled_flops"] = {"updates": flops["updates"], "behaviour": flops["behaviour"],
+                                       "xla_cost_analysis_updates": flops["xla_updates"]}
+        res[name]["bounds"] = phase_bounds(update_flops=flops["updates"],
+                                           replays=flops["replays"],
+                                           behaviour_flops=flops["behaviour"], **common)
+        first_update.setdefault(it.minibatches, flops["updates"][0])
+    for k in mbs:
+        if f"tunix_mb{k}" in res:  # the same work: k updates without replay
+            res[f"tunix_mb{k}"]["bounds"] = phase_bounds(
+                update_flops=[first_update[k]] * k, replays=[False] * k, **common)
+    for r in res.values():
+        if not isinstance(r, dict) or "bounds" not in r:
+            continue
+        b = r["bounds"]
+        r["fraction_of_bound"] = {
+            phase: float(f"{b[f'{phase}_s'] / r[phase]:.3g}")
+            for phase in ("sample", "behaviour", "update") if r.get(phase) and b[f"{phase}_s"]}
+        r["fraction_of_bound"]["iteration"] = float(f"{b['iteration_s'] / r['iteration_s']:.3g}")
+    for name, it in ours.items():
+        theirs = res.get(f"tunix_mb{it.minibatches}")
+        if theirs is not None:
+            res[name]["max_ratio_vs_tunix_at_bound"] = round(
+                theirs["iteration_s"] / res[name]["bounds"]["iteration_s"], 3)
+
+
+def _preset_race(cfg, policy, args, mbs, methods, draws, optimizer, tunix_ckpt=None,
+                 machine=None) -> tuple[dict, dict]:
     params = init_params(cfg, jax.random.PRNGKey(args.seed))
     prompts = _prompts(cfg, args.batch // args.group, args.prompt_len, args.seed)
     common = dict(group=args.group, new_tokens=args.new_tokens, seed=args.seed)
@@ -337,7 +441,7 @@ def _preset_race(cfg, policy, args, mbs, methods, draws, optimizer, tunix_ckpt=N
             mine["vs_tunix"] = round(mine["tokens_per_s"] / theirs, 3)
             if "with_verify_tokens_per_s" in mine:
                 mine["with_verify_vs_tunix"] = round(mine["with_verify_tokens_per_s"] / theirs, 3)
-    return {"params": cfg.param_count(), "tokens_per_iteration": tokens, **res}
+    return {"params": cfg.param_count(), "tokens_per_iteration": tokens, **res}, ours
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -362,15 +466,23 @@ def run(args: argparse.Namespace) -> dict:
         info["tunix"]["version"] = tunix_ref.tunix_version()
     else:
         info["tunix"]["reason"] = why_not
+    dense_cfg = get_preset(SIZES[args.size])
+    before = None if args.no_roofline else _machine(dense_cfg, args)
+    races = {}
     with tempfile.TemporaryDirectory() as tmp:
-        dense_cfg = get_preset(SIZES[args.size])
-        info[SIZES[args.size]] = _preset_race(dense_cfg, policy, args, mbs, methods, draws,
-                                              optimizer,
-                                              tunix_ckpt=tmp if why_not is None else None)
+        races[SIZES[args.size]] = dense_cfg, _preset_race(
+            dense_cfg, policy, args, mbs, methods, draws, optimizer,
+            tunix_ckpt=tmp if why_not is None else None)
     if args.looped_size:
         cfg = LOOPED_SIZES[args.looped_size]
-        info[f"{SIZES[args.looped_size]}-looped-r{cfg.loop_steps}"] = _preset_race(
+        races[f"{SIZES[args.looped_size]}-looped-r{cfg.loop_steps}"] = cfg, _preset_race(
             cfg, policy, args, mbs, methods, draws, optimizer)
+    if not args.no_roofline:
+        info["machine"] = _best_machine(before, _machine(dense_cfg, args))
+    for name, (cfg, (res, ours)) in races.items():
+        if not args.no_roofline:
+            _with_bounds(res, ours, cfg, args, mbs, info["machine"])
+        info[name] = res
     checks = {}
     dense = info[SIZES[args.size]]
     for k in mbs:

@@ -1,7 +1,10 @@
 """The learner benchmark: our GRPO step (dense and hybrid log-probs) against Tunix's GRPO update.
 
 A random dense preset (`small`: `small-qwen3`, 8 layers, hidden 512, vocab
-32000) is saved as a Hugging Face checkpoint (`save_hf_checkpoint`, f32). One
+32000) is saved as a Hugging Face checkpoint (`save_hf_checkpoint`, f32).
+`--looped` takes the preset's shapes as an Ouro-style looped model instead
+(`bench.sampler.LOOPED_SIZES`, R = 4 loop steps, read out at the last:
+`full/dense`), ours only (Tunix has no looped model). One
 fixed GRPO batch: B sequences of `--seq-len` tokens (`--prompt-len` prompt +
 the rest completion; random tokens, completions of random lengths from half to
 all of the completion, right-padded), groups of `--group` with advantages from
@@ -55,7 +58,7 @@ import numpy as np
 import optax
 
 from jaxrl_lp.bench import tunix_ref
-from jaxrl_lp.bench.sampler import _race  # the one alternating race of the benchmarks
+from jaxrl_lp.bench.sampler import LOOPED_SIZES, _race  # the one alternating race
 from jaxrl_lp.models.config import ModelConfig, get_preset
 from jaxrl_lp.models.hf_io import save_hf_checkpoint
 from jaxrl_lp.models.model import init_params
@@ -67,6 +70,7 @@ from jaxrl_lp.rl.logprobs import jit_learner_logprobs, packed_rows_of
 from jaxrl_lp.rl.loss import LossConfig
 from jaxrl_lp.rl.train_step import make_grpo_step
 from jaxrl_lp.rollout.generate import Rollout
+from jaxrl_lp.rollout.step import LoopSpec
 
 __all__ = ["SIZES", "add_arguments", "grpo_batch", "model_flops_per_token", "peak_flops", "run"]
 
@@ -79,7 +83,11 @@ TARGET_VS_TUNIX, TARGET_HYBRID_OVER_DENSE, TARGET_RECORDED_OVER_DENSE = 1.2, 1.5
 
 def grpo_batch(cfg: ModelConfig, policy: Policy, params: dict, *, batch: int, prompt_len: int,
                seq_len: int, group: int, seed: int) -> tuple[Rollout, jax.Array]:
-    """A fixed GRPO minibatch: a dense rollout of random tokens and its advantages [B]."""
+    """A fixed GRPO minibatch: a rollout of random tokens and its advantages [B].
+
+    A looped model's rollout is read at the model's own exit rule in dense
+    mode, every token at the last loop step (its `full` rule).
+    """
     rng = np.random.RandomState(seed)
     n = seq_len - prompt_len
     lengths = rng.randint(max(1, n // 2), n + 1, batch)
@@ -92,8 +100,10 @@ def grpo_batch(cfg: ModelConfig, policy: Policy, params: dict, *, batch: int, pr
                  prompt_lengths=jnp.full((batch,), prompt_len, jnp.int32),
                  completion_tokens=jnp.asarray(completion, jnp.int32),
                  completion_mask=jnp.asarray(mask, jnp.float32), logprobs=zeros,
-                 exit_steps=jnp.zeros((batch, n), jnp.int32), loop_evals=jnp.int32(0),
-                 weights_version=jnp.int32(0), policy=str(policy))
+                 exit_steps=jnp.full((batch, n), cfg.loop_steps - 1 if cfg.is_looped else 0,
+                                     jnp.int32),
+                 loop_evals=jnp.int32(0), weights_version=jnp.int32(0), policy=str(policy),
+                 loop=LoopSpec().resolve(cfg))
     # The sampler's log-probs stand in as the learner's own at these weights (what an
     # on-policy rollout records up to kernel rounding).
     logp = jit_learner_logprobs(cfg, policy, "dense")(params, ro) * ro.completion_mask
@@ -102,11 +112,15 @@ def grpo_batch(cfg: ModelConfig, policy: Policy, params: dict, *, batch: int, pr
 
 
 def model_flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
-    """Training (forward + backward) model FLOPs per token; see the module docstring."""
+    """Training (forward + backward) model FLOPs per token; see the module docstring.
+
+    A looped model applies its layers once per loop step.
+    """
     d, f, hd = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
+    layers = cfg.num_layers * (cfg.loop_steps if cfg.is_looped else 1)
     per_layer = d * hd * (2 * cfg.num_heads + 2 * cfg.num_kv_heads) + 3 * d * f
-    matmul_params = cfg.num_layers * per_layer + d * cfg.vocab_size
-    return 6.0 * matmul_params + 12.0 * cfg.num_layers * cfg.num_heads * hd * seq_len
+    matmul_params = layers * per_layer + d * cfg.vocab_size
+    return 6.0 * matmul_params + 12.0 * layers * cfg.num_heads * hd * seq_len
 
 
 def peak_flops(override_tflops: float | None = None) -> tuple[float | None, str]:
@@ -174,6 +188,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--size", default="small", choices=sorted(SIZES),
                         help="dense preset: small (small-qwen3: 8 layers, hidden 512, vocab "
                              "32000) or tiny (tiny-qwen3)")
+    parser.add_argument("--looped", action="store_true",
+                        help="the preset's shapes as a looped model (R = 4), ours only")
     parser.add_argument("--batch", type=int, default=8, help="sequences B")
     parser.add_argument("--seq-len", type=int, default=128, help="tokens T (prompt + completion)")
     parser.add_argument("--prompt-len", type=int, default=16)
@@ -184,7 +200,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="our steps to time: dense, hybrid (the replay runs: a later "
                              "minibatch, grpo.replay=always), hybrid-recorded (the value is the "
                              "rollout's: the first update at mu = 1), and dense or hybrid with "
-                             "'-unpacked' (every slot computed, as with --pack-buckets 0)")
+                             "'-unpacked' (every slot computed, as with --pack-buckets 0; "
+                             "hybrid-recorded-unpacked too)")
     parser.add_argument("--repeats", type=int, default=5,
                         help="timed runs of each after warm-up (at least; see --min-time)")
     parser.add_argument("--min-time", type=float, default=3.0,
@@ -209,10 +226,12 @@ def run(args: argparse.Namespace) -> dict:
     if args.pack_buckets < 0:
         raise ValueError(f"--pack-buckets must be >= 0 (0: no packing); got {args.pack_buckets}")
     methods = [m for m in args.methods.split(",") if m]
-    allowed = ("dense", "hybrid", "hybrid-recorded", "dense-unpacked", "hybrid-unpacked")
+    allowed = ("dense", "hybrid", "hybrid-recorded", "dense-unpacked", "hybrid-unpacked",
+               "hybrid-recorded-unpacked")
     if bad := [m for m in methods if m not in allowed]:
         raise ValueError(f"--methods: unknown {bad}; allowed: {', '.join(allowed)}")
-    cfg, policy = get_preset(SIZES[args.size]), Policy.parse(args.policy)
+    cfg = LOOPED_SIZES[args.size] if args.looped else get_preset(SIZES[args.size])
+    policy = Policy.parse(args.policy)
     params = init_params(cfg, jax.random.PRNGKey(args.seed))
     ro, adv = grpo_batch(cfg, policy, params, batch=args.batch, prompt_len=args.prompt_len,
                          seq_len=args.seq_len, group=args.group, seed=args.seed)
@@ -220,16 +239,18 @@ def run(args: argparse.Namespace) -> dict:
     ours = {m: _ours(cfg, policy, params, ro, adv, optimizer,
                      m.removesuffix("-unpacked").removesuffix("-recorded"),
                      0 if m.endswith("-unpacked") else args.pack_buckets,
-                     recorded=m.endswith("-recorded"))
+                     recorded="-recorded" in m)
             for m in methods}
     calls = {m: call for m, (call, _) in ours.items()}
-    why_not = "--no-tunix" if args.no_tunix else tunix_ref.unavailable()
+    why_not = ("--no-tunix" if args.no_tunix else
+               "--looped: Tunix has no looped model" if args.looped else tunix_ref.unavailable())
     info = {
         "target": "learner",
         "platform": f"{platform.machine()} {jax.default_backend()}, {os.cpu_count()} cores, "
                     f"{jax.devices()[0].device_kind}",
         "jax": jax.__version__, "loadavg_start": round(os.getloadavg()[0], 2),
-        "preset": SIZES[args.size], "params": cfg.param_count(), "policy": str(policy),
+        "preset": SIZES[args.size] + (f"-looped-r{cfg.loop_steps}" if args.looped else ""),
+        "params": cfg.param_count(), "policy": str(policy),
         "batch": args.batch, "seq_len": args.seq_len, "prompt_len": args.prompt_len,
         "completion_tokens": int(ro.completion_mask.sum()), "group": args.group,
         "pack_buckets": args.pack_buckets,
@@ -286,7 +307,7 @@ def run(args: argparse.Namespace) -> dict:
             res["hybrid-recorded"]["step_s"] / res["dense"]["step_s"], 3)
         checks[f"hybrid_recorded_over_dense_time<={TARGET_RECORDED_OVER_DENSE}"] = (
             ratios["hybrid_recorded_over_dense_time"] <= TARGET_RECORDED_OVER_DENSE)
-    for m in ("dense", "hybrid"):  # what skipping the padding saves, raced in this run
+    for m in ("dense", "hybrid", "hybrid-recorded"):  # what skipping the padding saves
         if m in res and f"{m}-unpacked" in res:
             ratios[f"{m}_packing_speedup"] = round(res[f"{m}-unpacked"]["step_s"]
                                                    / res[m]["step_s"], 3)

@@ -14,6 +14,7 @@ from jaxrl_lp.kernels import decode_attention as decode_kernel
 from jaxrl_lp.models.attention import attention
 from jaxrl_lp.models.config import ModelConfig
 from jaxrl_lp.models.layers import dot, rms_norm, rope, swiglu
+from jaxrl_lp.models.packing import Packing, pack, unpack
 from jaxrl_lp.numerics.policy import Policy
 from jaxrl_lp.parallel.context import constrain
 
@@ -22,8 +23,8 @@ from jaxrl_lp.parallel.context import constrain
 RESIDUAL = ("batch", "sequence", "hidden")
 
 __all__ = [
-    "attend", "embed", "kv_heads_first", "lm_head", "lm_logits", "mlp", "over_layers", "project_qkv",
-    "residual_add", "unstack_layers",
+    "attend", "attend_packed", "embed", "kv_heads_first", "lm_head", "lm_logits", "mlp",
+    "over_layers", "project_qkv", "residual_add", "unstack_layers",
 ]
 
 
@@ -141,6 +142,24 @@ def attend(lp: dict, q, k, v, positions_BxT, policy: Policy, cache_kv=None, laye
         buf_k = (*ck[:layer], buf_k, *ck[layer + 1:])
         buf_v = (*cv[:layer], buf_v, *cv[layer + 1:])
     return constrain(policy.round(dot(o, lp["o_proj"], policy)), RESIDUAL), (buf_k, buf_v)
+
+
+def attend_packed(lp: dict, q, k, v, positions_BxT, policy: Policy, packing: Packing):
+    """`attend` without a cache on packed rows (`models.packing`): output [S, M, D].
+
+    q [S, M, H, Dh], k and v [S, M, K, Dh] are put back on the `[B, T]` grid
+    (zeros at the slots not packed, which no packed query may see: the
+    caller's promise that they are padding, masked by position -1 or after
+    the row's last packed token), attention runs there, and its output is
+    packed again for `o_proj`.
+    """
+    b, t = positions_BxT.shape
+    q, k, v = (constrain(unpack(a, packing, b, t, (heads, "head_dim")),
+                         ("batch", "sequence", heads, "head_dim"))
+               for a, heads in ((q, "heads"), (k, "kv_heads"), (v, "kv_heads")))
+    o = attention(q, kv_heads_first(k), kv_heads_first(v), positions_BxT, positions_BxT, policy)
+    return constrain(policy.round(dot(pack(o, packing, ("heads",)), lp["o_proj"], policy)),
+                     RESIDUAL)
 
 
 def _write(buf, chunk_BxKxTxDh, at, cache_index):

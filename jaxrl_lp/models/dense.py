@@ -5,11 +5,10 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jaxrl_lp.models.attention import attention
 from jaxrl_lp.models.blocks import (
     attend,
+    attend_packed,
     embed,
-    kv_heads_first,
     lm_logits,
     mlp,
     over_layers,
@@ -18,8 +17,8 @@ from jaxrl_lp.models.blocks import (
 )
 from jaxrl_lp.models.cache import write_positions
 from jaxrl_lp.models.config import ModelConfig
-from jaxrl_lp.models.layers import dot, rms_norm
-from jaxrl_lp.models.packing import Packing, pack, unpack
+from jaxrl_lp.models.layers import rms_norm
+from jaxrl_lp.models.packing import Packing, pack
 from jaxrl_lp.numerics.policy import Policy
 
 __all__ = ["dense_forward", "default_positions"]
@@ -70,7 +69,7 @@ def dense_forward(
         attention on the [B, T] grid with zeros at the other slots, which no
         packed query may see (the caller's promise: they are padding, masked
         by position -1 or after the row's last packed token). The outputs are
-        then packed rows, [M, V] or [M, D].
+        then packed rows, [S, M, V] or [S, M, D] (S groups, `Packing.groups`).
 
     Returns:
       (logits [B, T, V] f32 or the hidden state, the updated cache or None).
@@ -114,19 +113,15 @@ def dense_forward(
 
 def _packed_forward(params, cfg: ModelConfig, policy: Policy, tokens_BxT, positions_BxT,
                     packing: Packing, *, remat: bool, hidden: bool) -> jax.Array:
-    """`dense_forward` on the packed rows only (its `packing` argument): [M, V] or [M, D]."""
-    b, t = tokens_BxT.shape
-    pos_1xM = pack(positions_BxT, packing)[None]
-    h = embed(params, pack(tokens_BxT, packing)[None], policy)  # [1, M, D]
+    """`dense_forward` on the packed rows only (its `packing` argument): [S, M, V] or [S, M, D]."""
+    pos_SxM = pack(positions_BxT, packing)
+    h = embed(params, pack(tokens_BxT, packing), policy)  # [S, M, D]
 
     def layer(h, xs):
         lp, _ = xs
         x = rms_norm(h, lp["attn_norm"], cfg.rms_eps, policy)
-        q, k, v = (unpack(a[0], packing, b, t)
-                   for a in project_qkv(lp, x, pos_1xM, cfg, policy))
-        o = attention(q, kv_heads_first(k), kv_heads_first(v), positions_BxT,
-                      positions_BxT, policy)
-        a = policy.round(dot(pack(o, packing)[None], lp["o_proj"], policy))
+        q, k, v = project_qkv(lp, x, pos_SxM, cfg, policy)
+        a = attend_packed(lp, q, k, v, positions_BxT, policy, packing)
         h = residual_add(h, a, policy)
         h = residual_add(h, mlp(lp, rms_norm(h, lp["mlp_norm"], cfg.rms_eps, policy), policy),
                          policy)
@@ -135,5 +130,5 @@ def _packed_forward(params, cfg: ModelConfig, policy: Policy, tokens_BxT, positi
     if remat:
         layer = jax.checkpoint(layer)
     h, _ = over_layers(layer, h, params["layers"])
-    h = rms_norm(h, params["final_norm"], cfg.rms_eps, policy)[0]
+    h = rms_norm(h, params["final_norm"], cfg.rms_eps, policy)
     return h if hidden else lm_logits(params, h, cfg, policy)

@@ -21,6 +21,12 @@ Compute modes:
     exited and the remaining cache slots are filled from the exit-step K/V.
 
 Loop steps are 0-based here: an exit step e means e + 1 loop steps were run.
+
+Packed (`packing`, the learner's forward without a cache): every per-token
+array (hidden states, the last K/V, exit decisions, the schedule) holds the
+packed rows `[S, M, ...]` of `models.packing` instead of the `[B, T]` grid,
+in both compute modes; only attention runs on the grid (`attend_packed`).
+Each token's loop steps are the same operations as unpacked, on other rows.
 """
 
 from __future__ import annotations
@@ -32,6 +38,7 @@ import jax.numpy as jnp
 
 from jaxrl_lp.models.blocks import (
     attend,
+    attend_packed,
     embed,
     lm_logits,
     mlp,
@@ -44,13 +51,14 @@ from jaxrl_lp.models.config import ModelConfig
 from jaxrl_lp.models.dense import default_positions
 from jaxrl_lp.models.layers import dot, rms_norm
 from jaxrl_lp.models.loop import ExitSchedule, LoopSpec
+from jaxrl_lp.models.packing import Packing, pack
 from jaxrl_lp.numerics.policy import Policy
 
 __all__ = ["LoopedOutput", "looped_forward"]
 
 
 class LoopedOutput(NamedTuple):
-    """What a looped forward returns.
+    """What a looped forward returns (packed: `[S, M, ...]` for `[B, T, ...]`).
 
     logits: [B, T, V] f32, per the read-out.
     cache: the updated cache, or None.
@@ -109,6 +117,7 @@ def looped_forward(
     early_stop: bool = False,
     remat: bool = False,
     hidden: bool = False,
+    packing: Packing | None = None,
 ) -> LoopedOutput:
     """Logits of a looped decoder, reading and writing an optional [R, L, ...] KV cache.
 
@@ -132,6 +141,9 @@ def looped_forward(
       remat: recompute each layer's activations in the backward pass.
       hidden: with the `exit` read-out, `logits` holds the normed hidden state
         read out [B, T, D] (compute precision) instead, for the fused log-prob.
+      packing: compute only these slots (`models.packing`; no cache, the
+        `exit` read-out, no early stop): module docstring. The schedule is
+        given on the grid and packed here; the outputs are packed rows.
 
     Returns:
       A `LoopedOutput`.
@@ -146,15 +158,22 @@ def looped_forward(
                          "read-out is a mixture of logits and has none")
     if early_stop and (loop.compute_mode != "deferred" or readout != "exit"):
         raise ValueError("early_stop needs compute_mode='deferred' and readout='exit'")
+    if packing is not None and (cache is not None or early_stop or readout != "exit"):
+        raise ValueError("a packed looped forward (packing=) has no KV cache, no early stop "
+                         "and the exit read-out")
     deferred = loop.compute_mode == "deferred"
     R, L = cfg.loop_steps, cfg.num_layers
-    b, t = tokens_BxT.shape
     cache_index = jnp.asarray(cache_index, jnp.int32)
     if positions_BxT is None:
         positions_BxT = default_positions(tokens_BxT, cache_index)
     if cache is not None:
         cache = write_positions(cache, positions_BxT, cache_index)
-    h0 = embed(params, tokens_BxT, policy)
+    # Per-token arrays: the [B, T] grid, or the packed rows [S, M].
+    tok = (lambda x: x) if packing is None else (lambda x: pack(x, packing))
+    schedule = ExitSchedule(*(None if x is None else tok(x) for x in schedule))
+    positions = tok(positions_BxT)
+    b, t = positions.shape
+    h0 = embed(params, tok(tokens_BxT), policy)
     kv_shape = (L, b, t, cfg.num_kv_heads, cfg.head_dim)
     # Dense mode runs the deferred graph with freezing switched off by a value XLA cannot
     # fold: the two modes then compile to the same arithmetic (same fusions, same FMA
@@ -182,13 +201,16 @@ def looped_forward(
             h_l, ck, cv = layer_carry
             lp, l, kl_l, vl_l = xs
             x = rms_norm(h_l, lp["attn_norm_in"], cfg.rms_eps, policy)
-            q, k, v = project_qkv(lp, x, positions_BxT, cfg, policy)
+            q, k, v = project_qkv(lp, x, positions, cfg, policy)
             # Deferred: an exited token presents its exit-step K/V at deeper steps.
             k = jnp.where(frozen[..., None, None], kl_l.astype(k.dtype), k)
             v = jnp.where(frozen[..., None, None], vl_l.astype(v.dtype), v)
-            a, kv = attend(lp, q, k, v, positions_BxT, policy,
-                           None if ck is None else (ck, cv), l, (r,), cache_index,
-                           None if c.cache is None else c.cache["pos"])
+            if packing is not None:
+                a, kv = attend_packed(lp, q, k, v, positions_BxT, policy, packing), None
+            else:
+                a, kv = attend(lp, q, k, v, positions_BxT, policy,
+                               None if ck is None else (ck, cv), l, (r,), cache_index,
+                               None if c.cache is None else c.cache["pos"])
             ck, cv = (None, None) if kv is None else kv
             h_l = residual_add(h_l, rms_norm(a, lp["attn_norm_out"], cfg.rms_eps, policy), policy)
             m = mlp(lp, rms_norm(h_l, lp["mlp_norm_in"], cfg.rms_eps, policy), policy)

@@ -85,17 +85,16 @@ def forward(params: dict, cfg: ModelConfig, policy: Policy | str, tokens_BxT: ja
     `looped_forward`); a dense model ignores `loop` and refuses the others.
     With `hidden` the first element is the final normed hidden state [B, T, D]
     that the lm head reads (the input of `kernels.fused_logprobs`). `packing`
-    (dense models only) computes the packed rows only (`dense_forward`).
+    computes the packed rows only (`models.packing`; no cache): the outputs
+    are then `[S, M, ...]` (`dense_forward`, `looped_forward`).
     Not jitted itself; the options are Python values, static for the caller.
     """
     policy = Policy.parse(policy)
     if cfg.is_looped:
-        if packing is not None:
-            raise ValueError("a packed forward (packing=) is built for dense models only")
         out: LoopedOutput = looped_forward(
             params, cfg, policy, tokens_BxT, positions_BxT, cache, cache_index, loop=loop,
             schedule=schedule, readout=readout, early_stop=early_stop, remat=remat,
-            hidden=hidden)
+            hidden=hidden, packing=packing)
         return out.logits, out.cache, out
     if schedule is not None or readout != "exit" or early_stop:
         raise ValueError("schedule, readout='expected' and early_stop apply to looped models only")

@@ -8,7 +8,7 @@ the target accelerator (`TARGETS`).
 
 from jaxrl_lp.plan.devices import rerun, simulated_env, use_simulated_devices
 from jaxrl_lp.plan.hlo_cost import HloCost, hlo_cost
-from jaxrl_lp.plan.planner import plan
+from jaxrl_lp.plan.planner import iteration_updates, plan
 from jaxrl_lp.plan.request import GSM8K_PROMPT_TOKENS, PlanShapes, check_request
 from jaxrl_lp.plan.roofline import roofline
 from jaxrl_lp.plan.targets import TARGETS, Target, get_target
@@ -22,6 +22,7 @@ __all__ = [
     "check_request",
     "get_target",
     "hlo_cost",
+    "iteration_updates",
     "plan",
     "rerun",
     "roofline",

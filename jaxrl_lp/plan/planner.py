@@ -5,12 +5,23 @@ the run does it), the behaviour log-probs of a step's whole batch (taken once
 before the updates) and one step of the sampler's decode loop are lowered and
 compiled on abstract inputs (`plan.inputs`) over a mesh of simulated devices
 (`plan.devices`), exactly as a run shards them, and nothing is allocated.
+The learner step comes in the forms the run uses (`train.behaviour.
+ReplayRule`, `grpo.replay`): with hybrid log-probs, `grpo_step_recorded`
+takes the rollout's recorded log-probs as its value (no replay: an update on
+the weights the sampler ran, the first of a step, or every one under
+`sync.loss_on_served`) and `grpo_step` replays (the later minibatches and
+epochs, `grpo.mu` x `grpo.minibatches`); a dense learner has one form. The
+summary counts how many updates of an iteration run each (`updates`), and
+when the behaviour log-probs are computed at all. A packed step (the
+padding-free learner, `models.packing`) is compiled at its largest bucket:
+every slot real.
 What one device holds and does is read from the compiled programs:
 
 - memory: parameters, optimizer state and KV cache from their shapes and
   shardings; each program's arguments, outputs, temporaries and code from
-  XLA's memory analysis. `learner_peak` is the larger of the GRPO step's
-  peak and the behaviour log-probs' (plus the resident optimizer state);
+  XLA's memory analysis. `learner_peak` is the largest peak of the GRPO
+  step forms an iteration runs and, where they run, the behaviour
+  log-probs' (plus the resident optimizer state);
   `sampler_peak` is the master parameters and optimizer state (resident
   while the sampler runs) plus the decode step's peak (its per-layer copy of
   the weights and the KV cache). `fits`: both within the target's HBM.
@@ -21,7 +32,9 @@ What one device holds and does is read from the compiled programs:
 - time: FLOPs and bytes of each program (XLA's cost analysis, loop bodies
   once, and the loop-aware count of `plan.hlo_cost`) and the roofline bound
   on the target (`plan.roofline`), from which the learner's tokens/s and the
-  sampler's decode tokens/s bounds follow.
+  sampler's decode tokens/s bounds follow, and a GRPO iteration's: N decode
+  steps, the behaviour log-probs where they are computed, and each update
+  priced as the program it runs.
 
 Low-precision compute dtypes are planned as they are stored on GPU/TPU
 (natively, `JAXRL_LP_NATIVE_LOW_PRECISION=1`), not as the f32 carrier used on
@@ -63,12 +76,13 @@ from jaxrl_lp.plan.programs import native
 from jaxrl_lp.plan.request import check_request
 from jaxrl_lp.plan.roofline import cost_figures, memory_figures, roofline
 from jaxrl_lp.plan.targets import Target
-from jaxrl_lp.rl.logprobs import jit_learner_logprobs
+from jaxrl_lp.rl.logprobs import jit_learner_logprobs, pack_groups
 from jaxrl_lp.rl.train_step import make_grpo_step
 from jaxrl_lp.rollout.step import LoopSpec, decode_step, fused_readout, step_logits
+from jaxrl_lp.train.behaviour import ReplayRule
 from jaxrl_lp.train.config import TrainConfig
 
-__all__ = ["plan"]
+__all__ = ["iteration_updates", "plan"]
 
 
 def _compiled_figures(compiled, seconds: float, tgt: Target) -> dict:
@@ -150,22 +164,36 @@ def plan(cfg: TrainConfig, mesh: str, devices: int, target: str = "h100", *,
         opt = abstract_state(grpo_opt.init, params, psh, m)
         ro = abstract_rollout(shp.rows, shp.prompt_len, shp.max_new, spol, loop, g.temperature, m)
         served = params if cfg.sync.exporter != "none" and cfg.sync.loss_on_served else None
-        args = (params, opt, ro, abstract_rows((shp.rows,), jnp.float32, m),
-                abstract_rows((shp.rows, shp.max_new), jnp.float32, m), None, served)
+        logp_N = abstract_rows((shp.rows, shp.max_new), jnp.float32, m)
+        args = (params, opt, ro, abstract_rows((shp.rows,), jnp.float32, m), logp_N, None, served)
         step = make_grpo_step(mcfg, lpol, cfg.loss, grpo_opt, loop=loop, sampler_policy=spol,
                               method=g.logprobs, micro_batches=g.micro_batches, mesh=m,
                               remat=getattr(g, "remat", False) if remat is None else remat)
+        if step.packs:  # its largest bucket: every slot of a packing group real
+            per = shp.micro_rows // pack_groups(shp.micro_rows, m)
+            step = step.with_packed_rows((per * (shp.prompt_len + shp.max_new),
+                                          per * shp.max_new))
         # The step's own mesh program: parameters and optimizer state by the rules
-        # (donated), rollout rows over the data shards, replicated metrics.
+        # (donated), rollout rows over the data shards, replicated metrics. A hybrid
+        # learner's replaying form, and its form given the rollout's log-probs as the value.
         grpo, grpo_s = _compile(step, args, lowered_for, "grpo_step", tgt)
+        recorded = None
+        if g.logprobs == "hybrid":
+            recorded = _compile(step, (*args, logp_N), lowered_for, "grpo_step_recorded", tgt)
         # The behaviour log-probs of the whole step's batch, before the updates (the
-        # training program's `old_logp_fn`): one call, not micro-batched.
+        # training program's `old_logp_fn`): one call, micro-batched as the run slices it.
         whole = abstract_rollout(shp.decode_batch, shp.prompt_len, shp.max_new, spol, loop,
                                  g.temperature, m)
-        logp, logp_s = _compile(jit_learner_logprobs(
-            mcfg, lpol, g.logprobs, loop=loop, mesh=m,
-            micro_batches=g.minibatches * g.micro_batches), (params, whole), lowered_for,
-            "behaviour_logprobs", tgt)
+        slices = g.minibatches * g.micro_batches
+        behaviour = jit_learner_logprobs(mcfg, lpol, g.logprobs, loop=loop, mesh=m,
+                                         micro_batches=slices)
+        if behaviour.packs:
+            per = shp.decode_batch // slices
+            per //= pack_groups(per, m)
+            behaviour = behaviour.with_packed_rows((per * (shp.prompt_len + shp.max_new),
+                                                    per * shp.max_new))
+        logp, logp_s = _compile(behaviour, (params, whole), lowered_for, "behaviour_logprobs",
+                                tgt)
 
         b, slots = shp.decode_batch, shp.prompt_len + shp.max_new
         ush = unstacked_shardings(psh, mcfg.num_layers)
@@ -208,6 +236,8 @@ def plan(cfg: TrainConfig, mesh: str, devices: int, target: str = "h100", *,
                                 "rollout": per_device_bytes(ro),
                                 "decode_weights_read": _weights_read(params, mcfg, spec)},
            "grpo_step": _compiled_figures(grpo, grpo_s, tgt),
+           **({} if recorded is None else
+              {"grpo_step_recorded": _compiled_figures(*recorded, tgt)}),
            "behaviour_logprobs": _compiled_figures(logp, logp_s, tgt),
            "decode_step": _compiled_figures(dec, dec_s, tgt),
            "lowers_for": {"platform": tgt.platform, "target": tgt.name,
@@ -226,27 +256,82 @@ def _weights_read(params, mcfg: ModelConfig, spec: MeshSpec) -> int:
     return int((nbytes(params["layers"]) * mcfg.loop_steps + nbytes(head)) // spec.tensor)
 
 
+def iteration_updates(cfg: TrainConfig) -> dict:
+    """Which learner programs one GRPO iteration of `cfg` runs, and how often (host rules).
+
+    As `train.grpo_iteration` decides per update (`train.behaviour.ReplayRule`):
+    with hybrid log-probs, `grpo.replay=auto` and matched policies, an update
+    on the weights the sampler ran takes the rollout's log-probs as its value
+    (`recorded`): the first update of the step (the learner on the master with
+    no exporter), or every update under `sync.loss_on_served` (the served copy
+    the loss reads does not move within a step); a master the sampler did not
+    run (an exporter without `loss_on_served`) is never the rollout's. The
+    others replay (`replaying`: the later minibatches and epochs). A dense
+    learner has no replay (`dense`). Behaviour log-probs (`behaviour`, per
+    iteration) are computed where the first update is not recorded, on the
+    `grpo.verify_every` steps' verification otherwise (a share of one), and
+    for the sync diagnostics' master log-probs under `loss_on_served`.
+
+    Returns:
+      `{"recorded", "replaying", "dense", "behaviour"}` (counts per iteration).
+    """
+    g = cfg.grpo
+    updates = g.mu * g.minibatches
+    lpol, spol = Policy.parse(g.learner_policy), Policy.parse(g.sampler_policy)
+    rule = ReplayRule(g.replay, g.logprobs, matched=str(lpol) == str(spol))
+    exporter = cfg.sync.exporter != "none"
+    on_served = exporter and cfg.sync.loss_on_served
+    if g.logprobs != "hybrid":
+        counts = {"recorded": 0, "replaying": 0, "dense": updates}
+    elif not rule.can_reuse or (exporter and not on_served):
+        counts = {"recorded": 0, "replaying": updates, "dense": 0}
+    elif on_served:
+        counts = {"recorded": updates, "replaying": 0, "dense": 0}
+    else:
+        counts = {"recorded": 1, "replaying": updates - 1, "dense": 0}
+    first_recorded = counts["recorded"] > 0
+    verify = 1.0 / g.verify_every if g.verify_every else 0.0
+    counts["behaviour"] = (verify if first_recorded else 1.0) + (1.0 if on_served else 0.0)
+    return counts
+
+
 def _summarize(out: dict, cfg: TrainConfig, tgt: Target) -> dict:
     """Adds the headline figures: peaks, `fits`, tokens/s bounds, a GRPO iteration's time."""
     shp, per = out["shapes"], out["per_device_bytes"]
-    # The optimizer state stays resident while the log-probs are taken and while sampling.
-    learner = max(out["grpo_step"]["memory"]["peak"],
-                  per["optimizer_state"] + out["behaviour_logprobs"]["memory"]["peak"])
+    counts = iteration_updates(cfg)
+    programs = {"replaying": out["grpo_step"], "dense": out["grpo_step"],
+                "recorded": out.get("grpo_step_recorded")}
+    runs = [k for k in ("recorded", "replaying", "dense") if counts[k]]
+    # The programs the iteration runs; the optimizer state stays resident while the
+    # log-probs are taken and while sampling.
+    learner = max(programs[k]["memory"]["peak"] for k in runs)
+    if counts["behaviour"]:
+        learner = max(learner,
+                      per["optimizer_state"] + out["behaviour_logprobs"]["memory"]["peak"])
     sampler = per["params"] + per["optimizer_state"] + out["decode_step"]["memory"]["peak"]
-    step_s = out["grpo_step"]["roofline"]["time_s"]
+    update_s = {k: programs[k]["roofline"]["time_s"] for k in runs}
+    updates_s = sum(counts[k] * t for k, t in update_s.items())
+    n_updates = sum(counts[k] for k in update_s)
     decode_s = out["decode_step"]["roofline"]["time_s"]
-    g = cfg.grpo
+    behaviour_s = counts["behaviour"] * out["behaviour_logprobs"]["roofline"]["time_s"]
     out["summary"] = {
         "learner_peak_bytes": learner, "sampler_peak_bytes": sampler,
         "fits": max(learner, sampler) <= tgt.hbm_bytes,
-        "learner_tokens_per_s": shp["rows"] * (shp["prompt_len"] + shp["max_new"]) / step_s,
+        # An update's tokens over its mean bound in this iteration.
+        "learner_tokens_per_s": shp["rows"] * (shp["prompt_len"] + shp["max_new"])
+        / (updates_s / n_updates),
         "decode_tokens_per_s": shp["decode_batch"] / decode_s,
         # SPEC section 11's bound: a step reads the weights and the KV cache once.
         "decode_tokens_per_s_ideal": shp["decode_batch"] * tgt.hbm_bandwidth
         / (per["decode_weights_read"] + per["kv_cache"]),
-        # N decode steps, the behaviour log-probs, then mu passes of `minibatches`
-        # updates (prefill left out): the least time one GRPO iteration takes.
-        "iteration_s": shp["max_new"] * decode_s + out["behaviour_logprobs"]["roofline"]["time_s"]
-        + g.mu * g.minibatches * step_s,
+        # What one iteration runs (`iteration_updates`): updates by program, and how many
+        # behaviour log-prob passes.
+        "updates": {k: counts[k] for k in update_s},
+        "behaviour_passes": counts["behaviour"],
+        # The bound of one update of each program the iteration runs.
+        "update_s": update_s,
+        # N decode steps, the behaviour log-probs where computed, then each update as the
+        # program it runs (prefill left out): the least time one GRPO iteration takes.
+        "iteration_s": shp["max_new"] * decode_s + behaviour_s + updates_s,
     }
     return out

@@ -5,13 +5,13 @@ step function `fn(params, opt_state, *batch, packed_rows=None)` and jits it
 one of three ways:
 
 - on one device: `jax.jit(fn)`;
-- packed (`rows_of` given: a dense model on one device, `pack_buckets > 0`):
-  the same jit with the static `packed_rows` that `rows_of(*batch)` reads
-  from the batch's masks on the host (for a rollout, waiting for the
-  sampler), so one compilation per bucket;
 - on a mesh: a jit with explicit in- and out-shardings by argument kind
   (`kinds`, below), traced under `parallel.use_mesh` so activations follow
-  the rules too.
+  the rules too;
+- either of them packed (`rows_of` given, `pack_buckets > 0`): with the
+  static `packed_rows` that `rows_of(*batch)` reads from the batch's masks
+  on the host (for a rollout, waiting for the sampler), so one compilation
+  per bucket.
 """
 
 from __future__ import annotations
@@ -59,8 +59,8 @@ class LearnerStep:
       fn: the untraced step, `fn(params, opt_state, *batch, packed_rows=None)`.
       kinds: the kind of each positional argument of `fn` (`params`, `state`,
         `batch`).
-      rows_of: `rows_of(*batch) -> packed_rows` (host-side; a packed step), or
-        None.
+      rows_of: `rows_of(*batch) -> packed_rows` (host-side; a packed step, on
+        one device or a mesh), or None.
       mesh, cfg, rules: run on `mesh`: parameter shardings of `cfg` by `rules`.
 
     Example:
@@ -74,13 +74,14 @@ class LearnerStep:
                  cfg: ModelConfig | None = None, rules: ShardingRules = DEFAULT_RULES):
         if bad := [k for k in kinds if k not in KINDS]:
             raise ValueError(f"LearnerStep kinds must be among {KINDS}; got {bad}")
-        if mesh is not None and (cfg is None or rows_of is not None):
+        if mesh is not None and cfg is None:
             raise ValueError("LearnerStep: a mesh step needs the model's cfg (its parameter "
-                             "shardings) and packs no rows (rows_of=None)")
+                             "shardings)")
         self.fn, self.kinds, self.rows_of = fn, tuple(kinds), rows_of
         self.mesh, self.cfg, self.rules = mesh, cfg, rules
         # By which arguments are None: each pattern is a program of its own (on a mesh its
-        # in-shardings differ). Values: (in-shardings or None, the jitted function).
+        # in-shardings differ; there also by row count). Values: (in-shardings or None, the
+        # jitted function).
         self._programs: dict[tuple[bool, ...], tuple[Any, Any]] = {}
 
     @property
@@ -93,7 +94,8 @@ class LearnerStep:
         cannot be read): e.g. `plan.programs` builds the largest bucket."""
         if not self.packs:
             raise ValueError("with_packed_rows: this step packs no rows")
-        return LearnerStep(self.fn, self.kinds, rows_of=lambda *_: packed_rows)
+        return LearnerStep(self.fn, self.kinds, rows_of=lambda *_: packed_rows, mesh=self.mesh,
+                           cfg=self.cfg, rules=self.rules)
 
     def shardings(self, *args):
         """The in-shardings of `args` (by kind) and the out-shardings of the step (mesh only)."""
@@ -117,21 +119,29 @@ class LearnerStep:
             raise TypeError(f"this step takes at most {len(self.kinds)} arguments "
                             f"({', '.join(self.kinds)}); got {len(args)}")
 
-    def _program(self, args) -> tuple[Any, Any]:
+    def _program(self, args) -> tuple[Any, Any, dict]:
+        """(in-shardings or None, the jitted step, the static keyword arguments to call it with)."""
         self._check(args)
+        static = self._static(args)
         pattern = tuple(a is None for a in args)
-        if pattern not in self._programs:
-            self._programs[pattern] = self._jit(args)
-        return self._programs[pattern]
-
-    def _jit(self, args) -> tuple[Any, Any]:
         if self.mesh is None:
-            return None, jax.jit(self.fn, donate_argnums=(0, 1), static_argnames=("packed_rows",))
+            if pattern not in self._programs:
+                self._programs[pattern] = None, jax.jit(
+                    self.fn, donate_argnums=(0, 1), static_argnames=("packed_rows",))
+            return (*self._programs[pattern], static)
+        # A jit with in-shardings takes no keyword arguments: on a mesh each row count is a
+        # program of its own, with the count bound.
+        key = (pattern, static.get("packed_rows"))
+        if key not in self._programs:
+            self._programs[key] = self._mesh_jit(args, static)
+        return (*self._programs[key], {})
+
+    def _mesh_jit(self, args, static: dict) -> tuple[Any, Any]:
         ins, outs = self.shardings(*args)
 
         def traced(*a):
             with use_mesh(self.mesh, self.rules):
-                return self.fn(*a)
+                return self.fn(*a, **static)
 
         return ins, jax.jit(traced, in_shardings=ins, out_shardings=outs, donate_argnums=(0, 1))
 
@@ -140,21 +150,23 @@ class LearnerStep:
 
     def __call__(self, *args):
         """One update: `(params, opt_state, metrics)`, metrics a dict of f32 scalars."""
-        ins, jitted = self._program(args)
+        ins, jitted, static = self._program(args)
         if ins is not None:
             # Inputs placed as the program expects (a no-op for those already there; rows
             # sliced out of a sharded rollout, host arrays).
             args = tuple(a if sh is None else jax.device_put(a, sh)
                          for a, sh in zip(args, ins, strict=True))
-        return jitted(*args, **self._static(args))
+        return jitted(*args, **static)
 
     def trace(self, *args):
         """`jax.jit(...).trace` of the update on `args` (arrays or `jax.ShapeDtypeStruct`)."""
-        return self._program(args)[1].trace(*args, **self._static(args))
+        _, jitted, static = self._program(args)
+        return jitted.trace(*args, **static)
 
     def lower(self, *args):
         """`jax.jit(...).lower` of the update on `args`; `.compile()` it for XLA's figures."""
-        return self._program(args)[1].lower(*args, **self._static(args))
+        _, jitted, static = self._program(args)
+        return jitted.lower(*args, **static)
 
     def _cache_size(self) -> int:
         """Compiled programs so far, over every pattern (as `jax.jit`'s `_cache_size`)."""

@@ -24,6 +24,7 @@ caller's jit.
 from __future__ import annotations
 
 import functools
+import math
 from typing import Literal
 
 import jax
@@ -31,6 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
+from jaxrl_lp.kernels.dispatch import per_shard
 from jaxrl_lp.kernels.logprob import readout_logprobs
 from jaxrl_lp.models.blocks import lm_head, lm_logits, unstack_layers
 from jaxrl_lp.models.cache import init_cache, unstack_cache
@@ -39,15 +41,17 @@ from jaxrl_lp.models.loop import MODEL_DEFAULT, ExitSchedule
 from jaxrl_lp.models.model import forward
 from jaxrl_lp.models.packing import bucket_rows, gather_rows, make_packing, unpack
 from jaxrl_lp.numerics.policy import Policy
-from jaxrl_lp.parallel.context import use_mesh
+from jaxrl_lp.parallel.context import current_mesh, use_mesh
 from jaxrl_lp.parallel.rules import DEFAULT_RULES, ShardingRules
+from jaxrl_lp.parallel.shard import to_host
 from jaxrl_lp.rollout.generate import Rollout, split_rows
 from jaxrl_lp.rollout.speculative import replay_speculative
 from jaxrl_lp.rollout.step import LoopSpec, decode_step, fused_readout, prefill, step_logprobs
 
-__all__ = ["LogprobMethod", "dense_logprobs", "jit_learner_logprobs", "learner_logprobs",
-           "logprob_entropy", "packed_logprobs", "packed_rows_for", "packed_rows_of",
-           "prompt_positions", "replay_logprobs", "rollout_loop"]
+__all__ = ["LogprobMethod", "LogprobProgram", "dense_logprobs", "jit_learner_logprobs",
+           "learner_logprobs", "logprob_entropy", "pack_groups", "packed_logprobs",
+           "packed_rows_for", "packed_rows_of", "prompt_positions", "replay_logprobs",
+           "rollout_loop"]
 
 LogprobMethod = Literal["dense", "replay", "hybrid"]
 PACK_BUCKETS = 16  # sizes a packed learner step compiles for, per grid (`packed_rows_of`)
@@ -143,18 +147,16 @@ def dense_logprobs(params: dict, cfg: ModelConfig, policy: Policy, ro: Rollout, 
     `kernels=off`, a matmul format) `logprob_entropy` of their logits
     [B, N, V] (one softmax pass, the gradient written out).
 
-    With `packed_rows = (body, head)` (static; dense models only;
-    `packed_rows_of` computes them) the forward skips the padding
-    (`models.packing`): it runs on `body` packed rows holding the prompts'
-    real tokens and each completion up to its last masked token, and the
-    read-out on `head` rows holding the completion-mask positions. Values
-    off the completion mask are then 0. If a count is larger than its rows
-    every value is NaN (the step is skipped as non-finite, never silently
-    wrong).
+    With `packed_rows = (body, head)` (static; `packed_rows_of` computes
+    them) the forward skips the padding (`models.packing`): it runs on `body`
+    packed rows holding the prompts' real tokens and each completion up to
+    its last masked token, and the read-out on `head` rows holding the
+    completion-mask positions; a looped model applies the same recorded
+    schedule to its packed rows. Values off the completion mask are then 0.
+    If a count is larger than its rows every value is NaN (the step is
+    skipped as non-finite, never silently wrong). Under a mesh the rows of
+    each data shard are packed apart (`pack_groups`).
     """
-    if packed_rows is not None and cfg.is_looped:
-        raise ValueError("packed_rows: the packed dense forward is built for dense models; "
-                         "pass packed_rows=None for a looped model")
     loop = rollout_loop(ro, cfg, loop)
     b, p = ro.prompt_tokens.shape
     n = ro.completion_tokens.shape[1]
@@ -162,9 +164,6 @@ def dense_logprobs(params: dict, cfg: ModelConfig, policy: Policy, ro: Rollout, 
     positions = jnp.concatenate(
         [prompt_positions(ro.prompt_tokens, ro.prompt_lengths),
          ro.prompt_lengths[:, None] + jnp.arange(n, dtype=jnp.int32)[None]], axis=1)
-    if packed_rows is not None:
-        return packed_logprobs(params, cfg, policy, tokens, positions, positions[:, :p] >= 0,
-                               ro.completion_mask, packed_rows, ro.temperature, remat=remat)
     schedule = None
     if cfg.is_looped:
         full = jnp.full((b, p + n), cfg.loop_steps - 1, jnp.int32)
@@ -174,6 +173,10 @@ def dense_logprobs(params: dict, cfg: ModelConfig, policy: Policy, ro: Rollout, 
         # (at position P+j-1) stopped where the step that produced token j did.
         depth = jax.lax.dynamic_update_slice(full, ro.exit_steps[:, 1:], (0, p))
         schedule = ExitSchedule(depth_BxT=depth, readout_BxT=readout)
+    if packed_rows is not None:
+        return packed_logprobs(params, cfg, policy, tokens, positions, positions[:, :p] >= 0,
+                               ro.completion_mask, packed_rows, ro.temperature, remat=remat,
+                               loop=loop if cfg.is_looped else None, schedule=schedule)
     h, _, _ = forward(params, cfg, policy, tokens, positions, loop=loop if cfg.is_looped else None,
                       schedule=schedule, remat=remat, hidden=True)
     h = h[:, p - 1:p - 1 + n]  # the lm head reads the positions that predict the completion
@@ -191,71 +194,116 @@ def dense_logprobs(params: dict, cfg: ModelConfig, policy: Policy, ro: Rollout, 
 def packed_logprobs(params: dict, cfg: ModelConfig, policy: Policy, tokens_BxT: jax.Array,
                     positions_BxT: jax.Array, lead_real_BxP: jax.Array, mask_BxN: jax.Array,
                     packed_rows: tuple[int, int], temperature: float = 1.0, *,
-                    remat: bool = False):
-    """Log-probs and entropies [B, N] of a dense model's targets from a packed forward.
+                    remat: bool = False, loop: LoopSpec | None = None,
+                    schedule: ExitSchedule | None = None):
+    """Log-probs and entropies [B, N] of a model's targets from a packed forward.
 
     The grid `tokens_BxT` is P lead slots (real where `lead_real_BxP`), then N
     target slots: target j is token P + j, read out at slot P - 1 + j where
     `mask_BxN` is set. Every target slot up to a row's last masked one is
     context (a mask with holes keeps them); the rest and the unreal lead slots
     are not computed (`models.packing`). `packed_rows = (body, head)` (static)
-    bounds the computed slots and read-outs (`packed_rows_for`). Values off the
-    mask are 0; if a count is larger than its rows every value is NaN. Used by
-    `dense_logprobs` (lead: the prompt) and the SFT step (lead: the first token).
+    bounds the computed slots and read-outs of each packing group
+    (`packed_rows_for`). A looped model runs `loop` with its `schedule` (on
+    the grid; `dense_logprobs` builds it), read out at the exit step. Under a
+    mesh each data shard's rows are packed apart (`pack_groups`). Values off
+    the mask are 0; if a count is larger than its rows every value is NaN.
+    Used by `dense_logprobs` (lead: the prompt) and the SFT step (lead: the
+    first token).
     """
     b, p = lead_real_BxP.shape
     n = mask_BxN.shape[1]
     t = p + n
+    groups = pack_groups(b)
     body_rows, head_rows = packed_rows
     done = mask_BxN > 0
     context = jnp.flip(jnp.cumsum(jnp.flip(done, axis=1), axis=1), axis=1) > 0
-    body, fits_body = make_packing(jnp.concatenate([lead_real_BxP, context], axis=1), body_rows)
-    head, fits_head = make_packing(done, head_rows)
+    body, fits_body = make_packing(jnp.concatenate([lead_real_BxP, context], axis=1), body_rows,
+                                   groups)
+    head, fits_head = make_packing(done, head_rows, groups)
+    looped = {} if loop is None else {"loop": loop, "schedule": schedule}
     h, _, _ = forward(params, cfg, policy, tokens_BxT, positions_BxT, remat=remat, hidden=True,
-                      packing=body)
-    # Head row r reads target (i, j) = divmod(head.index_M[r], N), predicted at grid slot
-    # (i, P - 1 + j): its packed body row. Distinct head rows read distinct body rows.
-    i, j = head.index_M // n, head.index_M % n
-    at = body.slot_S[i * t + p - 1 + j]
-    back = jnp.full((body_rows,), head_rows, jnp.int32).at[at].set(
-        jnp.arange(head_rows, dtype=jnp.int32), mode="drop")
-    h = gather_rows(h, at, back)  # [head_rows, D]
-    toks = tokens_BxT[:, p:].reshape(-1)[head.index_M]
+                      packing=body, **looped)  # [S, body, D]
+
+    def read_rows(h_MxD, body_slot, head_index):
+        # Head row r reads target (i, j) = divmod(head_index[r], N) of its group, predicted
+        # at grid slot (i, P - 1 + j): its packed body row. Distinct head rows read distinct
+        # body rows.
+        i, j = head_index // n, head_index % n
+        at = body_slot[i * t + p - 1 + j]
+        back = jnp.full((body_rows,), head_rows, jnp.int32).at[at].set(
+            jnp.arange(head_rows, dtype=jnp.int32), mode="drop")
+        return gather_rows(h_MxD, at, back)  # [head_rows, D]
+
+    if groups == 1:
+        h = read_rows(h[0], body.slot_S, head.index_M)
+        targets = lambda x_BxN: x_BxN.reshape(-1)[head.index_M]  # [head_rows]
+    else:  # each group's own rows, then the groups' read-outs as one array
+        rows = ("batch", None)
+        h = per_shard(jax.vmap(read_rows), (rows + (None,), rows, rows), rows + (None,))(
+            h, body.slot_S, head.index_M).reshape(-1, h.shape[-1])
+        targets = lambda x_BxN: jnp.take_along_axis(
+            x_BxN.reshape(groups, -1), head.index_M, axis=1).reshape(-1)
+    toks = targets(tokens_BxT[:, p:])
     lp, ent = readout_logprobs(
-        h, lm_head(params, cfg), toks, temperature, policy, mask_T=done.reshape(-1)[head.index_M],
+        h, lm_head(params, cfg), toks, temperature, policy, mask_T=targets(done),
         plain=lambda: logprob_entropy(lm_logits(params, h, cfg, policy), toks, temperature))
     ok = fits_body & fits_head
-    out = lambda x: jnp.where(ok, jnp.where(done, unpack(x, head, b, n), 0.0), jnp.nan)
+    grid = lambda x: unpack(x.reshape(groups, head_rows), head, b, n)
+    out = lambda x: jnp.where(ok, jnp.where(done, grid(x), 0.0), jnp.nan)
     return out(lp), out(ent)
 
 
+def pack_groups(rows: int, mesh: Mesh | None = None, rules: ShardingRules = DEFAULT_RULES) -> int:
+    """How many groups a packed forward of `rows` rows packs apart (`models.packing`).
+
+    The data shards of the batch (the `batch` axis's mesh axes) of `mesh`, by
+    default the active `use_mesh`'s, so each device packs and computes its own
+    rows; 1 without a mesh, or where the shards do not divide `rows` (the
+    packing then spans the shards: the same values, with collectives). The
+    host (`packed_rows_of`) and the traced forward ask with the same rows and
+    mesh, so they agree.
+    """
+    if mesh is None:
+        active = current_mesh()
+        if active is None:
+            return 1
+        mesh, rules = active
+    shards = math.prod(mesh.shape[a] for a in rules.mesh_axes("batch"))
+    return shards if rows % shards == 0 else 1
+
+
 def packed_rows_for(lead_lengths_B, mask_BxN, lead_width: int, *, micro_batches: int = 1,
-                    buckets: int = PACK_BUCKETS) -> tuple[int, int]:
+                    buckets: int = PACK_BUCKETS, groups: int = 1) -> tuple[int, int]:
     """The static `packed_rows` of `packed_logprobs` for host arrays (numpy).
 
     (body, head): the most real slots (lead tokens, and targets up to the last
-    masked one) and masked targets of any of the `micro_batches` row slices,
+    masked one) and masked targets of any of the `micro_batches` row slices
+    (each split further into its `groups` packing groups, `pack_groups`),
     each rounded up by `models.packing.bucket_rows` to one of `buckets`
     sizes, so a run compiles for a few shapes only.
     """
     mask = np.asarray(mask_BxN) > 0
     b, n = mask.shape
-    if b % micro_batches:
-        raise ValueError(f"packed rows: {b} rows do not split into {micro_batches} slices")
-    per = b // micro_batches
-    done = mask.sum(axis=1).reshape(micro_batches, per).sum(axis=1)
+    slices = micro_batches * groups
+    if b % slices:
+        raise ValueError(f"packed rows: {b} rows do not split into {micro_batches} slices"
+                         + ("" if groups == 1 else f" of {groups} packing groups"))
+    per = b // slices
+    done = mask.sum(axis=1).reshape(slices, per).sum(axis=1)
     context = np.where(mask.any(axis=1), n - np.argmax(mask[:, ::-1], axis=1), 0)  # to the last
-    real = (context + np.asarray(lead_lengths_B)).reshape(micro_batches, per).sum(axis=1)
+    real = (context + np.asarray(lead_lengths_B)).reshape(slices, per).sum(axis=1)
     return (bucket_rows(int(real.max()), per * (lead_width + n), buckets),
             bucket_rows(int(done.max()), per * n, buckets))
 
 
-def packed_rows_of(ro: Rollout, *, micro_batches: int = 1,
-                   buckets: int = PACK_BUCKETS) -> tuple[int, int]:
+def packed_rows_of(ro: Rollout, *, micro_batches: int = 1, buckets: int = PACK_BUCKETS,
+                   groups: int = 1) -> tuple[int, int]:
     """The static `packed_rows` of `dense_logprobs` for `ro` (`packed_rows_for`; reads its
-    masks on the host)."""
-    return packed_rows_for(ro.prompt_lengths, ro.completion_mask, ro.prompt_tokens.shape[1],
-                           micro_batches=micro_batches, buckets=buckets)
+    masks on the host, gathered from every process)."""
+    return packed_rows_for(to_host(ro.prompt_lengths), to_host(ro.completion_mask),
+                           ro.prompt_tokens.shape[1], micro_batches=micro_batches,
+                           buckets=buckets, groups=groups)
 
 
 def replay_logprobs(params: dict, cfg: ModelConfig, policy: Policy, ro: Rollout, *,
@@ -337,9 +385,57 @@ def learner_logprobs(params: dict, cfg: ModelConfig, policy: Policy, ro: Rollout
     return replay + (dense - jax.lax.stop_gradient(dense)), entropy
 
 
+class LogprobProgram:
+    """`fn(params, rollout) -> log-probs [B, N]`, jitted (`jit_learner_logprobs` returns one).
+
+    A packed program (`packs`) reads its static `packed_rows` from the
+    rollout's masks on the host (`rows_of`, waiting for the sampler), one
+    compilation per bucket, as a packed `LearnerStep` does; otherwise it is
+    `jax.jit(fn)`. Nothing is donated.
+
+    Args:
+      fn: the untraced `fn(params, rollout, packed_rows=None)`.
+      rows_of: `rows_of(rollout) -> packed_rows` (host-side), or None.
+    """
+
+    def __init__(self, fn, rows_of=None):
+        self.fn, self.rows_of = fn, rows_of
+        self._jitted = jax.jit(fn, static_argnames=("packed_rows",))
+
+    @property
+    def packs(self) -> bool:
+        """Whether the program reads `packed_rows` from its rollout."""
+        return self.rows_of is not None
+
+    def with_packed_rows(self, packed_rows) -> LogprobProgram:
+        """This packed program at fixed `packed_rows`, for abstract rollouts (whose masks
+        cannot be read): e.g. the planner builds the largest bucket."""
+        if not self.packs:
+            raise ValueError("with_packed_rows: this program packs no rows")
+        return LogprobProgram(self.fn, lambda _: packed_rows)
+
+    def _static(self, ro) -> dict:
+        return {"packed_rows": self.rows_of(ro)} if self.packs else {}
+
+    def __call__(self, params, ro: Rollout) -> jax.Array:
+        return self._jitted(params, ro, **self._static(ro))
+
+    def trace(self, params, ro):
+        """`jax.jit(...).trace` on `(params, ro)` (arrays or `jax.ShapeDtypeStruct`)."""
+        return self._jitted.trace(params, ro, **self._static(ro))
+
+    def lower(self, params, ro):
+        """`jax.jit(...).lower` on `(params, ro)`."""
+        return self._jitted.lower(params, ro, **self._static(ro))
+
+    def _cache_size(self) -> int:
+        return self._jitted._cache_size()
+
+
 def jit_learner_logprobs(cfg: ModelConfig, policy: Policy, method: LogprobMethod = "hybrid", *,
                          loop: LoopSpec | None = None, mesh: Mesh | None = None,
-                         rules: ShardingRules = DEFAULT_RULES, micro_batches: int = 1):
+                         rules: ShardingRules = DEFAULT_RULES, micro_batches: int = 1,
+                         pack_buckets: int = PACK_BUCKETS) -> LogprobProgram:
     """`fn(params, rollout) -> log-probs [B, N]`, jitted (no gradient; the learner's values).
 
     `hybrid` computes its value alone: the replay (the dense part adds exactly
@@ -349,25 +445,39 @@ def jit_learner_logprobs(cfg: ModelConfig, policy: Policy, method: LogprobMethod
     the other (`lax.map`), so the replay's KV cache and the logits exist for one
     slice at a time; each row's values are the same as in one pass.
 
+    `dense` skips the padding as the learner step's dense forward does
+    (`dense_logprobs`' `packed_rows`, one of `pack_buckets` sizes per slice,
+    read from the rollout's masks on the host: a `LogprobProgram` that
+    `packs`; 0 computes every slot). Its values are then the learner step's
+    forward's, up to the rounding of the step's own program.
+
     The rollout's static fields (loop spec, policy, temperature) are static for
-    the jit. With `mesh` the function is traced under `use_mesh`: the
-    replay then runs the sampler's program with the sampler's shardings, which
-    keeps it bit-equal to a sampler on the same mesh (the collectives sum in
-    the same order). Nothing is donated. Called by the training program for
-    the behaviour log-probs, and by the tests.
+    the jit, and so are a packed program's row counts. With `mesh` the function
+    is traced under `use_mesh`: the replay then runs the sampler's program with
+    the sampler's shardings, which keeps it bit-equal to a sampler on the same
+    mesh (the collectives sum in the same order), and a packed forward packs
+    each data shard's rows apart (`pack_groups`). Nothing is donated. Called by
+    the training program for the behaviour log-probs, and by the tests.
     """
 
     # Without a gradient the hybrid's value is the replay's bits: the dense forward is not run.
     value = "replay" if method == "hybrid" else method
 
-    def one(params, ro):
-        return learner_logprobs(params, cfg, policy, ro, value, loop=loop)[0]
+    def one(params, ro, rows):
+        return learner_logprobs(params, cfg, policy, ro, value, loop=loop, packed_rows=rows)[0]
 
-    def fn(params, ro):
+    def fn(params, ro, packed_rows=None):
         with use_mesh(mesh, rules):
             if micro_batches == 1:
-                return one(params, ro)
-            lp = jax.lax.map(lambda mb: one(params, mb), split_rows(ro, micro_batches))
+                return one(params, ro, packed_rows)
+            lp = jax.lax.map(lambda mb: one(params, mb, packed_rows),
+                             split_rows(ro, micro_batches))
             return lp.reshape(ro.logprobs.shape)
 
-    return jax.jit(fn)
+    def rows_of(ro):
+        groups = pack_groups(ro.prompt_tokens.shape[0] // micro_batches, mesh, rules)
+        return packed_rows_of(ro, micro_batches=micro_batches, buckets=pack_buckets,
+                              groups=groups)
+
+    packs = pack_buckets > 0 and value == "dense"
+    return LogprobProgram(fn, rows_of if packs else None)

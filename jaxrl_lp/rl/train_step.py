@@ -29,11 +29,13 @@ from jaxrl_lp.models.model import forward
 from jaxrl_lp.numerics.policy import Policy
 from jaxrl_lp.parallel.context import constrain_params
 from jaxrl_lp.parallel.rules import DEFAULT_RULES, ShardingRules
+from jaxrl_lp.parallel.shard import to_host
 from jaxrl_lp.rl.corrections import correction_weights
 from jaxrl_lp.rl.learner_step import LearnerStep
 from jaxrl_lp.rl.logprobs import (
     PACK_BUCKETS,
     learner_logprobs,
+    pack_groups,
     packed_logprobs,
     packed_rows_for,
     packed_rows_of,
@@ -161,10 +163,12 @@ def make_grpo_step(cfg: ModelConfig, policy: Policy, loss_cfg: LossConfig,
         constrained.
       weights: a weight representation (`optim.weights`; module docstring), or
         None: `params` are the model's params. Not with `mesh`.
-      pack_buckets: for a dense model without `mesh`, the dense forward skips
-        the padding (`rl.logprobs.dense_logprobs`' `packed_rows`, rounded up
-        to one of this many sizes by `packed_rows_of`); 0 computes every slot.
-        The value and gradient are the unpacked ones up to matmul rounding.
+      pack_buckets: the dense forward skips the padding
+        (`rl.logprobs.dense_logprobs`' `packed_rows`, rounded up to one of
+        this many sizes by `packed_rows_of`; a looped model with its recorded
+        schedule; on a mesh each data shard's rows apart); 0 computes every
+        slot. The value and gradient are the unpacked ones up to matmul
+        rounding.
 
     With `served` (the f32 values the sampler ran on) the loss is computed on
     the served copy with a straight-through gradient to the master (Fair Cast):
@@ -198,8 +202,7 @@ def make_grpo_step(cfg: ModelConfig, policy: Policy, loss_cfg: LossConfig,
 
     grad_fn = jax.value_and_grad(mb_loss, has_aux=True)
     want_policy = str(Policy.parse(policy if sampler_policy is None else sampler_policy))
-    packs = (pack_buckets > 0 and mesh is None and not cfg.is_looped
-             and method in ("dense", "hybrid"))
+    packs = pack_buckets > 0 and method in ("dense", "hybrid")
 
     def step(params, opt_state, ro: Rollout, adv_B, old_logp_BxN, ref_logp_BxN=None,
              served=None, replay_BxN=None, packed_rows=None):
@@ -247,10 +250,14 @@ def make_grpo_step(cfg: ModelConfig, policy: Policy, loss_cfg: LossConfig,
         return new, opt_state, metrics
 
     kinds = ("params", "state", "batch", "batch", "batch", "batch", "params", "batch")
-    if mesh is not None:
-        return LearnerStep(step, kinds, mesh=mesh, cfg=cfg, rules=rules)
-    rows_of = lambda ro, *_: packed_rows_of(ro, micro_batches=micro_batches, buckets=pack_buckets)
-    return LearnerStep(step, kinds, rows_of=rows_of if packs else None)
+
+    def rows_of(ro, *_):
+        groups = pack_groups(ro.prompt_tokens.shape[0] // micro_batches, mesh, rules)
+        return packed_rows_of(ro, micro_batches=micro_batches, buckets=pack_buckets,
+                              groups=groups)
+
+    return LearnerStep(step, kinds, rows_of=rows_of if packs else None, mesh=mesh, cfg=cfg,
+                       rules=rules)
 
 
 def make_sft_step(cfg: ModelConfig, policy: Policy, optimizer: optax.GradientTransformation,
@@ -275,14 +282,16 @@ def make_sft_step(cfg: ModelConfig, policy: Policy, optimizer: optax.GradientTra
     runs); the looped expected read-out, a mixture of every loop
     step's logits, has no single hidden state and keeps the plain path.
 
-    A dense model without `mesh` skips the padding, as the GRPO step does
-    (`pack_buckets`; `rl.logprobs.packed_logprobs` with the first token as
-    the lead and `mask_BxL[:, 1:]` as the targets): tokens after a row's last
-    target are not computed. The mask is read on the host (`packed_rows_for`)
-    and the row counts are static: one compilation per bucket.
+    A dense model skips the padding, as the GRPO step does (`pack_buckets`;
+    `rl.logprobs.packed_logprobs` with the first token as the lead and
+    `mask_BxL[:, 1:]` as the targets; on a mesh each data shard's rows
+    apart): tokens after a row's last target are not computed. The mask is
+    read on the host (`packed_rows_for`) and the row counts are static: one
+    compilation per bucket. A looped model's loss reads out every loop step
+    (the expected read-out) and computes every slot.
     """
     fused = fused_readout(policy) and not cfg.is_looped
-    packs = pack_buckets > 0 and mesh is None and not cfg.is_looped
+    packs = pack_buckets > 0 and not cfg.is_looped
 
     def packed_nll(params, tokens, mask, rows):
         b, l = tokens.shape
@@ -337,8 +346,8 @@ def make_sft_step(cfg: ModelConfig, policy: Policy, optimizer: optax.GradientTra
                                 "flip_rate": weights.flip_rate(train, new)}
 
     def rows_of(tokens, mask):
-        return packed_rows_for(np.ones(len(mask)), np.asarray(mask)[:, 1:], 1,
-                               buckets=pack_buckets)
+        return packed_rows_for(np.ones(len(mask)), to_host(mask)[:, 1:], 1, buckets=pack_buckets,
+                               groups=pack_groups(len(mask), mesh, rules))
 
     if weights is not None:
         if mesh is not None:
@@ -346,6 +355,5 @@ def make_sft_step(cfg: ModelConfig, policy: Policy, optimizer: optax.GradientTra
                              "device; drop mesh")
         step = coded_step
     kinds = ("params", "state", "batch", "batch")
-    if mesh is not None:
-        return LearnerStep(step, kinds, mesh=mesh, cfg=cfg, rules=rules)
-    return LearnerStep(step, kinds, rows_of=rows_of if packs else None)
+    return LearnerStep(step, kinds, rows_of=rows_of if packs else None, mesh=mesh, cfg=cfg,
+                       rules=rules)

@@ -1,0 +1,111 @@
+"""Where the compiled GRPO update of a preset spends its time, by XLA op (jax.profiler).
+
+    python benchmarks/profile_update.py [--size small] [--full] [--steps 2] > out.json
+
+The update `jaxrl-lp bench iteration` runs at mu = 1 (`make_grpo_step`,
+hybrid given the rollout's log-probs: `grpo.replay=auto`'s first update,
+packed rows, the bench's loss and optimizer) on `bench.learner.grpo_batch`'s
+batch (B = 8, 16 prompt + 112 completion tokens; `--full`: every completion
+runs to the end, as the iteration bench's no-EOS rollouts do). After two
+warm-up calls, `--steps` calls run under `jax.profiler.trace`; the trace's
+XLA op events (the CPU thunks: fusions, dots, copies) are summed per op and
+divided by the steps, and each op is named by its HLO `op_name` (where in the
+program it comes from: `jvp` the forward, `transpose(jvp)` the backward).
+Prints one JSON object: the step's seconds, the ops' total, and the top ops.
+
+On a shared machine the per-op times inflate with the load (the figures are
+wall time of each op on its thread); read them as shares of the step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import dataclasses
+import glob
+import json
+import os
+import re
+import tempfile
+import time
+
+import jax
+import jax.numpy as jnp
+import optax
+
+
+def _op_names(hlo_text: str) -> dict[str, str]:
+    """HLO instruction name -> its `op_name` metadata (the jaxpr path it lowers)."""
+    out = {}
+    for line in hlo_text.splitlines():
+        m = re.match(r"\s*(?:ROOT )?%([^\s=]+) = ", line)
+        n = re.search(r'op_name="([^"]*)"', line)
+        if m and n:
+            out[m.group(1)] = n.group(1)
+    return out
+
+
+def main() -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--size", default="small", choices=["tiny", "small"])
+    ap.add_argument("--full", action="store_true", help="every completion runs to the end")
+    ap.add_argument("--pack-buckets", type=int, default=16)
+    ap.add_argument("--steps", type=int, default=2)
+    ap.add_argument("--top", type=int, default=25)
+    args = ap.parse_args()
+
+    from jax.profiler import ProfileData
+
+    from jaxrl_lp.bench.learner import LOSS, SIZES, grpo_batch
+    from jaxrl_lp.models.config import get_preset
+    from jaxrl_lp.models.model import init_params
+    from jaxrl_lp.numerics.policy import Policy
+    from jaxrl_lp.rl.train_step import make_grpo_step
+
+    cfg, policy = get_preset(SIZES[args.size]), Policy.parse("fp32")
+    params = init_params(cfg, jax.random.PRNGKey(0))
+    ro, adv = grpo_batch(cfg, policy, params, batch=8, prompt_len=16, seq_len=128, group=4,
+                         seed=0)
+    if args.full:
+        ro = dataclasses.replace(ro, completion_mask=jnp.ones_like(ro.completion_mask))
+    opt = optax.chain(optax.clip_by_global_norm(1.0), optax.adam(1e-6))
+    step = make_grpo_step(cfg, policy, LOSS, opt, method="hybrid", pack_buckets=args.pack_buckets)
+    state = {"p": jax.tree.map(jnp.copy, params), "o": opt.init(params)}
+    batch = (ro, adv, ro.logprobs, None, None, ro.logprobs)
+
+    def call():
+        state["p"], state["o"], m = step(state["p"], state["o"], *batch)
+        return jax.block_until_ready(m["loss"])
+
+    call()
+    call()
+    names = _op_names(step.lower(state["p"], state["o"], *batch).compile().as_text())
+    with tempfile.TemporaryDirectory() as d:
+        t = time.perf_counter()
+        jax.profiler.start_trace(d)
+        for _ in range(args.steps):
+            call()
+        jax.profiler.stop_trace()
+        seconds = (time.perf_counter() - t) / args.steps
+        profile = ProfileData.from_file(glob.glob(f"{d}/**/*.xplane.pb", recursive=True)[0])
+    total, count = collections.Counter(), collections.Counter()
+    for plane in profile.planes:
+        for line in plane.lines:
+            if "XLA" not in line.name:  # the executor's threads, not Python's
+                continue
+            for ev in line.events:
+                if ev.name in names:  # an HLO instruction (not the executor's own spans)
+                    total[ev.name] += ev.duration_ns / 1e9 / args.steps
+                    count[ev.name] += 1
+    ops = sum(total.values())
+    return {"preset": SIZES[args.size], "full_completions": args.full,
+            "pack_buckets": args.pack_buckets, "steps": args.steps,
+            "loadavg": [round(x, 2) for x in os.getloadavg()],
+            "step_s_under_profiler": round(seconds, 3), "ops_s": round(ops, 3),
+            "top": [{"op": name, "s": round(s, 4), "share": round(s / ops, 4),
+                     "calls": count[name] // args.steps, "op_name": names[name][-160:]}
+                    for name, s in total.most_common(args.top)]}
+
+
+if __name__ == "__main__":
+    print(json.dumps(main(), indent=1))

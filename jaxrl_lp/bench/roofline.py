@@ -1,0 +1,160 @@
+"""This machine's bounds for a GRPO iteration: its weight-stream bandwidth and f32 matmul rate.
+
+`jaxrl-lp bench iteration` measures both in its own process and run, before
+and after its race (the better of the two is used), and puts every phase it
+times against the bound they give:
+
+- `measure_weight_stream(cfg, batch)`: one decode step's matmuls alone, B rows
+  against every matmul weight of a step (each layer's q, k, v, o, gate, up and
+  down, and the output head: `decode_matrices`), `--steps` dependent steps in
+  one jitted loop, in two forms: `x @ W` with W stored `[in, out]`, as the
+  decode does, and the elementwise product reduced over `in` with W stored
+  `[out, in]` (XLA's reduction emitter; `benchmarks/decode_matmuls.py` found
+  it the faster stream). The bandwidth is the faster form's weight bytes per
+  second: the most a batch-B matrix-vector pass gets out of this machine.
+- `measure_matmul_rate(cfg, rows)`: the update's matmuls alone, f32, at its
+  rows (the tokens of a minibatch): for every weight the forward `x @ W` and
+  the backward's two (`g @ W.T`, `x.T @ g`), FLOPs over seconds.
+- `phase_bounds(...)`: per phase, the least time at those rates.
+  `sample`: every sampled token is one pass over the weights a decode step
+  reads (`bench.sampler.weight_bytes`), so `tokens x bytes / bandwidth`.
+  `update` (and a dense learner's `behaviour` forward): the compiled
+  program's FLOPs (`plan.hlo_cost`: XLA's dot count with each loop body times
+  its trip count; XLA's own `cost_analysis` counts a scanned layer once) over
+  the matmul rate, and an update that replays (a later minibatch) at least
+  its replay's decode loop's weight stream. Score and sync are host work and
+  data movement, not bounded (0).
+
+Timing: each form alternates with the others, the fastest of `repeats` runs.
+"""
+
+from __future__ import annotations
+
+import time
+
+import jax
+import jax.numpy as jnp
+
+from jaxrl_lp.models.config import ModelConfig
+
+__all__ = ["decode_matrices", "measure_matmul_rate", "measure_weight_stream", "phase_bounds"]
+
+
+def decode_matrices(cfg: ModelConfig) -> list[tuple[int, int]]:
+    """`(in, out)` of every matmul weight one pass of a decode step reads (one loop step)."""
+    d, f, hd = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
+    layer = [(d, cfg.num_heads * hd), (d, cfg.num_kv_heads * hd), (d, cfg.num_kv_heads * hd),
+             (cfg.num_heads * hd, d), (d, f), (d, f), (f, d)]
+    return layer * cfg.num_layers + [(d, cfg.vocab_size)]
+
+
+def _weights(shapes, transposed: bool):
+    key = jax.random.PRNGKey(0)
+    return [0.02 * jax.random.normal(jax.random.fold_in(key, i), s[::-1] if transposed else s)
+            for i, s in enumerate(shapes)]
+
+
+def _best(calls: dict, repeats: int) -> dict:
+    """Fastest seconds of each no-argument call, alternating (each is called once first)."""
+    for fn in calls.values():
+        jax.block_until_ready(fn())
+    times = {name: [] for name in calls}
+    for _ in range(repeats):
+        for name, fn in calls.items():
+            t = time.perf_counter()
+            jax.block_until_ready(fn())
+            times[name].append(time.perf_counter() - t)
+    return {name: min(ts) for name, ts in times.items()}
+
+
+def measure_weight_stream(cfg: ModelConfig, batch: int, *, steps: int = 10,
+                          repeats: int = 5) -> dict:
+    """Weight bytes per second of a batch-`batch` matrix-vector pass over `cfg`'s matrices.
+
+    Returns:
+      `{"weight_bytes", "batch", "forms": {name: {"ms_per_step", "gb_per_s"}},
+      "gb_per_s"}`, the last the faster form's (module docstring).
+    """
+    shapes = decode_matrices(cfg)
+    nbytes = sum(i * o for i, o in shapes) * 4
+    xs = {n: jax.random.normal(jax.random.PRNGKey(n), (batch, n)) for n in {i for i, _ in shapes}}
+
+    def dot_in_out(x, w):  # the decode's form
+        return x @ w
+
+    def reduce_out_in(x, w):
+        return jnp.sum(w[:, None, :] * x[None], axis=-1).T
+
+    def loop(product, weights, xs):
+        def body(_, acc):
+            # Every product reads the accumulator: no step can be hoisted or skipped.
+            for (n, _), w in zip(shapes, weights, strict=True):
+                acc = acc + jnp.sum(product(xs[n] + acc * 1e-9, w))
+            return acc
+        return jax.lax.fori_loop(0, steps, body, jnp.float32(0.0))
+
+    calls = {}
+    for name, product, transposed in (("dot_in_out", dot_in_out, False),
+                                      ("reduce_out_in", reduce_out_in, True)):
+        fn, weights = jax.jit(lambda w, x, p=product: loop(p, w, x)), _weights(shapes, transposed)
+        calls[name] = lambda fn=fn, weights=weights: fn(weights, xs)
+    best = _best(calls, repeats)
+    forms = {name: {"ms_per_step": round(t / steps * 1e3, 3),
+                    "gb_per_s": round(nbytes * steps / t / 1e9, 2)} for name, t in best.items()}
+    return {"weight_bytes": nbytes, "batch": batch, "steps": steps, "forms": forms,
+            "gb_per_s": max(f["gb_per_s"] for f in forms.values())}
+
+
+def measure_matmul_rate(cfg: ModelConfig, rows: int, *, repeats: int = 3) -> dict:
+    """f32 FLOP/s of the update's matmuls at `rows` tokens (module docstring).
+
+    Returns:
+      `{"rows", "shapes", "flops", "seconds", "gflop_per_s"}`: each distinct weight
+      shape's three matmuls, timed together.
+    """
+    shapes = sorted(set(decode_matrices(cfg)))
+    key = jax.random.PRNGKey(1)
+    xs = {n: jax.random.normal(jax.random.fold_in(key, n), (rows, n))
+          for n in {i for i, _ in shapes} | {o for _, o in shapes}}
+    weights = _weights(shapes, False)
+
+    @jax.jit
+    def update(weights, xs):
+        out = []
+        for (i, o), w in zip(shapes, weights, strict=True):
+            x, g = xs[i], xs[o]
+            out += [x @ w, g @ w.T, x.T @ g]
+        return out
+
+    # Each distinct weight shape once: a model's layers repeat the same few.
+    seconds = _best({"update": lambda: update(weights, xs)}, repeats)["update"]
+    flops = 3 * 2 * rows * sum(i * o for i, o in shapes)
+    return {"rows": rows, "shapes": [list(s) for s in shapes], "flops": flops,
+            "seconds": round(seconds, 4), "gflop_per_s": round(flops / seconds / 1e9, 2)}
+
+
+def phase_bounds(*, tokens: int, weight_bytes: int, bandwidth: float, matmul_rate: float,
+                 update_flops: list[float], replays: list[bool], decode_steps: int,
+                 behaviour_flops: float = 0.0) -> dict:
+    """Least seconds of each phase of one iteration at `bandwidth` (B/s) and `matmul_rate`.
+
+    Args:
+      tokens: sampled tokens an iteration's decode loop produces per row (decode steps
+        of the sampler, prefill included).
+      weight_bytes: the weights one decode step reads.
+      bandwidth, matmul_rate: the machine's (bytes/s, FLOP/s).
+      update_flops: per update of the iteration, its compiled program's FLOPs.
+      replays: per update, whether it replays (a decode loop of `decode_steps`).
+      decode_steps: steps of a replay's decode loop.
+      behaviour_flops: a dense learner's behaviour forward, 0 where none runs.
+
+    Returns:
+      `{"sample_s", "behaviour_s", "update_s", "iteration_s"}`.
+    """
+    stream = lambda steps: steps * weight_bytes / bandwidth
+    update = sum(max(f / matmul_rate, stream(decode_steps) if r else 0.0)
+                 for f, r in zip(update_flops, replays, strict=True))
+    out = {"sample_s": stream(tokens), "behaviour_s": behaviour_flops / matmul_rate,
+           "update_s": update}
+    out["iteration_s"] = sum(out.values())
+    return {k: float(f"{v:.4g}") for k, v in out.items()}
