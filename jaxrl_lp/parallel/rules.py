@@ -16,7 +16,12 @@ None: replicated), and `spec_for` turns a tuple of logical names into a
 | `heads`, `kv_heads` | `tensor` | query / key-value heads (whole heads per shard) |
 | `mlp` | `tensor` | SwiGLU hidden width |
 | `norm`, `head_norm` | `fsdp` | RMSNorm scales (model width, head width) |
-| `layers`, `head_dim`, `sequence`, `hidden`, `cache_slots`, `gate` | - | replicated |
+| `layers`, `head_dim`, `sequence`, `hidden`, `cache_slots`, `gate`, `lora_rank` | - | replicated |
+
+A LoRA adapter is split like the matmul it adapts: `A` [L, in, r] along the
+weight's input axis, `B` [L, r, out] along its output axis (`lora_rank`
+replicated); a LoRA run's base and adapters (`lora.LoraParams`) are laid out
+as the params tree is.
 
 Activations use `hidden` (not `embed`) for their model width, so FSDP shards
 weights but not the residual stream. Every parameter is split over `fsdp` x
@@ -52,6 +57,9 @@ _LAYER_AXES: dict[str, tuple[str, ...]] = {
     "up_proj": ("layers", "embed", "mlp"),
     "down_proj": ("layers", "mlp", "embed"),
 }
+# The two halves of a LoRA run's weights (`lora.LoraParams`): each is laid out as the params
+# tree is (the adapters under the names of the weights they adapt).
+_LORA_PARTS = ("base", "adapters")
 _TOP_AXES: dict[str, tuple[str, ...]] = {
     "embed": ("vocab", "embed"),
     "lm_head": ("embed", "vocab"),
@@ -96,6 +104,7 @@ DEFAULT_RULES = ShardingRules((
     ("hidden", ()),
     ("cache_slots", ()),
     ("gate", ()),
+    ("lora_rank", ()),
 ))
 
 
@@ -120,9 +129,16 @@ def param_logical_axes(params: Any) -> Any:
     """The logical axes of every leaf of a params tree (stacked layers), as a same-shaped tree."""
 
     def axes(path, leaf):
-        keys = [str(getattr(k, "key", getattr(k, "idx", k))) for k in path]
+        keys = [str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in path]
+        if len(keys) > 1 and keys[0] in _LORA_PARTS:  # a LoRA train tree (`lora.LoraParams`)
+            keys = keys[1:]
         name = keys[-1]
         if keys[0] == "layers":
+            if len(keys) == 3 and keys[1] in _LAYER_AXES and name in ("a", "b"):
+                # A LoRA adapter of a layer matmul: A [L, in, r] is split like the weight's
+                # input, B [L, r, out] like its output; the rank is replicated.
+                layers, n_in, n_out = _LAYER_AXES[keys[1]]
+                return (layers, n_in, "lora_rank") if name == "a" else (layers, "lora_rank", n_out)
             if name in _LAYER_AXES:
                 return _LAYER_AXES[name]
             if "norm" in name:

@@ -18,14 +18,15 @@ from jaxrl_lp.fields import (
     check_str,
     user_key,
 )
+from jaxrl_lp.lora.config import LoraConfig
 from jaxrl_lp.models.config import ModelConfig
 from jaxrl_lp.parallel.distributed import DistributedConfig
 from jaxrl_lp.rl.loss import LossConfig
 from jaxrl_lp.rollout.sampling import DRAWS
 from jaxrl_lp.train.sync_hooks import SyncConfig
 
-__all__ = ["DistributedConfig", "GRPOConfig", "RunConfig", "SFTConfig", "SyncConfig", "TaskConfig",
-           "TrainConfig",
+__all__ = ["DistributedConfig", "GRPOConfig", "LoraConfig", "RunConfig", "SFTConfig", "SyncConfig",
+           "TaskConfig", "TrainConfig",
            "apply_overrides", "config_from_dict", "load_config"]
 
 
@@ -329,6 +330,7 @@ class TrainConfig:
       grpo: the RL phase.
       loss: the policy loss.
       sync: the served copy the sampler runs on.
+      lora: low-rank adapters on a frozen base (rank 0: the full model trains).
       run: where and how the run is recorded.
       distributed: how the processes of a multi-process run join (jax.distributed).
       init_from: a Hugging Face checkpoint directory to start from ('': random weights).
@@ -340,12 +342,14 @@ class TrainConfig:
     grpo: GRPOConfig = GRPOConfig()
     loss: LossConfig = LossConfig()
     sync: SyncConfig = SyncConfig()
+    lora: LoraConfig = LoraConfig()
     run: RunConfig = RunConfig()
     distributed: DistributedConfig = DistributedConfig()
     init_from: str = ""
 
     def __post_init__(self):
         check_str("init_from", self.init_from, what="a checkpoint directory or ''")
+        self.sync.check_served_copy(merged_lora=self.lora.enabled and self.lora.serve == "merged")
 
 
 def _convert(value: str, current: Any, hint: Any, key: str) -> Any:

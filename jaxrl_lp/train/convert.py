@@ -18,6 +18,7 @@ from pathlib import Path
 
 from jaxrl_lp.models.hf_config import config_to_hf, read_hf_config
 from jaxrl_lp.models.hf_io import SINGLE_FILE, save_hf_checkpoint
+from jaxrl_lp.models.lora import merge_adapters
 from jaxrl_lp.train.checkpoint import Checkpointer
 from jaxrl_lp.train.config import TrainConfig
 from jaxrl_lp.train.run_io import model_config_of, run_config, save_tokenizer, served_export
@@ -26,13 +27,18 @@ from jaxrl_lp.train.sync_hooks import make_exporter
 __all__ = ["hf_to_run", "run_to_hf", "run_to_served"]
 
 
-def _model_params(cfg: TrainConfig, params):
+def _model_params(cfg: TrainConfig, params, meta: dict, run_dir):
     """The model's params of a checkpoint's params: a low-bit run (`sft.optimizer`) holds
-    its train tree (e.g. int8 codes and scales), which is materialized here."""
+    its train tree (e.g. int8 codes and scales), which is materialized here; a LoRA run's
+    adapters are put on their base (rebuilt and checked, `train.lora_run`), composed."""
+    from jaxrl_lp.lora import LoraWeights
     from jaxrl_lp.optim import OptimizerSpec
+    from jaxrl_lp.train.lora_run import read_lora_params
 
     weights = OptimizerSpec.parse(cfg.sft.optimizer, "sft.optimizer").weights()
-    return params if weights is None else weights.materialize(params)
+    params = params if weights is None else weights.materialize(params)
+    params, lora = read_lora_params(run_dir, params, meta, model_config_of(meta), cfg.init_from)
+    return params if lora is None else LoraWeights(lora, model_config_of(meta)).materialize(params)
 
 
 def _restore(run_dir, step):
@@ -42,7 +48,7 @@ def _restore(run_dir, step):
         params, meta = ckpt.restore_params(step)
     finally:
         ckpt.close()
-    return step, _model_params(run_config(run_dir), params), meta
+    return step, _model_params(run_config(run_dir), params, meta, run_dir), meta
 
 
 def run_to_hf(run_dir: str | os.PathLike, out: str | os.PathLike, *, step: int | None = None,
@@ -66,7 +72,7 @@ def run_to_hf(run_dir: str | os.PathLike, out: str | os.PathLike, *, step: int |
     step, params, meta = _restore(run_dir, step)
     mcfg = model_config_of(meta)
     config_to_hf(mcfg, "4", dtype)  # refuses a bad dtype or model before anything is written
-    save_hf_checkpoint(out, mcfg, params, dtype=dtype)
+    save_hf_checkpoint(out, mcfg, merge_adapters(params), dtype=dtype)  # LoRA: W + A B s
     files = ["config.json", SINGLE_FILE, *save_tokenizer(cfg, out)]
     return {"run": str(run_dir), "step": step, "out": str(out),
             "model_type": config_to_hf(mcfg)["model_type"], "dtype": dtype, "files": files}
@@ -135,7 +141,8 @@ def run_to_served(run_dir: str | os.PathLike, out: str | os.PathLike, *,
     try:
         step = ckpt.resolve_step(step)
         params, meta = ckpt.restore_params(step)
-        served, info = served_export(ckpt, _model_params(cfg, params), meta, step, exporter)
+        served, info = served_export(ckpt, _model_params(cfg, params, meta, run_dir), meta, step,
+                                     exporter)
     finally:
         ckpt.close()
     facts = {"run": str(Path(run_dir).absolute()), "step": step,
