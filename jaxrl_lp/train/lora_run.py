@@ -200,13 +200,21 @@ class LoraCheckpoints:
         return getattr(self.inner, name)
 
     def record(self, base) -> dict:
-        """The metadata of the LoRA phase: the adapters' settings and the base's identity."""
-        if self._record is None:  # the base never changes: fingerprinted once
+        """The metadata of the LoRA phase: the adapters' settings and the base's identity.
+
+        The base is fingerprinted at every save (one read of it per checkpoint) and must
+        be the base the phase started on: a changed bit is a RuntimeError, not a checkpoint.
+        """
+        fp = _fingerprint(base)
+        if self._record is None:
             spec = self.lora.spec
             self._record = {"rank": spec.rank, "alpha": spec.alpha, "targets": spec.targets,
                             "base_format": spec.base_format, "serve": spec.serve,
                             "start": self.lora.start, "base_source": _source(self.lora, self.cfg),
-                            "base_fingerprint": _fingerprint(base)}
+                            "base_fingerprint": fp}
+        elif fp != self._record["base_fingerprint"]:
+            raise RuntimeError(f"the frozen LoRA base changed during training (fingerprint "
+                               f"{self._record['base_fingerprint']} -> {fp}); nothing was saved")
         return self._record
 
     def save(self, step: int, tree: dict, meta: dict) -> None:
