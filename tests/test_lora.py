@@ -181,7 +181,10 @@ def test_adapters_are_sharded_like_the_matmuls_they_adapt():
     sh = param_shardings(train, cfg, mesh)
     a_spec = sh.adapters["layers"]["q_proj"]["a"].spec
     b_spec = sh.adapters["layers"]["q_proj"]["b"].spec
-    assert tuple(a_spec) == (None, "fsdp", None) and tuple(b_spec) == (None, None, "tensor")
+    # B's output axis (heads) is on tensor, so its rank takes fsdp: every adapter is split.
+    assert tuple(a_spec) == (None, "fsdp", None) and tuple(b_spec) == (None, "fsdp", "tensor")
+    o_b = sh.adapters["layers"]["o_proj"]["a"].spec  # o_proj's input (heads) is on tensor
+    assert tuple(o_b) == (None, "tensor", "fsdp")
 
 
 # ---------------------------------------------------------------- the config

@@ -138,7 +138,8 @@ def test_lora_grpo_on_the_warm_start_keeps_its_base_and_serves_merged_nvfp4_exac
     run_train(cfg, stop_after=4)  # the full warm-start
     warm = _checkpoints(run)[4]["state"]
     assert "lora" not in _checkpoints(run)[4]["meta"]
-    run_train(cfg)
+    run_train(cfg, stop_after=6)
+    run_train(cfg)  # resumed from a LoRA checkpoint with the merged copy's sync state
     # The base is the warm-start's params, kept whole once; every LoRA checkpoint records the
     # fingerprint of that base as held (NVFP4 codes), taken from the base in memory.
     store = Checkpointer(run, subdir="lora_base")

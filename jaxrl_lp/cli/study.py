@@ -15,6 +15,9 @@ Targets:
   matched-precision  GRPO with sampler and learner in the same FP8/FP4 format against an
                      unmatched learner with and without TIS/MIS
                      (`jaxrl_lp.studies.matched_precision`).
+  lora-mismatch      LoRA GRPO per base format (f32, bf16, MXFP8, NVFP4) served unmerged,
+                     merged, and merged with the loss on the served copy: the mismatch and
+                     short reward curves (`jaxrl_lp.studies.lora_mismatch`).
 
 Each prints its result as JSON and writes it (and plots) under `--out`
 (default `runs/study-<name>`), replacing what is there.
@@ -40,6 +43,7 @@ STUDIES: dict[str, tuple[str, str]] = {
     "backward-state": ("backward_state", "run_backward_state"),
     "error-diffusion": ("error_diffusion", "run_error_diffusion"),
     "matched-precision": ("matched_precision", "run_matched_precision"),
+    "lora-mismatch": ("lora_mismatch", "run_lora_mismatch"),
 }
 
 

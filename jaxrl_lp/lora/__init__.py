@@ -24,6 +24,8 @@ from jaxrl_lp.lora.adapters import (
     with_adapters,
 )
 from jaxrl_lp.lora.config import BASE_FORMATS, TARGETS, LoraConfig
+from jaxrl_lp.lora.export import merged_exporter, served_format_exporter
+from jaxrl_lp.lora.peft import load_peft, peft_names, save_peft
 from jaxrl_lp.lora.weights import LoraWeights
 
 __all__ = [
@@ -36,7 +38,12 @@ __all__ = [
     "count_params",
     "hold_base",
     "init_adapters",
+    "load_peft",
     "matmul_shapes",
     "merge_adapters",
+    "merged_exporter",
+    "peft_names",
+    "save_peft",
+    "served_format_exporter",
     "with_adapters",
 ]

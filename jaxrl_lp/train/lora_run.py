@@ -37,12 +37,14 @@ from jaxrl_lp.lora import (
     matmul_shapes,
 )
 from jaxrl_lp.lora.export import merged_exporter, served_format_exporter
+from jaxrl_lp.models.model import init_params
 from jaxrl_lp.numerics.fingerprint import tree_fingerprint
 from jaxrl_lp.numerics.qarray import get_format
 from jaxrl_lp.train.checkpoint import Checkpointer
 from jaxrl_lp.train.run_state import RunState
 
-__all__ = ["LoraCheckpoints", "LoraPlan", "begin_lora", "lora_plan", "read_lora_params"]
+__all__ = ["LoraCheckpoints", "LoraPlan", "begin_lora", "check_rank_splits", "lora_plan",
+           "read_lora_params"]
 
 BASE_DIR = "lora_base"  # <run>/lora_base: the warm-started base of a LoRA GRPO phase
 _SPEC_KEYS = ("rank", "alpha", "targets", "base_format")
@@ -80,6 +82,8 @@ def lora_plan(cfg, mcfg) -> LoraPlan | None:
         raise ValueError(f"lora.rank={spec.rank} adapts a frozen base with AdamW on the adapters, "
                          f"but sft.optimizer={opt!r} {why}; set sft.optimizer=adamw (a quantized "
                          "base is lora.base_format=nvfp4, say) or lora.rank=0")
+    if cfg.run.mesh:
+        check_rank_splits(spec, cfg.run.mesh, "run.mesh")
     quantized = spec.base_format not in ("f32", "bf16")
     if quantized and cfg.run.mesh:
         raise ValueError(f"lora.base_format={spec.base_format} holds the base as codes and scales, "
@@ -112,6 +116,18 @@ def lora_plan(cfg, mcfg) -> LoraPlan | None:
         exporter = merged_exporter(inner)
     start = 0 if cfg.init_from else cfg.sft.steps
     return LoraPlan(spec, LoraWeights(spec, mcfg, cfg.run.seed), start, exporter)
+
+
+def check_rank_splits(spec: LoraConfig, mesh: str, key: str) -> None:
+    """Raises unless `spec.rank` divides by the mesh's fsdp size: where an adapter's other
+    axis is not on `fsdp`, its rank is (`parallel.rules`, `lora_rank`)."""
+    from jaxrl_lp.parallel import MeshSpec
+
+    fsdp = MeshSpec.parse(mesh).fsdp
+    if spec.rank % fsdp:
+        raise ValueError(f"lora.rank={spec.rank} does not split over {key}={mesh}'s fsdp={fsdp} "
+                         "(an adapter whose other axis is on the tensor axis is split over fsdp "
+                         f"along its rank); choose a multiple of {fsdp}")
 
 
 def _fingerprint(base) -> list[int]:
@@ -190,10 +206,10 @@ class LoraCheckpoints:
     `LoraParams`); every other method is the wrapped checkpointer's.
     """
 
-    def __init__(self, inner: Checkpointer, lora: LoraPlan, cfg, mcfg, optimizers,
+    def __init__(self, inner: Checkpointer, lora: LoraPlan, cfg, mcfg, optimizers, hooks,
                  shardings=None):
         self.inner, self.lora, self.cfg, self.mcfg = inner, lora, cfg, mcfg
-        self.optimizers, self.shardings = optimizers, shardings
+        self.optimizers, self.hooks, self.shardings = optimizers, hooks, shardings
         self._record = None
 
     def __getattr__(self, name):
@@ -240,10 +256,14 @@ class LoraCheckpoints:
                                 adapter_shapes(self.mcfg, spec),
                                 is_leaf=lambda x: isinstance(x, tuple))
         opt_params = {"adapters": adapters}
+        weights = self.lora.weights
+        full = jax.eval_shape(lambda: init_params(self.mcfg, jax.random.PRNGKey(0)))
         like = {"params": opt_params,
                 "opt_sft": jax.eval_shape(sft_opt.init, opt_params) if self.lora.start == 0 else {},
                 "opt_grpo": jax.eval_shape(grpo_opt.init, opt_params),
-                "sync": state_like["sync"]}
+                # The exporter state and diagnostics of the merged copy, as the phase made them.
+                "sync": jax.eval_shape(lambda p: self.hooks.init_state(
+                    weights.materialize(weights.from_params(p))), full)}
         tree, meta = self.inner.restore(like, model_config, step)
         held = state_like["params"]
         if isinstance(held, LoraParams):  # built from init_from by `initial_state`

@@ -90,8 +90,11 @@ def initial_state(cfg: TrainConfig, plan: RunPlan | None = None
                       exporter=None if plan.lora is None else plan.lora.exporter)
     weights = plan.weights
     if weights is None:
+        # LoRA on the run's own warm-start exports nothing before its GRPO phase (`begin_lora`).
+        lora_later = plan.lora is not None
         state = RunState(params=params, opt_sft=sft_opt.init(params),
-                         opt_grpo=grpo_opt.init(params), sync=hooks.init_state(params))
+                         opt_grpo=grpo_opt.init(params),
+                         sync={} if lora_later else hooks.init_state(params))
     else:  # the train tree (`sft.optimizer`: e.g. int8 codes and scales; LoRA: base, adapters)
         train = weights.from_params(params)
         del params
@@ -298,7 +301,7 @@ def _train(cfg: TrainConfig, plan: RunPlan, run_dir: Path, ckpt: Checkpointer, t
     if lora is not None:
         base_sh = None if mesh is None else param_shardings(
             jax.eval_shape(lambda: init_params(mcfg, jax.random.PRNGKey(0))), mcfg, mesh)
-        ckpt = LoraCheckpoints(ckpt, lora, cfg, mcfg, plan.optimizers, shardings=base_sh)
+        ckpt = LoraCheckpoints(ckpt, lora, cfg, mcfg, plan.optimizers, hooks, shardings=base_sh)
     # Each process reads the data shards of its devices; every process gets the global batch.
     sft_it = ShardedLoader(
         lambda d, n: sft_loader(task.train, task.sft_example, cfg.sft.batch_size // n,
