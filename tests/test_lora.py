@@ -82,7 +82,7 @@ def test_fingerprint_sees_a_flipped_fp4_code():
 # ---------------------------------------------------------------- unmerged serving
 SLOW = pytest.mark.slow
 UNMERGED = [pytest.param(k, f, p, id=f"{k}-{f}-{p.compute_dtype}", marks=m) for k, f, p, m in (
-    ("dense", "nvfp4", BF16, ()), ("looped_deferred", "f32", F32, ()),
+    ("dense", "nvfp4", BF16, ()), ("looped_deferred", "f32", F32, SLOW),
     ("dense", "f32", F32, SLOW), ("dense", "bf16", BF16, SLOW),
     ("looped_deferred", "mxfp8", BF16, SLOW))]
 

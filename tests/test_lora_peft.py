@@ -38,7 +38,7 @@ def tiny_qwen3(path, seed=0):
     model.save_pretrained(path)
 
 
-@pytest.mark.parametrize("targets", ["all", "q,v,down"])
+@pytest.mark.parametrize("targets", ["all", pytest.param("q,v,down", marks=pytest.mark.slow)])
 def test_peft_loads_our_adapters_onto_the_base_and_gives_our_logits(tmp_path, targets):
     base_dir, out = tmp_path / "base", tmp_path / "adapter"
     tiny_qwen3(base_dir)

@@ -36,13 +36,11 @@ merged arm's mismatch was above 0 and the served-copy arm's exactly 0.
 from __future__ import annotations
 
 import json
-import shutil
 import time
 from pathlib import Path
 
 from jaxrl_lp.lora.config import LoraConfig
-from jaxrl_lp.studies.common import QUICK_OVERRIDES, make_config, remove_outputs
-from jaxrl_lp.studies.matched_precision import _finite, _mean
+from jaxrl_lp.studies.common import arm_figures, arm_series, plot_arm_series, warm_start_then_arms
 
 __all__ = ["ARMS", "BASES", "MODES", "arm_overrides", "run_lora_mismatch"]
 
@@ -76,62 +74,28 @@ def arm_overrides(arm: str, steps: int) -> list[str]:
 
 
 def _arm_result(records: list[dict], n_sft: int, summary: dict) -> tuple[dict, dict]:
-    grpo, evals = {}, {}
-    for r in records:  # a repeated step (a resumed run) keeps the latest record
-        if r.get("phase") == "grpo":
-            grpo[int(r["step"]) - n_sft] = r
-        elif r.get("phase") == "eval":
-            evals[int(r["step"]) - n_sft] = r["accuracy"]
-    steps = sorted(grpo)
-    series = {"step": steps, **{k: [_finite(grpo[t].get(k)) for t in steps] for k in SERIES_KEYS},
-              "eval_step": sorted(evals), "accuracy": [evals[t] for t in sorted(evals)]}
-    q = max(1, len(steps) // 4)
-    dlogp = [x for x in series["mismatch_max_abs_dlogp"] if x is not None]
-    fig = {
-        "mismatch_k1_mean": _mean(series["mismatch_k1"]),
-        "mismatch_k3_mean": _mean(series["mismatch_k3"]),
-        "mismatch_max_abs_dlogp": max(dlogp) if dlogp else None,
-        "served_master_k3_mean": _mean(series["served_master_k3"]),
-        "reward_first": _mean(series["reward_mean"][:q]),
-        "reward_last": _mean(series["reward_mean"][-q:]),
-        "replay_verified": int(sum(x or 0 for x in series["replay_verified"])),
-        "initial_accuracy": summary["initial_accuracy"],
-        "final_accuracy": summary["final_accuracy"],
-        "accuracy_gain": summary["accuracy_gain"],
-        "skipped_steps": summary["skipped_steps"],
-    }
+    series = arm_series(records, n_sft, SERIES_KEYS)
+    fig = arm_figures(series, summary, means=("served_master_k3",))
+    fig["replay_verified"] = int(sum(x or 0 for x in series["replay_verified"]))
     return series, fig
 
 
 def _plot(series: dict[str, dict], out: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     styles = {"unmerged": ":", "merged": "-", "merged_served": "--"}
     colors = {"f32": "black", "bf16": "tab:blue", "mxfp8": "tab:orange", "nvfp4": "tab:red"}
-    panels = (("mismatch.png", "step", "mismatch_k3", "mismatch KL k3 (sampler vs learner)", True),
-              ("max_dlogp.png", "step", "mismatch_max_abs_dlogp", "max |delta logp|", True),
-              ("reward.png", "step", "reward_mean", "mean reward", False),
-              ("accuracy.png", "eval_step", "accuracy", "held-out greedy accuracy", False))
-    for name, xkey, key, title, log in panels:
-        fig, ax = plt.subplots(figsize=(7.5, 4.2))
-        for arm, s in series.items():
-            base, _, mode = arm.partition("_")
-            pts = [(t, v) for t, v in zip(s[xkey], s[key], strict=True) if v is not None]
-            if pts:
-                ax.plot(*zip(*pts, strict=True), linestyle=styles[mode], color=colors[base],
-                        marker=".", label=arm)
-        if log:
-            ax.set_yscale("symlog", linthresh=1e-8)
-        ax.set_title(f"LoRA rank {RANK}: {title}", fontsize=10)
-        ax.set_xlabel("GRPO step")
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=6, ncol=3)
-        fig.tight_layout()
-        fig.savefig(out / name, dpi=100)
-        plt.close(fig)
+    panels = (("mismatch.png", "step", "mismatch_k3",
+               f"LoRA rank {RANK}: mismatch KL k3 (sampler vs learner)", True),
+              ("max_dlogp.png", "step", "mismatch_max_abs_dlogp",
+               f"LoRA rank {RANK}: max |delta logp|", True),
+              ("reward.png", "step", "reward_mean", f"LoRA rank {RANK}: mean reward", False),
+              ("accuracy.png", "eval_step", "accuracy",
+               f"LoRA rank {RANK}: held-out greedy accuracy", False))
+
+    def style(arm):
+        base, _, mode = arm.partition("_")
+        return styles[mode], colors[base]
+
+    plot_arm_series(series, out, panels, style, linthresh=1e-8)
 
 
 def run_lora_mismatch(out_dir: str | Path = "runs/study-lora-mismatch", *,
@@ -153,42 +117,20 @@ def run_lora_mismatch(out_dir: str | Path = "runs/study-lora-mismatch", *,
     Returns:
       The JSON-able result (also in `lora_mismatch.json`).
     """
-    arms = tuple(arms or ARMS)
-    for a in arms:
-        if a not in ARMS:
-            raise ValueError(f"lora-mismatch: unknown arm {a!r}; arms are {list(ARMS)}")
-    steps = steps if steps is not None else (2 if quick else DEFAULT_STEPS)
-    if steps < 1:
-        raise ValueError(f"lora-mismatch: steps must be >= 1; got {steps}")
-    from jaxrl_lp.train.program import run_train
-
-    t0 = time.time()
-    out = Path(out_dir)
-    remove_outputs(out, ["sft", *ARMS, *OUTPUT_FILES])
-    out.mkdir(parents=True, exist_ok=True)
-    common = [*(QUICK_OVERRIDES if quick else STUDY_OVERRIDES), *overrides,
-              f"run.progress={'true' if progress else 'false'}"]
-    if sft_steps is not None:
-        common.append(f"sft.steps={sft_steps}")
-    sft_cfg = make_config([*common, "grpo.steps=0", f"run.out_dir={out / 'sft'}"])
-    sft_summary = run_train(sft_cfg)
+    ran = warm_start_then_arms(
+        "lora-mismatch", out_dir, valid=ARMS, arms=arms, arm_overrides=arm_overrides,
+        steps=steps, default_steps=DEFAULT_STEPS, sft_steps=sft_steps,
+        study_overrides=STUDY_OVERRIDES, overrides=overrides, quick=quick, progress=progress,
+        outputs=OUTPUT_FILES)
+    out, steps, sft_cfg, sft_summary, runs, timings, t0, common = ran
     n_sft = sft_cfg.sft.steps
-    timings = {"sft_seconds": round(time.time() - t0, 1)}
     result_arms, all_series = {}, {}
-    for arm in arms:
-        t_arm = time.time()
-        arm_dir = out / arm
-        shutil.copytree(out / "sft", arm_dir)
-        settings = [*common, *arm_overrides(arm, steps), f"run.eval_every={max(1, steps // 3)}",
-                    f"run.out_dir={arm_dir}"]
-        summary = run_train(make_config(settings))
-        records = [json.loads(x) for x in (arm_dir / "metrics.jsonl").read_text().splitlines() if x]
+    for arm, (_, summary, records) in runs.items():
         series, fig = _arm_result(records, n_sft, summary)
         base, _, mode = arm.partition("_")
         fig.update(base_format=base, serve="merged" if mode != "unmerged" else "unmerged",
                    loss_on_served=mode == "merged_served")
         result_arms[arm], all_series[arm] = fig, series
-        timings[f"{arm}_seconds"] = round(time.time() - t_arm, 1)
     _plot(all_series, out)
     removed = {}
     for base in BASES:

@@ -44,13 +44,19 @@ def _model_params(cfg: TrainConfig, params, meta: dict, run_dir):
     return params if lora is None else LoraWeights(lora, model_config_of(meta)).materialize(params)
 
 
-def _restore(run_dir, step):
+def _read(run_dir, step):
+    """`(step, params, meta)` of a checkpoint, the params as saved (`restore_params`)."""
     ckpt = Checkpointer(run_dir, create=False)
     try:
         step = ckpt.resolve_step(step)
         params, meta = ckpt.restore_params(step)
     finally:
         ckpt.close()
+    return step, params, meta
+
+
+def _restore(run_dir, step):
+    step, params, meta = _read(run_dir, step)
     return step, _model_params(run_config(run_dir), params, meta, run_dir), meta
 
 
@@ -177,12 +183,7 @@ def run_to_peft(run_dir: str | os.PathLike, out: str | os.PathLike, *,
     from jaxrl_lp.train.lora_run import read_lora_params
 
     cfg = run_config(run_dir)
-    ckpt = Checkpointer(run_dir, create=False)
-    try:
-        step = ckpt.resolve_step(step)
-        params, meta = ckpt.restore_params(step)
-    finally:
-        ckpt.close()
+    step, params, meta = _read(run_dir, step)
     rec = meta.get("lora")
     if rec is None:
         raise ValueError(f"checkpoint step {step} of {run_dir} holds no LoRA adapters (a full "
