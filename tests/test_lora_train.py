@@ -174,3 +174,22 @@ def test_jaxrl_lp_sft_is_lora_sft_on_a_pretrained_base(tmp_path, capsys):
     assert set(state["params"]) == {"adapters"} and meta["lora"]["start"] == 0
     b = state["params"]["adapters"]["layers"]["q_proj"]["b"]
     assert float(np.abs(np.asarray(b)).max()) > 0  # B left zero: the SFT steps trained it
+
+
+@pytest.mark.slow
+def test_lora_on_a_mesh_shards_the_adapters_and_resumes(tmp_path):
+    """bf16 base, rank 8 over fsdp=8 (the session's 8 CPU devices), a KL term to the GRPO
+    start (its reference is the merged f32 copy): every batch's replay is the sampler's bits,
+    and a run resumed from a LoRA checkpoint on the mesh logs what the whole run logs."""
+    over = [*short_run(sft_steps=2, grpo_steps=4, checkpoint_every=3), *LORA,
+            "lora.rank=8", "lora.base_format=bf16", "run.mesh=fsdp=8",
+            "grpo.prompts_per_step=8", "loss.kl_beta=0.01"]
+    cfg = lambda d: apply_overrides(default_config(), [*over, f"run.out_dir={d}"])
+    run_train(cfg(tmp_path / "ref"))
+    assert run_train(cfg(tmp_path / "cut"), stop_after=3)["interrupted"]  # a LoRA checkpoint
+    run_train(cfg(tmp_path / "cut"))
+    grpo = [r for r in _records(tmp_path / "ref") if r["phase"] == "grpo"]
+    assert len(grpo) == 4 and all(r["replay_verified"] == 1.0 for r in grpo)
+    assert _records(tmp_path / "ref") == _records(tmp_path / "cut")
+    a, b = _checkpoints(tmp_path / "ref")[6], _checkpoints(tmp_path / "cut")[6]
+    assert _bits_equal(a["state"], b["state"]) and a["meta"] == b["meta"]

@@ -329,10 +329,14 @@ def _train(cfg: TrainConfig, plan: RunPlan, run_dir: Path, ckpt: Checkpointer, t
     grpo_step = make_grpo_step(mcfg, lpol, cfg.loss, grpo_opt, loop=loop, sampler_policy=spol,
                                method=g.logprobs, micro_batches=g.micro_batches, mesh=mesh,
                                remat=g.remat, weights=grpo_weights)
-    # What the sampler, evaluation and export read: the model's params (LoRA: the base and
-    # its adapters, composed without a copy; a full tree before the LoRA phase, as it is).
-    model_params = ((lambda p: p) if grpo_weights is None else grpo_weights.materialize
-                    if lora is not None else jax.jit(grpo_weights.materialize))
+    # What the sampler, evaluation and export read: the model's params. LoRA composes the
+    # base and its adapters without a copy (a full tree before its phase passes as it is).
+    if grpo_weights is None:
+        model_params = lambda p: p
+    elif lora is not None:
+        model_params = grpo_weights.materialize
+    else:
+        model_params = jax.jit(grpo_weights.materialize)
     # The behaviour log-probs of the whole batch, one micro-batch's rows at a time (and the
     # KL reference's, with its params: the same program).
     old_logp_fn = jit_learner_logprobs(mcfg, lpol, g.logprobs, loop=loop, mesh=mesh,
