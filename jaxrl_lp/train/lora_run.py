@@ -47,7 +47,7 @@ __all__ = ["LoraCheckpoints", "LoraPlan", "begin_lora", "check_rank_splits", "lo
            "read_lora_params"]
 
 BASE_DIR = "lora_base"  # <run>/lora_base: the warm-started base of a LoRA GRPO phase
-_SPEC_KEYS = ("rank", "alpha", "targets", "base_format")
+_SPEC_KEYS = ("rank", "alpha", "targets", "base_format", "serve")
 
 
 class LoraPlan(NamedTuple):
