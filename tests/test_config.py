@@ -100,6 +100,18 @@ BAD = {
     "sync.check_every": ["-1", "5"],
     "sync.bf16_start": ["abc"],
     "sync.seed": ["-1"],
+    # -1; 65: above min(in, out) of every matrix of the default model (64 wide); 0 with
+    # another LoRA key set (it would do nothing)
+    # another LoRA key set (it would do nothing); error diffusion keeps no latent for an
+    # adapter to sit beside
+    "lora.rank": ["-1", "65", ("0", ["lora.serve=merged"]),
+                  ("8", ["sft.optimizer=error_diffusion:binary:k=4"])],
+    "lora.alpha": ["0", "nan"],
+    "lora.targets": ["q,qkv", "q,q"],  # an unknown target; one twice
+    # not a base format; a quantized base on a mesh
+    "lora.base_format": ["ternary", ("nvfp4", ["lora.rank=8", "run.mesh=fsdp=8"])],
+    # unmerged serving exports nothing: an exporter there would be ignored
+    "lora.serve": ["both", ("unmerged", ["lora.rank=8", "sync.exporter=bf16:nearest"])],
     "run.out_dir": ["", FILE, f"{FILE}/run"],
     "run.seed": ["-1", "abc"],
     "run.eval_every": ["0"],
@@ -126,7 +138,7 @@ BAD = {
     "run.sampler_mesh": ["data=4", ("data=8", ["run.learner_mesh=fsdp=4"]),
                          ("data=4@x", ["run.learner_mesh=fsdp=4"]),
                          ("data=3", ["run.learner_mesh=fsdp=4"])],
-    "grpo.max_staleness": ["-1", "abc"],
+    "grpo.max_staleness": ["-1", "abc", ("1", ["lora.rank=8"])],  # LoRA: synchronous only
     "distributed.coordinator": ["nohost", "host:port"],
     "distributed.num_processes": ["0", "abc"],
     "distributed.process_id": ["-2", "abc"],

@@ -95,6 +95,13 @@ RUNS = {
         "grpo.max_nonfinite_in_row=2", "run.save_on_signal=false",
         "distributed.timeout_s=60",
     ],
+    # LoRA GRPO on the warm-start held as NVFP4 codes (QLoRA-style), three targets, served
+    # merged (re-quantized to NVFP4) with the loss on that copy, every sync check each step.
+    "lora": [
+        "lora.rank=4", "lora.alpha=8.0", "lora.targets=q,v,down", "lora.base_format=nvfp4",
+        "lora.serve=merged", "sync.loss_on_served=true", "sync.check_every=1",
+        "grpo.verify_every=1",
+    ],
     # Speculative rollouts, self-drafted at one loop step.
     "speculative": ["grpo.speculative=self:loops=1,k=2"],
     # Sharded over the 8 CPU devices the tests have (conftest's XLA_FLAGS).

@@ -278,3 +278,32 @@ def test_full_size_plans(capfd, path, mesh, devices):
     if FULL[path] == "ouro-1.4b" and mesh == "fsdp=8":
         assert out["summary"]["fits"] is True
         assert out["summary"]["learner_peak_bytes"] < 80e9
+
+
+@pytest.mark.slow
+def test_tiny_lora_plan_trains_the_adapters_only(tiny_plan):
+    """LoRA rank 4 (bf16 base) on the same mesh: the adapters are what the optimizer holds,
+    split over fsdp like the weights; the base is half the f32 master's bytes."""
+    from jaxrl_lp.lora import adapter_shapes
+    from jaxrl_lp.train import default_config
+    from jaxrl_lp.train.validate import build_task, model_config
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert main(["plan", "--mesh", "data=2,fsdp=2,tensor=2", "--devices", "8",
+                     "--target", "h100", "--set", "grpo.micro_batches=2", "--set", "lora.rank=4",
+                     "--set", "lora.base_format=bf16"]) == 0
+    lora_plan = json.loads(out.getvalue())
+    lo, full = lora_plan["lora"], tiny_plan["per_device_bytes"]
+    cfg = default_config()
+    m = model_config(cfg, build_task(cfg))
+    trained = sum(math.prod(s) for s in jax.tree.leaves(
+        adapter_shapes(m, apply_overrides(cfg, ["lora.rank=4"]).lora),
+        is_leaf=lambda x: isinstance(x, tuple)))
+    assert lo["trained_params"] == trained and lo["full_trained_params"] == m.param_count()
+    assert lo["full_fine_tuning_per_device_bytes"] == {
+        "params": full["params"], "optimizer_state": full["optimizer_state"]}
+    # Adam's two f32 moments of the adapters, each split at least over fsdp (2 ways).
+    opt = lora_plan["per_device_bytes"]["optimizer_state"]
+    assert opt <= 2 * 4 * trained / 2 + 64 and lo["optimizer_state_vs_full"] < 0.2
+    assert lora_plan["grpo_step"]["memory"]["argument"] < tiny_plan["grpo_step"]["memory"]["argument"]

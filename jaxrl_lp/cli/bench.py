@@ -17,7 +17,7 @@ import sys
 from jaxrl_lp.cli.help import show_defaults
 
 TARGETS = ("sampler", "exactness", "smoke", "learner", "iteration", "kernels", "speculative",
-           "lowering", "compile", "overlap")
+           "lowering", "compile", "overlap", "lora")
 
 
 def _target_modules() -> dict:

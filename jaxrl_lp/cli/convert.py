@@ -3,6 +3,11 @@
     jaxrl-lp convert run-to-hf --run runs/default --out out/default-hf [--step N] [--dtype bf16]
     jaxrl-lp convert hf-to-run --hf ckpt/Qwen3-0.6B --out runs/qwen [--config C] [--set k=v]
     jaxrl-lp convert served --run runs/fair --out out/served [--exporter fmt:nvfp4] [--step N]
+    jaxrl-lp convert run-to-peft --run runs/lora --out out/adapter [--step N]
+
+`run-to-hf` writes a LoRA run merged (`W + A B alpha/r`, f32); `run-to-peft` writes its
+adapters as a PEFT directory (`adapter_config.json`, `adapter_model.safetensors`) that
+`peft.PeftModel.from_pretrained` loads onto the base it names.
 
 Each prints a JSON summary of what it wrote. The served layout is described in
 docs/served_layout.md; `jaxrl_lp.sync.served_io.read_served` reads it back.
@@ -49,6 +54,14 @@ def add_parser(sub) -> None:
     q.add_argument("--step", type=int, default=None, help="checkpoint step (default: the latest)")
     q.set_defaults(form_func=_served)
 
+    q = forms.add_parser("run-to-peft", help="a LoRA run's adapters as a PEFT adapter directory "
+                                             "(adapter_config.json, adapter_model.safetensors)")
+    q.add_argument("--run", required=True, metavar="RUN_DIR", help="the LoRA run directory")
+    q.add_argument("--out", required=True, metavar="DIR", help="the adapter directory to write "
+                   "(and DIR/base, the base as the run held it, unless that is init_from's f32)")
+    q.add_argument("--step", type=int, default=None, help="checkpoint step (default: the latest)")
+    q.set_defaults(form_func=_run_to_peft)
+
     p.set_defaults(func=run, parser=p)
 
 
@@ -82,3 +95,9 @@ def _served(args) -> int:
     from jaxrl_lp.train.convert import run_to_served
 
     return _print(run_to_served(args.run, args.out, exporter=args.exporter, step=args.step))
+
+
+def _run_to_peft(args) -> int:
+    from jaxrl_lp.train.convert import run_to_peft
+
+    return _print(run_to_peft(args.run, args.out, step=args.step))

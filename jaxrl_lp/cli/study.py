@@ -18,6 +18,9 @@ Targets:
   staleness          off-policy GRPO at max_staleness 0, 1, 2 (and decoupled PPO at 1) on the
                      default task: gain against the synchronous run, policy change, numerics
                      mismatch (`jaxrl_lp.studies.staleness`).
+  lora-mismatch      LoRA GRPO per base format (f32, bf16, MXFP8, NVFP4) served unmerged,
+                     merged, and merged with the loss on the served copy: the mismatch and
+                     short reward curves (`jaxrl_lp.studies.lora_mismatch`).
 
 Each prints its result as JSON and writes it (and plots) under `--out`
 (default `runs/study-<name>`), replacing what is there.
@@ -44,6 +47,7 @@ STUDIES: dict[str, tuple[str, str]] = {
     "error-diffusion": ("error_diffusion", "run_error_diffusion"),
     "matched-precision": ("matched_precision", "run_matched_precision"),
     "staleness": ("staleness", "run_staleness"),
+    "lora-mismatch": ("lora_mismatch", "run_lora_mismatch"),
 }
 
 

@@ -13,6 +13,7 @@ _WHERE = {
     "LoopedOutput": "looped", "looped_forward": "looped", "CausalLM": "model",
     "forward": "model", "init_params": "model", "param_shapes": "model",
     "Packing": "packing", "make_packing": "packing", "pack": "packing", "unpack": "packing",
+    "LoraWeight": "lora",
 }
 
 
@@ -32,6 +33,7 @@ __all__ = [
     "ExitRule",
     "ExitSchedule",
     "LoopSpec",
+    "LoraWeight",
     "LoopedOutput",
     "ModelConfig",
     "Packing",

@@ -18,7 +18,9 @@ import jax
 import jax.numpy as jnp
 
 from jaxrl_lp.kernels.fake_quant import quantized_matmul
+from jaxrl_lp.models.lora import LoraWeight, adapter_product, base_value
 from jaxrl_lp.numerics.policy import Policy
+from jaxrl_lp.numerics.qarray import QArray
 
 __all__ = ["dot", "rms_norm", "rope", "swiglu"]
 
@@ -29,7 +31,16 @@ def dot(x_xK: jax.Array, w_KxN: jax.Array, policy: Policy) -> jax.Array:
     The weight is rounded to `param_dtype` then `compute_dtype`; with a
     `matmul_format` both operands go through the format (straight-through),
     quantized by the Pallas kernel where `policy.kernels` picks it (bit-equal).
+
+    A LoRA weight (`models.lora.LoraWeight`) adds its adapter to the accumulator,
+    `x W + ((x A) B) * scale`; a quantized frozen weight (`QArray`, a LoRA base)
+    is dequantized here first. Plain arrays take the path they always took.
     """
+    if isinstance(w_KxN, LoraWeight):
+        return (dot(x_xK, w_KxN.base, policy)
+                + adapter_product(x_xK, w_KxN.a, w_KxN.b, w_KxN.scale, policy))
+    if isinstance(w_KxN, QArray):
+        w_KxN = base_value(w_KxN)
     w = policy.round_params(w_KxN)
     if policy.matmul_format is not None:
         # One activation scale per token (batch_axes = every leading axis), so a

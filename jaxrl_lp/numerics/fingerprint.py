@@ -44,9 +44,14 @@ def _fmix(h: jax.Array) -> jax.Array:
 
 
 def _bits_u32(x: jax.Array) -> jax.Array:
-    """The element bit patterns of `x` as uint32 (1, 2 and 4-byte dtypes)."""
+    """The element bit patterns of `x` as uint32 (4-bit floats by their f32 values; 1, 2 and
+    4-byte dtypes by their bits)."""
     if x.dtype == jnp.bool_:
         return x.astype(jnp.uint32)
+    if jnp.issubdtype(x.dtype, jnp.floating) and jnp.finfo(x.dtype).bits < 8:
+        # Sub-byte floats (FP4 codes of a quantized LoRA base) have no integer bitcast; their
+        # f32 values are exact and distinct for distinct codes (the two zeros included).
+        x = x.astype(jnp.float32)
     size = x.dtype.itemsize
     if size not in _UNSIGNED:
         raise ValueError(f"tree_fingerprint: {x.dtype} ({size} bytes an element) is not "

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Literal
+from typing import ClassVar, Literal
 
 import jax
 import jax.numpy as jnp
@@ -85,6 +85,8 @@ class CodedWeights:
     """
 
     levels: Levels = "binary"
+    # Codes and scales have no sharding rules yet: one device.
+    shardable: ClassVar[bool] = False
 
     def __post_init__(self):
         if self.levels not in ("binary", "ternary"):
@@ -104,9 +106,21 @@ class CodedWeights:
         return _map_layers(lambda c: {"codes": c["codes"].astype(jnp.float32),
                                       "scale": c["scale"]}, train)
 
-    def model_params(self, tree: dict) -> dict:
+    def model_params(self, tree: dict, frozen=None) -> dict:
         """The model params `codes * scale` of a (differentiable or train) tree, in f32."""
         return _map_layers(lambda c: c["codes"].astype(jnp.float32) * c["scale"], tree)
+
+    def frozen(self, train: dict) -> None:
+        """Nothing besides the train tree: every leaf is trained."""
+        return None
+
+    def optimized(self, train: dict) -> dict:
+        """The optimizer updates the train tree itself (int8 code deltas, f32 the rest)."""
+        return train
+
+    def updated(self, train: dict, new: dict) -> dict:
+        """The train tree after an update: the optimizer's output."""
+        return new
 
     def materialize(self, train: dict) -> dict:
         """The model params the sampler, evaluation and export use (f32 `codes * scale`)."""
@@ -155,6 +169,7 @@ class LatentSTEWeights:
     """
 
     levels: Levels = "binary"
+    shardable: ClassVar[bool] = False  # the low-bit runs are single-device
 
     def __post_init__(self):
         if self.levels not in ("binary", "ternary"):
@@ -172,7 +187,19 @@ class LatentSTEWeights:
     def _q(self, w):
         return quantize(w, self.levels, axis=1, batch_axes=(0,))
 
-    def model_params(self, tree: dict) -> dict:
+    def frozen(self, train: dict) -> None:
+        """Nothing besides the latents: every leaf is trained."""
+        return None
+
+    def optimized(self, train: dict) -> dict:
+        """The optimizer updates the latents themselves."""
+        return train
+
+    def updated(self, train: dict, new: dict) -> dict:
+        """The latents after an update: the optimizer's output."""
+        return new
+
+    def model_params(self, tree: dict, frozen=None) -> dict:
         """`W + sg(q(W) - W)` for each matmul weight: q(W) forward, identity gradient."""
         def one(w):
             q = self._q(w)

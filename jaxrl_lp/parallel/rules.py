@@ -16,7 +16,16 @@ None: replicated), and `spec_for` turns a tuple of logical names into a
 | `heads`, `kv_heads` | `tensor` | query / key-value heads (whole heads per shard) |
 | `mlp` | `tensor` | SwiGLU hidden width |
 | `norm`, `head_norm` | `fsdp` | RMSNorm scales (model width, head width) |
+| `lora_rank` | `fsdp` | a LoRA adapter's rank, where its other axis is not on `fsdp` |
 | `layers`, `head_dim`, `sequence`, `hidden`, `cache_slots`, `gate` | - | replicated |
+
+A LoRA adapter is split like the matmul it adapts: `A` [L, in, r] along the
+weight's input axis, `B` [L, r, out] along its output axis; where that axis
+is not the FSDP one (heads, KV heads, MLP columns go to `tensor`), the rank
+takes `fsdp` (a mesh axis is used once per array), so every adapter and its
+Adam moments are split over `fsdp` as the weights are (the rank must divide
+by the fsdp size: `lora.rank` is checked against `run.mesh`). A LoRA run's
+base and adapters (`lora.LoraParams`) are laid out as the params tree is.
 
 Activations use `hidden` (not `embed`) for their model width, so FSDP shards
 weights but not the residual stream. Every parameter is split over `fsdp` x
@@ -52,6 +61,9 @@ _LAYER_AXES: dict[str, tuple[str, ...]] = {
     "up_proj": ("layers", "embed", "mlp"),
     "down_proj": ("layers", "mlp", "embed"),
 }
+# The two halves of a LoRA run's weights (`lora.LoraParams`): each is laid out as the params
+# tree is (the adapters under the names of the weights they adapt).
+_LORA_PARTS = ("base", "adapters")
 _TOP_AXES: dict[str, tuple[str, ...]] = {
     "embed": ("vocab", "embed"),
     "lm_head": ("embed", "vocab"),
@@ -96,6 +108,7 @@ DEFAULT_RULES = ShardingRules((
     ("hidden", ()),
     ("cache_slots", ()),
     ("gate", ()),
+    ("lora_rank", ("fsdp",)),
 ))
 
 
@@ -120,9 +133,18 @@ def param_logical_axes(params: Any) -> Any:
     """The logical axes of every leaf of a params tree (stacked layers), as a same-shaped tree."""
 
     def axes(path, leaf):
-        keys = [str(getattr(k, "key", getattr(k, "idx", k))) for k in path]
+        keys = [str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in path]
+        if len(keys) > 1 and keys[0] in _LORA_PARTS:  # a LoRA train tree (`lora.LoraParams`)
+            keys = keys[1:]
         name = keys[-1]
         if keys[0] == "layers":
+            if len(keys) == 3 and keys[1] in _LAYER_AXES and name == "base":
+                return _LAYER_AXES[keys[1]]  # a LoRA forward tree's frozen weight (`LoraWeight`)
+            if len(keys) == 3 and keys[1] in _LAYER_AXES and name in ("a", "b"):
+                # A LoRA adapter of a layer matmul: A [L, in, r] is split like the weight's
+                # input, B [L, r, out] like its output; the rank takes what is left (fsdp).
+                layers, n_in, n_out = _LAYER_AXES[keys[1]]
+                return (layers, n_in, "lora_rank") if name == "a" else (layers, "lora_rank", n_out)
             if name in _LAYER_AXES:
                 return _LAYER_AXES[name]
             if "norm" in name:

@@ -36,6 +36,14 @@ What one device holds and does is read from the compiled programs:
   steps, the behaviour log-probs where they are computed, and each update
   priced as the program it runs.
 
+A LoRA config (`lora.rank > 0`) is planned as it runs: the frozen base (as
+`lora.base_format` holds it) and the adapters sharded by the rules, the GRPO
+step differentiating and optimizing the adapters only, the sampler reading the
+base and the adapters (or the merged copy, `lora.serve=merged`). Its `lora`
+section sets the trained parameters and the optimizer state against full
+fine-tuning's on the same mesh (`full_fine_tuning`, from shapes: the full
+model's GRPO optimizer state is not compiled).
+
 Low-precision compute dtypes are planned as they are stored on GPU/TPU
 (natively, `JAXRL_LP_NATIVE_LOW_PRECISION=1`), not as the f32 carrier used on
 CPU. The sizes and the model come from `plan.request` (no data or weights are
@@ -59,7 +67,7 @@ from jaxrl_lp.kernels.targets import for_target
 from jaxrl_lp.models.blocks import unstack_layers
 from jaxrl_lp.models.config import ModelConfig
 from jaxrl_lp.numerics.policy import Policy
-from jaxrl_lp.parallel import MeshSpec, make_mesh, spec_for, use_mesh
+from jaxrl_lp.parallel import MeshSpec, make_mesh, param_shardings, spec_for, use_mesh
 from jaxrl_lp.parallel.shard import replicated
 from jaxrl_lp.plan.inputs import (
     abstract,
@@ -158,17 +166,37 @@ def plan(cfg: TrainConfig, mesh: str, devices: int, target: str = "h100", *,
     lpol, spol = Policy.parse(g.learner_policy), Policy.parse(g.sampler_policy)
     loop = LoopSpec(g.exit_rule, g.compute_mode).resolve(mcfg)
     grpo_opt = make_optimizers(cfg)[1]
+    from jaxrl_lp.train.lora_run import lora_plan
+
+    lora = lora_plan(cfg, mcfg)
+    if lora is not None:
+        from jaxrl_lp.train.lora_run import check_rank_splits
+
+        check_rank_splits(lora.spec, mesh, "--mesh")
     lowered_for: dict = {}
     with native(), for_target(tgt.name):
         params, psh = abstract_params(mcfg, m)
-        opt = abstract_state(grpo_opt.init, params, psh, m)
+        full_opt = abstract_state(grpo_opt.init, params, psh, m)
+        if lora is None:
+            train, opt, view, lora_info = params, full_opt, params, None
+        else:  # the frozen base as held and the adapters, each sharded by the rules
+            train = jax.eval_shape(lora.weights.from_params, params)
+            train = abstract(train, param_shardings(train, mcfg, m))
+            opt_params = lora.weights.optimized(train)
+            opt = abstract_state(grpo_opt.init, opt_params,
+                                 jax.tree.map(lambda x: x.sharding, opt_params), m)
+            view = lora.weights.materialize(train)  # what the learner's forward reads
+            lora_info = _lora_figures(lora, train, opt, params, full_opt)
+        merged = lora is not None and lora.spec.serve == "merged"
+        on_served = (cfg.sync.exporter != "none" or merged) and cfg.sync.loss_on_served
+        served = params if on_served else None  # the served copy: dense, f32 carriers
         ro = abstract_rollout(shp.rows, shp.prompt_len, shp.max_new, spol, loop, g.temperature, m)
-        served = params if cfg.sync.exporter != "none" and cfg.sync.loss_on_served else None
         logp_N = abstract_rows((shp.rows, shp.max_new), jnp.float32, m)
-        args = (params, opt, ro, abstract_rows((shp.rows,), jnp.float32, m), logp_N, None, served)
+        args = (train, opt, ro, abstract_rows((shp.rows,), jnp.float32, m), logp_N, None, served)
         step = make_grpo_step(mcfg, lpol, cfg.loss, grpo_opt, loop=loop, sampler_policy=spol,
                               method=g.logprobs, micro_batches=g.micro_batches, mesh=m,
-                              remat=getattr(g, "remat", False) if remat is None else remat)
+                              remat=getattr(g, "remat", False) if remat is None else remat,
+                              weights=None if lora is None else lora.weights)
         if step.packs:  # its largest bucket: every slot of a packing group real
             per = shp.micro_rows // pack_groups(shp.micro_rows, m)
             step = step.with_packed_rows((per * (shp.prompt_len + shp.max_new),
@@ -192,13 +220,15 @@ def plan(cfg: TrainConfig, mesh: str, devices: int, target: str = "h100", *,
             per //= pack_groups(per, m)
             behaviour = behaviour.with_packed_rows((per * (shp.prompt_len + shp.max_new),
                                                     per * shp.max_new))
-        logp, logp_s = _compile(behaviour, (params, whole), lowered_for, "behaviour_logprobs",
-                                tgt)
+        logp, logp_s = _compile(behaviour, (view if served is None else served, whole),
+                                lowered_for, "behaviour_logprobs", tgt)
 
         b, slots = shp.decode_batch, shp.prompt_len + shp.max_new
-        ush = unstacked_shardings(psh, mcfg.num_layers)
-        # The sampler decodes from a per-layer copy of the (f32) weights, as `generate` does.
-        sampler_params = abstract(jax.eval_shape(unstack_layers, params), ush)
+        # The sampler decodes from a per-layer copy of the weights, as `generate` does: the
+        # (f32) master, a LoRA run's base and adapters, or its merged copy.
+        decoded = params if lora is None or merged else view
+        ush = unstacked_shardings(jax.tree.map(lambda x: x.sharding, decoded), mcfg.num_layers)
+        sampler_params = abstract(jax.eval_shape(unstack_layers, decoded), ush)
         cache = abstract_cache(mcfg, spol, b, slots, m)
         rows = lambda dtype: abstract_rows((b,), dtype, m)
         active = rows(jnp.bool_) if loop.compute_mode == "deferred" else None
@@ -230,11 +260,11 @@ def plan(cfg: TrainConfig, mesh: str, devices: int, target: str = "h100", *,
                       "source": tgt.source},
            "policies": {"learner": str(lpol), "sampler": str(spol), "loop": str(loop)},
            "shapes": shp._asdict(),
-           "per_device_bytes": {"params": per_device_bytes(params),
+           "per_device_bytes": {"params": per_device_bytes(train),
                                 "optimizer_state": per_device_bytes(opt),
                                 "kv_cache": per_device_bytes(cache),
                                 "rollout": per_device_bytes(ro),
-                                "decode_weights_read": _weights_read(params, mcfg, spec)},
+                                "decode_weights_read": _weights_read(decoded, mcfg, spec)},
            "grpo_step": _compiled_figures(grpo, grpo_s, tgt),
            **({} if recorded is None else
               {"grpo_step_recorded": _compiled_figures(*recorded, tgt)}),
@@ -242,15 +272,32 @@ def plan(cfg: TrainConfig, mesh: str, devices: int, target: str = "h100", *,
            "decode_step": _compiled_figures(dec, dec_s, tgt),
            "lowers_for": {"platform": tgt.platform, "target": tgt.name,
                           "programs": lowered_for}}
+    if lora_info is not None:
+        out["lora"] = lora_info
     out = _summarize(out, cfg, tgt)
     # The sampler and the learner on devices of their own, overlapped (`grpo.max_staleness`).
     out["summary"]["offpolicy"] = offpolicy_estimate(out, spec, tgt, g.mu * g.minibatches)
     return out
 
 
+def _lora_figures(lora, train, opt, full_params, full_opt) -> dict:
+    """A LoRA plan's trained parameters and per-device state against full fine-tuning's."""
+    count = lambda t: int(sum(x.size for x in jax.tree.leaves(t)))
+    per = {"params": per_device_bytes(train), "optimizer_state": per_device_bytes(opt)}
+    full = {"params": per_device_bytes(full_params), "optimizer_state": per_device_bytes(full_opt)}
+    spec = lora.spec
+    return {"rank": spec.rank, "alpha": spec.alpha, "targets": list(spec.target_weights()),
+            "base_format": spec.base_format, "serve": spec.serve,
+            "trained_params": count(train.adapters), "full_trained_params": count(full_params),
+            "trained_fraction": count(train.adapters) / count(full_params),
+            "per_device_bytes": per, "full_fine_tuning_per_device_bytes": full,
+            "optimizer_state_vs_full": per["optimizer_state"] / full["optimizer_state"]}
+
+
 def _weights_read(params, mcfg: ModelConfig, spec: MeshSpec) -> int:
     """Weight bytes one device reads in a decode step: every layer once per loop step and
-    the output head, gathered over `fsdp` and split over `tensor` (the sampler's f32 copy)."""
+    the output head, gathered over `fsdp` and split over `tensor` (the sampler's copy: f32,
+    or a LoRA run's base as held and its adapters)."""
     nbytes = lambda tree: sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree))
     head = params["embed"] if mcfg.tie_embeddings else params["lm_head"]
     return int((nbytes(params["layers"]) * mcfg.loop_steps + nbytes(head)) // spec.tensor)

@@ -4,12 +4,14 @@ Both steps skip a non-finite update: when the loss or any gradient is not
 finite the parameters and optimizer state are returned unchanged and the
 metric `skipped` is 1, so a NaN never reaches a checkpoint.
 
-Both take an optional `weights` representation (`jaxrl_lp.optim.weights`):
-then `params` is its train tree (e.g. int8 codes and f32 scales), the loss
-is differentiated with respect to the float view `weights.differentiable(params)`
-through `weights.model_params`, and the metric `flip_rate` (the fraction of
-matmul-weight codes the update changed) is added. Without it (the default)
-the steps are exactly as before.
+Both take an optional `weights` representation (`jaxrl_lp.optim.weights`,
+`jaxrl_lp.lora.LoraWeights`): then `params` is its train tree (e.g. int8 codes
+and f32 scales, or a frozen base and its adapters), the loss is differentiated
+with respect to `weights.differentiable(params)` (codes as f32; the adapters
+alone) through `weights.model_params(d, weights.frozen(params))`, the
+optimizer updates `weights.optimized(params)`, and a representation with codes
+adds the metric `flip_rate` (the fraction of matmul-weight codes the update
+changed). Without it (the default) the steps are exactly as before.
 """
 
 from __future__ import annotations
@@ -184,13 +186,13 @@ def make_grpo_step(cfg: ModelConfig, policy: Policy, loss_cfg: LossConfig,
       dict of f32 scalars; `step.lower(...)` and `step.trace(...)` take the
       same arguments.
     """
-    if weights is not None and mesh is not None:
-        raise ValueError("make_grpo_step: a weight representation (weights=) runs on one "
+    if weights is not None and mesh is not None and not weights.shardable:
+        raise ValueError("make_grpo_step: this weight representation (weights=) runs on one "
                          "device; drop mesh")
 
-    def mb_loss(params, mb: MicroBatch, num_tokens, served, rows):
+    def mb_loss(params, mb: MicroBatch, num_tokens, served, rows, frozen):
         if weights is not None:  # the float view of the train tree -> the model's params
-            params = weights.model_params(params)
+            params = weights.model_params(params, frozen)
         if served is not None:
             params = straight_through_served(params, served)
         logp, ent = learner_logprobs(params, cfg, policy, mb.rollout, method, remat=remat,
@@ -206,9 +208,9 @@ def make_grpo_step(cfg: ModelConfig, policy: Policy, loss_cfg: LossConfig,
 
     def step(params, opt_state, ro: Rollout, adv_B, old_logp_BxN, ref_logp_BxN=None,
              served=None, replay_BxN=None, packed_rows=None):
-        train = params
-        if weights is not None:  # gradients w.r.t. f32 codes (int8 has none)
-            params = weights.differentiable(params)
+        train, frozen = params, None
+        if weights is not None:  # gradients w.r.t. f32 codes (int8 has none), or the adapters
+            params, frozen = weights.differentiable(train), weights.frozen(train)
         rollout_loop(ro, cfg, loop)
         if ro.policy != want_policy:
             raise ValueError(
@@ -230,23 +232,26 @@ def make_grpo_step(cfg: ModelConfig, policy: Policy, loss_cfg: LossConfig,
                          replay_bxN=rows(replay_BxN))
 
         def accumulate(acc, mb: MicroBatch):
-            (loss, metrics), g = grad_fn(params, mb, num_tokens, served, packed_rows)
+            (loss, metrics), g = grad_fn(params, mb, num_tokens, served, packed_rows, frozen)
             return jax.tree.map(jnp.add, acc, (loss, metrics, g)), None
 
         (loss0, m0), g0 = jax.eval_shape(
-            lambda p, mb, n, s: grad_fn(p, mb, n, s, packed_rows), params,
-            jax.tree.map(lambda a: a[0], mbs), num_tokens, served)
+            lambda p, mb, n, s, f: grad_fn(p, mb, n, s, packed_rows, f), params,
+            jax.tree.map(lambda a: a[0], mbs), num_tokens, served, frozen)
         zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), (loss0, m0, g0))
         # On a mesh the accumulated gradient is sharded like the parameters.
         zeros = (*zeros[:2], constrain_params(zeros[2]))
         (loss, metrics, grads), _ = jax.lax.scan(accumulate, zeros, mbs)
         grads = constrain_params(grads)
         grad_norm = optax.tree.norm(grads)
-        new, opt_state, ok = _apply_if_finite(optimizer, grads, opt_state, train, loss)
+        opt_params = train if weights is None else weights.optimized(train)
+        new, opt_state, ok = _apply_if_finite(optimizer, grads, opt_state, opt_params, loss)
         metrics = dict(metrics, **cmetrics, loss=loss, grad_norm=grad_norm,
                        skipped=1.0 - ok.astype(jnp.float32))
         if weights is not None:
-            metrics["flip_rate"] = weights.flip_rate(train, new)
+            new = weights.updated(train, new)
+            if hasattr(weights, "flip_rate"):
+                metrics["flip_rate"] = weights.flip_rate(train, new)
         return new, opt_state, metrics
 
     kinds = ("params", "state", "batch", "batch", "batch", "batch", "params", "batch")
@@ -335,23 +340,29 @@ def make_sft_step(cfg: ModelConfig, policy: Policy, optimizer: optax.GradientTra
                                    "skipped": 1.0 - ok.astype(jnp.float32)}
 
     def coded_step(train, opt_state, tokens, mask, packed_rows=None):
-        # Gradients w.r.t. the float view (codes as f32): int8 codes have none.
+        # Gradients w.r.t. the float view (codes as f32: int8 codes have none), or the
+        # adapters alone (LoRA: the frozen base is read, never differentiated).
+        frozen = weights.frozen(train)
         loss, grads = jax.value_and_grad(
-            lambda d: loss_fn(weights.model_params(d), tokens, mask, packed_rows))(
+            lambda d: loss_fn(weights.model_params(d, frozen), tokens, mask, packed_rows))(
                 weights.differentiable(train))
+        grads = constrain_params(grads)
         grad_norm = optax.tree.norm(grads)
-        new, opt_state, ok = _select_if_finite(optimizer, grads, opt_state, train, loss)
-        return new, opt_state, {"loss": loss, "grad_norm": grad_norm,
-                                "skipped": 1.0 - ok.astype(jnp.float32),
-                                "flip_rate": weights.flip_rate(train, new)}
+        new, opt_state, ok = _select_if_finite(optimizer, grads, opt_state,
+                                               weights.optimized(train), loss)
+        new = weights.updated(train, new)
+        metrics = {"loss": loss, "grad_norm": grad_norm, "skipped": 1.0 - ok.astype(jnp.float32)}
+        if hasattr(weights, "flip_rate"):
+            metrics["flip_rate"] = weights.flip_rate(train, new)
+        return new, opt_state, metrics
 
     def rows_of(tokens, mask):
         return packed_rows_for(np.ones(len(mask)), to_host(mask)[:, 1:], 1, buckets=pack_buckets,
                                groups=pack_groups(len(mask), mesh, rules))
 
     if weights is not None:
-        if mesh is not None:
-            raise ValueError("make_sft_step: a weight representation (weights=) runs on one "
+        if mesh is not None and not weights.shardable:
+            raise ValueError("make_sft_step: this weight representation (weights=) runs on one "
                              "device; drop mesh")
         step = coded_step
     kinds = ("params", "state", "batch", "batch")

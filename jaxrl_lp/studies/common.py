@@ -19,9 +19,15 @@ live here:
 from __future__ import annotations
 
 import dataclasses
+import json
+import math
 import shutil
+import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
+
+import numpy as np
 
 from jaxrl_lp.numerics.policy import Policy
 from jaxrl_lp.train.checkpoint import Checkpointer
@@ -29,8 +35,9 @@ from jaxrl_lp.train.config import TrainConfig, apply_overrides
 from jaxrl_lp.train.defaults import default_config
 from jaxrl_lp.train.sync_hooks import SyncHooks
 
-__all__ = ["QUICK_OVERRIDES", "check_arms", "check_overrides", "make_config", "remove_outputs",
-           "reseat_checkpoint", "restore_state"]
+__all__ = ["QUICK_OVERRIDES", "ArmRuns", "arm_figures", "arm_series", "check_arms",
+           "check_overrides", "make_config", "plot_arm_series", "remove_outputs",
+           "reseat_checkpoint", "restore_state", "warm_start_then_arms"]
 
 # A tiny model, task and batch for smoke runs (`--quick`, the tests). One-digit addition
 # and 100 warm-start steps give the tiny model some reward variance (about 20% accuracy),
@@ -134,3 +141,143 @@ def reseat_checkpoint(src_cfg: TrainConfig, dst_cfg: TrainConfig) -> int:
     finally:
         ckpt.close()
     return step
+
+
+class ArmRuns(NamedTuple):
+    """What `warm_start_then_arms` ran: the warm-start and each arm's run from a copy of it."""
+
+    out: Path                  # the study directory
+    steps: int                 # GRPO steps per arm
+    sft_cfg: Any               # the warm-start's config
+    sft_summary: dict          # its `run_train` summary
+    runs: dict                 # arm -> (config, `run_train` summary, metrics.jsonl records)
+    timings: dict              # seconds: `sft_seconds`, `<arm>_seconds`
+    started: float             # `time.time()` at the start
+    common: list               # the overrides every run took
+
+
+def warm_start_then_arms(study: str, out_dir, *, valid: tuple[str, ...], arms, arm_overrides,
+                         steps: int | None, default_steps: int, sft_steps: int | None,
+                         study_overrides: tuple[str, ...], overrides, quick: bool,
+                         progress: bool, outputs: tuple[str, ...]) -> ArmRuns:
+    """One warm-start, then every arm's run from a copy of it (the studies that compare arms
+    of one GRPO phase: `matched_precision`, `lora_mismatch`).
+
+    The arms are checked against `valid` and `steps` (default `default_steps`, 2 with
+    `quick`) must be positive (ValueErrors naming the study). The study's outputs
+    (`sft`, every valid arm's directory, `outputs`) are removed from `out_dir` first.
+    Every run takes `common` = the quick or the study's own overrides, `overrides`, and
+    the progress setting (and `sft.steps` when given). The warm-start is `common` with
+    `grpo.steps=0`, into `out_dir/sft`; arm `a` copies it to `out_dir/a` and resumes it
+    with `[*common, *arm_overrides(a, steps), run.eval_every=max(1, steps // 3)]`.
+    """
+    arms = tuple(arms or valid)
+    for a in arms:
+        if a not in valid:
+            raise ValueError(f"{study}: unknown arm {a!r}; arms are {list(valid)}")
+    steps = steps if steps is not None else (2 if quick else default_steps)
+    if steps < 1:
+        raise ValueError(f"{study}: steps must be >= 1; got {steps}")
+    from jaxrl_lp.train.program import run_train
+
+    t0 = time.time()
+    out = Path(out_dir)
+    remove_outputs(out, ["sft", *valid, *outputs])
+    out.mkdir(parents=True, exist_ok=True)
+    common = [*(QUICK_OVERRIDES if quick else study_overrides), *overrides,
+              f"run.progress={'true' if progress else 'false'}"]
+    if sft_steps is not None:
+        common.append(f"sft.steps={sft_steps}")
+    sft_cfg = make_config([*common, "grpo.steps=0", f"run.out_dir={out / 'sft'}"])
+    sft_summary = run_train(sft_cfg)
+    timings = {"sft_seconds": round(time.time() - t0, 1)}
+    runs = {}
+    for arm in arms:
+        t_arm = time.time()
+        arm_dir = out / arm
+        shutil.copytree(out / "sft", arm_dir)
+        cfg = make_config([*common, *arm_overrides(arm, steps),
+                           f"run.eval_every={max(1, steps // 3)}", f"run.out_dir={arm_dir}"])
+        summary = run_train(cfg)
+        records = [json.loads(x) for x in (arm_dir / "metrics.jsonl").read_text().splitlines() if x]
+        runs[arm] = (cfg, summary, records)
+        timings[f"{arm}_seconds"] = round(time.time() - t_arm, 1)
+    return ArmRuns(out, steps, sft_cfg, sft_summary, runs, timings, t0, common)
+
+
+def _finite(x) -> float | None:
+    return None if x is None or not math.isfinite(float(x)) else float(x)
+
+
+def _mean(xs) -> float | None:
+    xs = [x for x in xs if x is not None]
+    return float(np.mean(xs)) if xs else None
+
+
+def arm_series(records: list[dict], n_sft: int, keys: tuple[str, ...]) -> dict:
+    """Per GRPO step (counted from the warm-start's end) the values of `keys` (None where a
+    record lacks one or it is not finite), and the held-out accuracy per evaluation.
+
+    A repeated step (a resumed run) keeps its latest record.
+    """
+    grpo, evals = {}, {}
+    for r in records:
+        if r.get("phase") == "grpo":
+            grpo[int(r["step"]) - n_sft] = r
+        elif r.get("phase") == "eval":
+            evals[int(r["step"]) - n_sft] = r["accuracy"]
+    steps = sorted(grpo)
+    return {"step": steps, **{k: [_finite(grpo[t].get(k)) for t in steps] for k in keys},
+            "eval_step": sorted(evals), "accuracy": [evals[t] for t in sorted(evals)]}
+
+
+def arm_figures(series: dict, summary: dict, means: tuple[str, ...] = ()) -> dict:
+    """An arm's summary figures: the mismatch (k1 and k3 means, max |delta logp|), the mean
+    reward over the first and last quarter of the steps, the run's accuracies and skipped
+    steps, and `<key>_mean` of each of `means`."""
+    q = max(1, len(series["step"]) // 4)
+    rewards = series["reward_mean"]
+    dlogp = [x for x in series["mismatch_max_abs_dlogp"] if x is not None]
+    return {
+        "mismatch_k1_mean": _mean(series["mismatch_k1"]),
+        "mismatch_k3_mean": _mean(series["mismatch_k3"]),
+        "mismatch_max_abs_dlogp": max(dlogp) if dlogp else None,
+        **{f"{k}_mean": _mean(series[k]) for k in means},
+        "reward_first": _mean(rewards[:q]),
+        "reward_last": _mean(rewards[-q:]),
+        "initial_accuracy": summary["initial_accuracy"],
+        "final_accuracy": summary["final_accuracy"],
+        "accuracy_gain": summary["accuracy_gain"],
+        "skipped_steps": summary["skipped_steps"],
+    }
+
+
+def plot_arm_series(series: dict[str, dict], out: Path, panels, style: Callable[[str], tuple],
+                    linthresh: float = 1e-6) -> list[Path]:
+    """One PNG per panel `(file, x key, y key, title, log)`, a line per arm in `style(arm)`
+    = (linestyle, color); a log panel is symlog below `linthresh`."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    written = []
+    for name, xkey, key, title, log in panels:
+        fig, ax = plt.subplots(figsize=(7.5, 4.2))
+        for arm, s in series.items():
+            pts = [(t, v) for t, v in zip(s[xkey], s[key], strict=True) if v is not None]
+            if pts:
+                linestyle, color = style(arm)
+                ax.plot(*zip(*pts, strict=True), linestyle=linestyle, color=color,
+                        marker="." if len(pts) < 30 else None, label=arm)
+        if log:
+            ax.set_yscale("symlog", linthresh=linthresh)
+        ax.set_title(title, fontsize=10)
+        ax.set_xlabel("GRPO step")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=6, ncol=3)
+        fig.tight_layout()
+        fig.savefig(out / name, dpi=100)
+        plt.close(fig)
+        written.append(out / name)
+    return written

@@ -48,14 +48,10 @@ MXFP8 41.4% -> 72.3% with mismatch exactly 0 at all 60 steps
 from __future__ import annotations
 
 import json
-import math
-import shutil
 import time
 from pathlib import Path
 
-import numpy as np
-
-from jaxrl_lp.studies.common import QUICK_OVERRIDES, make_config, remove_outputs
+from jaxrl_lp.studies.common import arm_figures, arm_series, plot_arm_series, warm_start_then_arms
 
 __all__ = ["ARMS", "DEFAULT_ARMS", "FORMATS", "KINDS", "arm_overrides", "run_matched_precision"]
 
@@ -92,52 +88,13 @@ def arm_overrides(arm: str, steps: int) -> list[str]:
     return [*out, f"loss.correction={kind.rsplit('_', 1)[1]}", "loss.ratio_anchor=learner"]
 
 
-def _finite(x) -> float | None:
-    return None if x is None or not math.isfinite(float(x)) else float(x)
-
-
-def _mean(xs) -> float | None:
-    xs = [x for x in xs if x is not None]
-    return float(np.mean(xs)) if xs else None
-
-
 def _arm_result(records: list[dict], n_sft: int, summary: dict) -> tuple[dict, dict]:
     """The arm's per-step series and summary figures from its metrics records."""
-    grpo = {}
-    evals = {}
-    for r in records:  # a repeated step (a resumed run) keeps the latest record
-        if r.get("phase") == "grpo":
-            grpo[int(r["step"]) - n_sft] = r
-        elif r.get("phase") == "eval":
-            evals[int(r["step"]) - n_sft] = r["accuracy"]
-    steps = sorted(grpo)
-    series = {"step": steps, **{k: [_finite(grpo[t].get(k)) for t in steps] for k in SERIES_KEYS},
-              "eval_step": sorted(evals), "accuracy": [evals[t] for t in sorted(evals)]}
-    q = max(1, len(steps) // 4)
-    rewards = series["reward_mean"]
-    dlogp = [x for x in series["mismatch_max_abs_dlogp"] if x is not None]
-    fig = {
-        "mismatch_k1_mean": _mean(series["mismatch_k1"]),
-        "mismatch_k3_mean": _mean(series["mismatch_k3"]),
-        "mismatch_max_abs_dlogp": max(dlogp) if dlogp else None,
-        "frac_masked_mean": _mean(series["frac_masked"]),
-        "frac_truncated_mean": _mean(series["frac_truncated"]),
-        "reward_first": _mean(rewards[:q]),
-        "reward_last": _mean(rewards[-q:]),
-        "initial_accuracy": summary["initial_accuracy"],
-        "final_accuracy": summary["final_accuracy"],
-        "accuracy_gain": summary["accuracy_gain"],
-        "skipped_steps": summary["skipped_steps"],
-    }
-    return series, fig
+    series = arm_series(records, n_sft, SERIES_KEYS)
+    return series, arm_figures(series, summary, means=("frac_masked", "frac_truncated"))
 
 
 def _plot(series: dict[str, dict], out: Path) -> list[Path]:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     styles = {"matched": "-", "unmatched": ":", "unmatched_tis": "--", "unmatched_mis": "-."}
     colors = {"f32": "black", "fp8": "tab:blue", "mxfp8": "tab:orange", "mxfp4": "tab:green",
               "nvfp4": "tab:red"}
@@ -146,26 +103,12 @@ def _plot(series: dict[str, dict], out: Path) -> list[Path]:
               ("masked.png", "step", "frac_masked", "fraction of tokens masked (MIS)", False),
               ("reward.png", "step", "reward_mean", "mean reward", False),
               ("accuracy.png", "eval_step", "accuracy", "held-out greedy accuracy", False))
-    written = []
-    for name, xkey, key, title, log in panels:
-        fig, ax = plt.subplots(figsize=(7.5, 4.2))
-        for arm, s in series.items():
-            fmt, _, kind = arm.partition("_")
-            pts = [(t, v) for t, v in zip(s[xkey], s[key], strict=True) if v is not None]
-            if pts:
-                ax.plot(*zip(*pts, strict=True), linestyle=styles.get(kind, "-"),
-                        color=colors.get(fmt), marker="." if len(pts) < 30 else None, label=arm)
-        if log:
-            ax.set_yscale("symlog", linthresh=1e-6)
-        ax.set_title(title, fontsize=10)
-        ax.set_xlabel("GRPO step")
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=6, ncol=3)
-        fig.tight_layout()
-        fig.savefig(out / name, dpi=100)
-        plt.close(fig)
-        written.append(out / name)
-    return written
+
+    def style(arm):
+        fmt, _, kind = arm.partition("_")
+        return styles.get(kind, "-"), colors.get(fmt)
+
+    return plot_arm_series(series, out, panels, style)
 
 
 def run_matched_precision(out_dir: str | Path = "runs/study-matched-precision", *,
@@ -188,45 +131,22 @@ def run_matched_precision(out_dir: str | Path = "runs/study-matched-precision", 
     Returns:
       The JSON-able result (also in `matched_precision.json`).
     """
-    arms = tuple(arms or DEFAULT_ARMS)
-    for a in arms:
-        if a not in ARMS:
-            raise ValueError(f"matched-precision: unknown arm {a!r}; arms are {list(ARMS)}")
-    steps = steps if steps is not None else (2 if quick else DEFAULT_STEPS)
-    if steps < 1:
-        raise ValueError(f"matched-precision: steps must be >= 1; got {steps}")
-    from jaxrl_lp.train.program import run_train
-
-    t0 = time.time()
-    out = Path(out_dir)
-    remove_outputs(out, ["sft", *ARMS, *OUTPUT_FILES])
-    out.mkdir(parents=True, exist_ok=True)
-    common = [*(QUICK_OVERRIDES if quick else STUDY_OVERRIDES), *overrides,
-              f"run.progress={'true' if progress else 'false'}"]
-    if sft_steps is not None:
-        common.append(f"sft.steps={sft_steps}")
-    sft_cfg = make_config([*common, "grpo.steps=0", f"run.out_dir={out / 'sft'}"])
-    sft_summary = run_train(sft_cfg)
+    ran = warm_start_then_arms(
+        "matched-precision", out_dir, valid=ARMS, arms=arms or DEFAULT_ARMS,
+        arm_overrides=arm_overrides, steps=steps, default_steps=DEFAULT_STEPS, sft_steps=sft_steps,
+        study_overrides=STUDY_OVERRIDES, overrides=overrides, quick=quick, progress=progress,
+        outputs=OUTPUT_FILES)
+    out, steps, sft_cfg, sft_summary, runs, timings, t0, common = ran
     n_sft = sft_cfg.sft.steps
-    timings = {"sft_seconds": round(time.time() - t0, 1)}
     result_arms, all_series = {}, {}
-    for arm in arms:
-        t_arm = time.time()
-        arm_dir = out / arm
-        shutil.copytree(out / "sft", arm_dir)
-        settings = [*common, *arm_overrides(arm, steps),
-                    f"run.eval_every={max(1, steps // 3)}", f"run.out_dir={arm_dir}"]
-        summary = run_train(make_config(settings))
-        records = [json.loads(x) for x in (arm_dir / "metrics.jsonl").read_text().splitlines() if x]
+    for arm, (cfg, summary, records) in runs.items():
         series, fig = _arm_result(records, n_sft, summary)
         fmt, _, kind = arm.partition("_")
-        cfg = make_config(settings)
         fig.update(format=None if arm == "f32" else fmt, kind=kind or "reference",
                    learner_policy=cfg.grpo.learner_policy, sampler_policy=cfg.grpo.sampler_policy,
                    correction=cfg.loss.correction, ratio_anchor=cfg.loss.ratio_anchor)
         result_arms[arm] = fig
         all_series[arm] = series
-        timings[f"{arm}_seconds"] = round(time.time() - t_arm, 1)
     _plot(all_series, out)
     below = {}
     for fmt in FORMATS:

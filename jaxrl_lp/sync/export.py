@@ -32,6 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxrl_lp.kernels.quantize import quantize as quantize_array
+from jaxrl_lp.models.lora import merge_adapters
 from jaxrl_lp.numerics.policy import KERNEL_MODES, parse_dtype
 from jaxrl_lp.numerics.qarray import dequantize, get_format
 from jaxrl_lp.numerics.rounding import error_feedback_round, round_nearest, round_stochastic
@@ -292,14 +293,19 @@ def straight_through_served(master: Any, served_dense: Any) -> Any:
     rounds whenever `served - master` is not exact, e.g. for quantized values far
     from the master), and `d w_used / d master = I`. Leaves are in master's dtype.
 
+    A LoRA forward tree (`models.lora.LoraWeight` leaves) is merged first: its
+    master is `W + A B scale` (`merge_adapters`), so the gradient reaches the
+    adapters through the merge and the frozen base gets none it could use.
+
     Args:
-      master: f32 master params.
+      master: f32 master params (or a LoRA forward tree).
       served_dense: the served tree (`served_params_for_forward`; `QArray`s are
         dequantized here if present).
 
     Returns:
-      A tree like `master`.
+      A tree like `master` (merged, for a LoRA tree).
     """
+    master = merge_adapters(master)
     served_dense = served_params_for_forward(served_dense)
 
     def one(m, s):

@@ -18,14 +18,15 @@ from jaxrl_lp.fields import (
     check_str,
     user_key,
 )
+from jaxrl_lp.lora.config import LoraConfig
 from jaxrl_lp.models.config import ModelConfig
 from jaxrl_lp.parallel.distributed import DistributedConfig
 from jaxrl_lp.rl.loss import LossConfig
 from jaxrl_lp.rollout.sampling import DRAWS
 from jaxrl_lp.train.sync_hooks import SyncConfig
 
-__all__ = ["DistributedConfig", "GRPOConfig", "RunConfig", "SFTConfig", "SyncConfig", "TaskConfig",
-           "TrainConfig",
+__all__ = ["DistributedConfig", "GRPOConfig", "LoraConfig", "RunConfig", "SFTConfig", "SyncConfig",
+           "TaskConfig", "TrainConfig",
            "apply_overrides", "config_from_dict", "load_config"]
 
 
@@ -367,6 +368,7 @@ class TrainConfig:
       grpo: the RL phase.
       loss: the policy loss.
       sync: the served copy the sampler runs on.
+      lora: low-rank adapters on a frozen base (rank 0: the full model trains).
       run: where and how the run is recorded.
       distributed: how the processes of a multi-process run join (jax.distributed).
       init_from: a Hugging Face checkpoint directory to start from ('': random weights).
@@ -378,6 +380,7 @@ class TrainConfig:
     grpo: GRPOConfig = GRPOConfig()
     loss: LossConfig = LossConfig()
     sync: SyncConfig = SyncConfig()
+    lora: LoraConfig = LoraConfig()
     run: RunConfig = RunConfig()
     distributed: DistributedConfig = DistributedConfig()
     init_from: str = ""
@@ -392,6 +395,14 @@ class TrainConfig:
                 f"{self.run.sampler_mesh!r} place the learner and the sampler in one process; "
                 f"with distributed.coordinator={self.distributed.coordinator!r} use run.mesh "
                 "(they share the devices and take turns) or run one process")
+        if self.lora.enabled and self.grpo.max_staleness:
+            # A LoRA checkpoint holds the adapters and the base's identity; the rollouts in
+            # flight and the sampler's weights of an off-policy run are not part of it yet.
+            raise ValueError(
+                f"lora.rank={self.lora.rank} with grpo.max_staleness={self.grpo.max_staleness}: "
+                "off-policy GRPO does not train LoRA adapters yet; set grpo.max_staleness=0 "
+                "(synchronous) or lora.rank=0 (full fine-tuning)")
+        self.sync.check_served_copy(merged_lora=self.lora.enabled and self.lora.serve == "merged")
 
 
 def _convert(value: str, current: Any, hint: Any, key: str) -> Any:

@@ -21,6 +21,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxrl_lp.data import prompt_loader, sft_loader
+from jaxrl_lp.lora import LoraParams
+from jaxrl_lp.models.lora import merge_adapters
 from jaxrl_lp.models.model import init_params
 from jaxrl_lp.numerics.policy import Policy
 from jaxrl_lp.parallel import param_shardings
@@ -44,6 +46,7 @@ from jaxrl_lp.train.grpo_iteration import (
     sampling_key,
 )
 from jaxrl_lp.train.logger import MetricsLogger, plot_metrics
+from jaxrl_lp.train.lora_run import LoraCheckpoints, begin_lora, read_lora_params
 from jaxrl_lp.train.preemption import Preempted, SignalGuard
 from jaxrl_lp.train.progress import PhaseProgress
 from jaxrl_lp.train.resume import restore_newest_intact
@@ -69,8 +72,9 @@ def initial_state(cfg: TrainConfig, plan: RunPlan | None = None
       checkpoints (`params` from `init_from` or a seeded random init,
       `opt_sft`, `opt_grpo`, `sync`; `state.tree()` is the checkpointed dict)
       and the `SyncHooks` of `cfg.sync`. With a
-      low-bit `sft.optimizer`, `params` is the train tree of `plan.weights`
-      (`plan.weights.materialize(params)` gives the model's params).
+      low-bit `sft.optimizer`, or LoRA on an `init_from` base, `params` is the
+      train tree of `plan.weights` (`plan.weights.materialize(params)` gives
+      the model's params).
     """
     plan = plan or validate(cfg)
     mcfg, mesh = plan.model, plan.mesh
@@ -90,16 +94,23 @@ def initial_state(cfg: TrainConfig, plan: RunPlan | None = None
         init = jax.jit(lambda k: init_params(mcfg, k), out_shardings=param_sh)
         params = init(jax.random.PRNGKey(cfg.run.seed))
     sft_opt, grpo_opt = plan.optimizers
-    hooks = SyncHooks(cfg.sync, mcfg, plan.learner_policy, plan.sampler_policy)
+    hooks = SyncHooks(cfg.sync, mcfg, plan.learner_policy, plan.sampler_policy,
+                      exporter=None if plan.lora is None else plan.lora.exporter)
     weights = plan.weights
     if weights is None:
+        # LoRA on the run's own warm-start exports nothing before its GRPO phase (`begin_lora`).
+        lora_later = plan.lora is not None
         state = RunState(params=params, opt_sft=sft_opt.init(params),
-                         opt_grpo=grpo_opt.init(params), sync=hooks.init_state(params))
-    else:  # the train tree (`sft.optimizer`): e.g. int8 codes and scales, no f32 weights
+                         opt_grpo=grpo_opt.init(params),
+                         sync={} if lora_later else hooks.init_state(params))
+    else:  # the train tree (`sft.optimizer`: e.g. int8 codes and scales; LoRA: base, adapters)
         train = weights.from_params(params)
         del params
-        state = RunState(params=train, opt_sft=sft_opt.init(train),
-                         opt_grpo=grpo_opt.init(train),
+        if mesh is not None:  # the base is placed already; the adapters follow the rules
+            param_sh = param_shardings(train, mcfg, mesh)
+            params = train = put_tree(train, param_sh)
+        opt = weights.optimized(train)
+        state = RunState(params=train, opt_sft=sft_opt.init(opt), opt_grpo=grpo_opt.init(opt),
                          sync=hooks.init_state(weights.materialize(train)))
     if mesh is not None:  # the params are placed already; the rest follows them
         put = lambda v: put_tree(v, state_shardings(v, params, param_sh, mesh))
@@ -144,6 +155,7 @@ def evaluate_run(cfg: TrainConfig, size: int | None = None, *, step: int | None 
     Returns:
       `{"step", "accuracy"}`, plus `"accuracy_served"` and `"exporter"` with `served`.
     """
+    from jaxrl_lp.lora import LoraWeights
     from jaxrl_lp.optim import OptimizerSpec
     from jaxrl_lp.sync.export import served_params_for_forward
     from jaxrl_lp.train.run_io import served_export
@@ -157,6 +169,9 @@ def evaluate_run(cfg: TrainConfig, size: int | None = None, *, step: int | None 
         weights = OptimizerSpec.parse(cfg.sft.optimizer, "sft.optimizer").weights()
         if weights is not None:  # a low-bit run's train tree -> the model's params
             params = weights.materialize(params)
+        params, lora = read_lora_params(cfg.run.out_dir, params, meta, mcfg, cfg.init_from)
+        if lora is not None:  # the adapters on their (checked) base, as the sampler reads them
+            params = LoraWeights(lora, mcfg).materialize(params)
         served = served or exporter is not None
         export = served_export(ckpt, params, meta, step, exporter) if served else None
     finally:
@@ -347,6 +362,11 @@ def _train(cfg: TrainConfig, plan: RunPlan, run_dir: Path, ckpt: Checkpointer, t
     _, state, hooks = initial_state(cfg, plan)
     primary = jax.process_index() == 0  # writes the run's files; every process computes
     mesh = plan.mesh
+    lora = plan.lora  # LoRA: its checkpoints hold the adapters, and the base's identity
+    if lora is not None:
+        base_sh = None if mesh is None else param_shardings(
+            jax.eval_shape(lambda: init_params(mcfg, jax.random.PRNGKey(0))), mcfg, mesh)
+        ckpt = LoraCheckpoints(ckpt, lora, cfg, mcfg, plan.optimizers, hooks, shardings=base_sh)
     # Each process reads the data shards of its devices; every process gets the global batch.
     sft_it = ShardedLoader(
         lambda d, n: sft_loader(task.train, task.sft_example, cfg.sft.batch_size // n,
@@ -376,12 +396,20 @@ def _train(cfg: TrainConfig, plan: RunPlan, run_dir: Path, ckpt: Checkpointer, t
     logger = MetricsLogger(run_dir, keep_records=progress.metrics_records, write=primary)
 
     weights = plan.weights  # None: the params are the model's (the default run)
+    # LoRA on the run's own warm-start: full warm-start steps, then LoRA GRPO steps.
+    grpo_weights = weights if lora is None else lora.weights
     sft_step = make_sft_step(mcfg, lpol, sft_opt, mesh=mesh, remat=g.remat, weights=weights)
     grpo_step = make_grpo_step(mcfg, lpol, cfg.loss, grpo_opt, loop=loop, sampler_policy=spol,
                                method=g.logprobs, micro_batches=g.micro_batches, mesh=mesh,
-                               remat=g.remat, weights=weights)
-    # What the sampler, evaluation and export read: the model's params.
-    model_params = (lambda p: p) if weights is None else jax.jit(weights.materialize)
+                               remat=g.remat, weights=grpo_weights)
+    # What the sampler, evaluation and export read: the model's params. LoRA composes the
+    # base and its adapters without a copy (a full tree before its phase passes as it is).
+    if grpo_weights is None:
+        model_params = lambda p: p
+    elif lora is not None:
+        model_params = grpo_weights.materialize
+    else:
+        model_params = jax.jit(grpo_weights.materialize)
     # The behaviour log-probs of the whole batch, one micro-batch's rows at a time (and the
     # KL reference's, with its params: the same program).
     old_logp_fn = jit_learner_logprobs(mcfg, lpol, g.logprobs, loop=loop, mesh=mesh,
@@ -394,7 +422,7 @@ def _train(cfg: TrainConfig, plan: RunPlan, run_dir: Path, ckpt: Checkpointer, t
     programs = IterationPrograms(
         grpo_step=grpo_step, behaviour_logprobs=old_logp_fn,
         rule=ReplayRule(g.replay, g.logprobs, matched=str(lpol) == str(spol)),
-        verify_logprobs=verify_fn, model_params=None if weights is None else model_params)
+        verify_logprobs=verify_fn, model_params=None if grpo_weights is None else model_params)
     if cfg.loss.kl_beta > 0 and progress.initial_accuracy is not None:  # resumed inside GRPO
         programs = programs._replace(reference=Reference(
             _reference_params(cfg, plan, run_dir, None), old_logp_fn))
@@ -427,7 +455,9 @@ def _train(cfg: TrainConfig, plan: RunPlan, run_dir: Path, ckpt: Checkpointer, t
             phase = "sft"
         else:
             if progress.initial_accuracy is None:
-                if weights is None:
+                if lora is not None and not isinstance(state.params, LoraParams):
+                    state = begin_lora(state, lora, grpo_opt, run_dir, mcfg, step)
+                if grpo_weights is None:
                     sync, params = hooks.start(state.sync, state.params)
                     state = dataclasses.replace(state, sync=sync, params=params)
                 else:  # sync.bf16_start is refused for these (validate)
@@ -435,7 +465,8 @@ def _train(cfg: TrainConfig, plan: RunPlan, run_dir: Path, ckpt: Checkpointer, t
                     state = dataclasses.replace(state, sync=sync)
                 if cfg.loss.kl_beta > 0:  # frozen here: the GRPO phase's starting weights
                     programs = programs._replace(reference=Reference(_reference_params(
-                        cfg, plan, run_dir, model_params(state.params)), old_logp_fn))
+                        cfg, plan, run_dir, merge_adapters(model_params(state.params))),
+                        old_logp_fn))
                 progress = dataclasses.replace(progress,
                                                initial_accuracy=evaluate_now(state.params))
                 logger.log(step, "eval", {"accuracy": progress.initial_accuracy})

@@ -18,6 +18,7 @@ from typing import Any
 import jax
 
 from jaxrl_lp.models.config import ModelConfig
+from jaxrl_lp.models.lora import merge_adapters
 from jaxrl_lp.train.checkpoint import Checkpointer
 from jaxrl_lp.train.config import TrainConfig, apply_overrides, load_config
 from jaxrl_lp.train.sync_hooks import make_exporter
@@ -78,7 +79,8 @@ def served_export(ckpt: Checkpointer, params: Any, meta: dict, step: int,
 
     Args:
       ckpt: the run's checkpoints.
-      params: the params of checkpoint `step` (`ckpt.restore_params(step)`).
+      params: the params of checkpoint `step` (`ckpt.restore_params(step)`; a LoRA
+        run's adapters on their base, composed: they are merged first).
       meta: that step's metadata.
       step: the checkpoint step.
       exporter: a `sync.exporter` spec; None for the run's own.
@@ -94,6 +96,14 @@ def served_export(ckpt: Checkpointer, params: Any, meta: dict, step: int,
     own = saved.get("exporter", "none")
     spec = own if exporter is None else exporter
     ex = make_exporter(spec, int(saved.get("seed", 0)))
+    lora = meta.get("lora") or {}
+    if ex is None and lora.get("serve") == "merged":
+        # A LoRA run serving its merge without a sync.exporter: rounded to the base's format.
+        from jaxrl_lp.lora.export import merged_exporter, served_format_exporter
+
+        ex = merged_exporter(served_format_exporter(lora["base_format"]))
+        spec = f"lora-merged:{lora['base_format']}"
+    params = merge_adapters(params)  # a LoRA run's adapters on their base: W + A B s
     if ex is None:
         raise ValueError(f"the run in {ckpt.dir.parent} has no exporter (sync.exporter={own}): "
                          "its sampler serves the master params; name an exporter with "

@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxrl_lp.fields import check_bool, check_int, check_str
+from jaxrl_lp.models.lora import merge_adapters
 from jaxrl_lp.sync import (
     SamplerState,
     cast,
@@ -69,11 +70,18 @@ class SyncConfig:
         check_int("sync.check_every", self.check_every, minimum=0, why=" (0: never)")
         check_int("sync.seed", self.seed, minimum=0)
         make_exporter(self.exporter, self.seed)  # validates the spec
-        # Settings that only act on a served copy would be silently ignored without one.
+        # Settings that only act on a served copy would be silently ignored without one. A
+        # LoRA run serving its merged copy has one without an exporter: `TrainConfig` checks
+        # these two against the `lora` section (`check_served_copy`).
+
+    def check_served_copy(self, merged_lora: bool = False) -> None:
+        """Raises where `loss_on_served` or `check_every` is set without a served copy (an
+        exporter, or a LoRA run's merged copy: `merged_lora`)."""
         for f, on in (("loss_on_served", self.loss_on_served), ("check_every", self.check_every)):
-            if on and self.exporter == "none":
+            if on and self.exporter == "none" and not merged_lora:
                 raise ValueError(f"sync.{f}={str(getattr(self, f)).lower()} needs a served copy; set "
-                                 "sync.exporter (e.g. bf16:stochastic) or leave it off")
+                                 "sync.exporter (e.g. bf16:stochastic), or lora.serve=merged in a "
+                                 "LoRA run, or leave it off")
 
 
 def make_exporter(spec: str, seed: int = 0):
@@ -96,11 +104,13 @@ def make_exporter(spec: str, seed: int = 0):
 class SyncHooks:
     """Exports, measures and checks the served copy for the training program."""
 
-    def __init__(self, cfg: SyncConfig, mcfg, learner_policy, sampler_policy):
+    def __init__(self, cfg: SyncConfig, mcfg, learner_policy, sampler_policy, exporter=None):
+        """`exporter`: an `Exporter` to use instead of `cfg.exporter`'s (a LoRA run's merged
+        copy, `lora.export.merged_exporter`)."""
         self.cfg = cfg
         self.mcfg = mcfg
         self.lpol, self.spol = learner_policy, sampler_policy
-        self.exporter = make_exporter(cfg.exporter, cfg.seed)
+        self.exporter = exporter if exporter is not None else make_exporter(cfg.exporter, cfg.seed)
         if self.exporter is not None:
             self._apply = jax.jit(self.exporter.apply)
             # One compiled program for the per-step diagnostics (op by op they cost
@@ -118,7 +128,8 @@ class SyncHooks:
         if not self.active:
             return {}
         # Copies: the diagnostics keep start points, and the learner step donates the master.
-        params = jax.tree.map(jnp.copy, params)
+        # A LoRA forward tree is measured merged (`W + A B s`), as the served copy is made.
+        params = jax.tree.map(jnp.copy, merge_adapters(params))
         served, _ = self.exporter.apply(params, self.exporter.init(params))
         served = jax.tree.map(jnp.copy, served)
         return {"exporter": self.exporter.init(params), "staleness": staleness_init(served),
@@ -145,6 +156,7 @@ class SyncHooks:
         """Retention, staleness, ulp distance, served progress and lag, served-vs-master KL."""
         if not self.active:
             return state, {}
+        params = merge_adapters(params)  # a LoRA master: its merged f32 weights
         (stale, m), (prog, progress), ulps = self._measure(
             state["staleness"], state["progress"], served, params)
         kl = kl_from_logprobs(ro.logprobs, master_logp, ro.completion_mask)
@@ -158,6 +170,7 @@ class SyncHooks:
 
     def check(self, step: int, params, served, probe_tokens) -> dict:
         """Runs the seven checks; raises `SyncCheckError` with the report on a failure."""
+        params = merge_adapters(params)  # a LoRA master: its merged f32 weights
         report = run_sync_checks(
             served, hash_served(served),
             SamplerState(params=served, version=step, cache_version=step, policy=str(self.spol)),

@@ -49,9 +49,11 @@ class RunPlan(NamedTuple):
     optimizers: tuple                # (warm-start, GRPO) optax transforms
     mesh: Any = None                 # the device mesh (`run.mesh`), or None: one device
     weights: Any = None              # the train tree's representation (`sft.optimizer`;
-                                     # `optim.weights`), or None: the model's f32 params
+                                     # `optim.weights`; LoRA from step 0), or None: the
+                                     # model's f32 params
     sampler: Any = None              # where the sampler runs (`train.rollout_queue.SamplerSide`);
                                      # None: on the learner's devices (`mesh`)
+    lora: Any = None                 # `train.lora_run.LoraPlan` (`lora.rank > 0`), or None
 
 
 def _named(key: str, fn, *args, **kwargs):
@@ -174,14 +176,19 @@ def validate(cfg: TrainConfig) -> RunPlan:
             f"grpo.overlong_buffer={g.overlong_buffer} is longer than the completion budget of "
             f"{max_new} tokens (grpo.max_new_tokens=0: the task's answer length); set "
             f"grpo.overlong_buffer to at most {max_new}, or raise grpo.max_new_tokens")
+    from jaxrl_lp.train.lora_run import lora_plan
+
+    lora = lora_plan(cfg, mcfg)  # before `_weights`: LoRA names its own clash with sft.optimizer
     weights = _weights(cfg)
+    if lora is not None and lora.start == 0:  # on a pretrained base: LoRA from the first step
+        weights = lora.weights
     _speculative(cfg, mcfg)
     _reference(cfg, mcfg)
     mesh, sampler = _placement(cfg, mcfg) if cfg.run.learner_mesh else (_mesh(cfg, mcfg), None)
     return RunPlan(task=task, model=mcfg, max_new_tokens=max_new, seq_len=seq_len,
                    learner_policy=lpol, sampler_policy=spol, loop=loop, sampling=sampling,
                    exporter=exporter, optimizers=make_optimizers(cfg), mesh=mesh,
-                   weights=weights, sampler=sampler)
+                   weights=weights, sampler=sampler, lora=lora)
 
 
 def _weights(cfg: TrainConfig):

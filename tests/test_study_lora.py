@@ -1,0 +1,54 @@
+"""`jaxrl-lp study lora-mismatch` and `jaxrl-lp bench lora` end to end at a tiny size."""
+
+import json
+
+import pytest
+
+from jaxrl_lp.cli.main import main as cli_main
+from jaxrl_lp.studies.lora_mismatch import ARMS, arm_overrides
+
+
+def test_arms_set_the_base_format_and_the_serving():
+    assert len(ARMS) == 12
+    assert arm_overrides("bf16_unmerged", 3) == ["grpo.steps=3", "grpo.lr=0.001", "lora.rank=8",
+                                                 "lora.base_format=bf16"]
+    assert arm_overrides("nvfp4_merged", 3)[-1] == "lora.serve=merged"
+    assert arm_overrides("mxfp8_merged_served", 3)[-2:] == ["lora.serve=merged",
+                                                            "sync.loss_on_served=true"]
+    with pytest.raises(ValueError, match="unknown arm 'fp6_merged'"):
+        arm_overrides("fp6_merged", 3)
+
+
+@pytest.mark.slow
+@pytest.mark.ci
+def test_merged_serving_mismatches_and_the_served_copy_loss_removes_it(tmp_path, capsys):
+    """NVFP4 base, merged serving: once the adapters have moved (step 2) the unmerged learner
+    is off the merged sampler; with the loss on the served copy it is exact at every step."""
+    out = tmp_path / "study"
+    arms = "nvfp4_merged,nvfp4_merged_served"
+    assert cli_main(["study", "lora-mismatch", "--quick", "--arms", arms, "--steps", "2",
+                     "--out", str(out)]) == 0
+    r = json.loads((out / "lora_mismatch.json").read_text())
+    series = json.loads((out / "lora_mismatch_series.json").read_text())
+    assert series["nvfp4_merged_served"]["mismatch_max_abs_dlogp"] == [0.0, 0.0]
+    assert series["nvfp4_merged_served"]["replay_verified"] == [1.0, 1.0]
+    assert series["nvfp4_merged"]["mismatch_max_abs_dlogp"][-1] > 0.0
+    assert r["merged_mismatch_removed"] == {"nvfp4": True}
+    for png in ("mismatch.png", "max_dlogp.png", "reward.png", "accuracy.png"):
+        assert (out / png).stat().st_size > 1000, png
+    assert cli_main(["study", "lora-mismatch", "--arms", "nvfp4_merged,fp6_merged"]) == 2
+
+
+@pytest.mark.slow
+def test_bench_lora_reports_gains_and_trained_fractions(tmp_path, capsys):
+    out = tmp_path / "bench.json"
+    assert cli_main(["bench", "lora", "--quick", "--grpo-steps", "2", "--ranks", "4",
+                     "--run-dir", str(tmp_path / "runs"), "--set", "sft.steps=20",
+                     "--set", "run.eval_size=8", "--out", str(out)]) == 0
+    r = json.loads(out.read_text())
+    full, lora = r["arms"]["full"], r["arms"]["lora-r4"]
+    assert full["trained_fraction"] == 1.0 and full["trained_params"] == full["model_params"]
+    # Rank 4 on every matmul of the quick model (hidden 32, MLP 64, one layer).
+    assert lora["trained_params"] == 4 * (2 * (32 + 32) + 2 * (32 + 16) + 3 * (32 + 64))
+    assert lora["initial_accuracy"] == full["initial_accuracy"]  # B = 0: the warm-start itself
+    assert set(lora) >= {"within_margin", "gain_vs_full", "at_most_10_percent_trained"}
