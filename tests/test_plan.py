@@ -104,13 +104,19 @@ def test_tiny_plan_offpolicy_estimate(tiny_plan):
     assert off["synchronous_s"] == s["iteration_s"]
     splits = {x["sampler_devices"]: x for x in off["splits"]}
     assert sorted(splits) == [k for k in range(1, 8) if tiny_plan["shapes"]["decode_batch"] % k == 0]
-    learn = tiny_plan["behaviour_logprobs"]["roofline"]["time_s"] \
-        + tiny_plan["grpo_step"]["roofline"]["time_s"]
+    # A stale rollout (the default config: mu = 1, one minibatch): the behaviour log-probs
+    # every step, plus the replay at the rollout's own weights on the verification steps,
+    # handed to the one update as its value (the recorded program).
+    assert off["stale_updates"] == pytest.approx(
+        {"recorded": 1, "replaying": 0, "dense": 0, "behaviour": 1.1})
+    behaviour = tiny_plan["behaviour_logprobs"]["roofline"]["time_s"]
+    recorded = tiny_plan["grpo_step_recorded"]["roofline"]["time_s"]
+    stale, sync = 1.1 * behaviour + recorded, 0.1 * behaviour + recorded
     for k, x in splits.items():
         assert x["learner_devices"] == 8 - k
-        assert x["learn_s"] == pytest.approx(learn * 8 / (8 - k), rel=1e-9)
+        assert x["learn_s"] == pytest.approx(stale * 8 / (8 - k), rel=1e-9)
         assert x["overlapped_s"] == max(x["sample_s"], x["learn_s"])
-        assert x["synchronous_split_s"] == pytest.approx(x["sample_s"] + x["learn_s"])
+        assert x["synchronous_split_s"] == pytest.approx(x["sample_s"] + sync * 8 / (8 - k))
     # Fewer replicas hold more rows each: never a shorter sampling phase.
     assert splits[1]["sample_s"] >= splits[2]["sample_s"] >= splits[4]["sample_s"]
     # A replica holds the whole model: the per-device params times the fsdp x tensor split.
@@ -174,6 +180,29 @@ def test_iteration_updates_follow_the_replay_rule(sets, counts):
 
     assert iteration_updates(apply_overrides(default_config(), sets)) == pytest.approx(counts)
 
+
+@pytest.mark.parametrize("sets,counts", [
+    ([], {"recorded": 1, "replaying": 0, "dense": 0, "behaviour": 1.1}),
+    (["grpo.mu=2", "grpo.minibatches=4"],
+     {"recorded": 1, "replaying": 7, "dense": 0, "behaviour": 1.1}),
+    (["grpo.minibatches=2", "grpo.replay=always", "grpo.verify_every=0"],
+     {"recorded": 0, "replaying": 2, "dense": 0, "behaviour": 1.0}),
+    (["grpo.minibatches=2", "grpo.logprobs=dense"],
+     {"recorded": 0, "replaying": 0, "dense": 2, "behaviour": 1.1}),
+    (["grpo.minibatches=2", "sync.exporter=bf16:error_feedback", "sync.loss_on_served=true"],
+     {"recorded": 2, "replaying": 0, "dense": 0, "behaviour": 2.1}),
+    (["sync.exporter=bf16:error_feedback"],
+     {"recorded": 1, "replaying": 0, "dense": 0, "behaviour": 2.1}),
+])
+def test_stale_iteration_updates(sets, counts):
+    """A rollout sampled on an earlier export (`grpo.max_staleness`): no update is on the
+    sampler's weights; the behaviour log-probs run every step and are the first update's
+    value under `grpo.replay=auto` (tests/test_offpolicy.py checks the runs' counts)."""
+    from jaxrl_lp.plan import iteration_updates
+    from jaxrl_lp.train import default_config
+
+    cfg = apply_overrides(default_config(), sets)
+    assert iteration_updates(cfg, stale=True) == pytest.approx(counts)
 
 
 def test_hlo_cost_counts_loop_bodies_by_trip_count():

@@ -276,7 +276,8 @@ def plan(cfg: TrainConfig, mesh: str, devices: int, target: str = "h100", *,
         out["lora"] = lora_info
     out = _summarize(out, cfg, tgt)
     # The sampler and the learner on devices of their own, overlapped (`grpo.max_staleness`).
-    out["summary"]["offpolicy"] = offpolicy_estimate(out, spec, tgt, g.mu * g.minibatches)
+    out["summary"]["offpolicy"] = offpolicy_estimate(
+        out, spec, tgt, iteration_updates(cfg), iteration_updates(cfg, stale=True))
     return out
 
 
@@ -303,7 +304,7 @@ def _weights_read(params, mcfg: ModelConfig, spec: MeshSpec) -> int:
     return int((nbytes(params["layers"]) * mcfg.loop_steps + nbytes(head)) // spec.tensor)
 
 
-def iteration_updates(cfg: TrainConfig) -> dict:
+def iteration_updates(cfg: TrainConfig, stale: bool = False) -> dict:
     """Which learner programs one GRPO iteration of `cfg` runs, and how often (host rules).
 
     As `train.grpo_iteration` decides per update (`train.behaviour.ReplayRule`):
@@ -319,6 +320,13 @@ def iteration_updates(cfg: TrainConfig) -> dict:
     `grpo.verify_every` steps' verification otherwise (a share of one), and
     for the sync diagnostics' master log-probs under `loss_on_served`.
 
+    With `stale` (a rollout sampled on an earlier export, `grpo.max_staleness`),
+    no update is on the weights the sampler ran: the behaviour log-probs run
+    every step (plus, on the verification steps, the replay at the rollout's
+    own weights, and with an exporter the served copy's log-probs), and under
+    `grpo.replay=auto` they are the first update's value (every update's under
+    `loss_on_served`): priced as `recorded`, the rest replay.
+
     Returns:
       `{"recorded", "replaying", "dense", "behaviour"}` (counts per iteration).
     """
@@ -328,16 +336,23 @@ def iteration_updates(cfg: TrainConfig) -> dict:
     rule = ReplayRule(g.replay, g.logprobs, matched=str(lpol) == str(spol))
     exporter = cfg.sync.exporter != "none"
     on_served = exporter and cfg.sync.loss_on_served
+    verify = 1.0 / g.verify_every if g.verify_every else 0.0
     if g.logprobs != "hybrid":
         counts = {"recorded": 0, "replaying": 0, "dense": updates}
+    elif stale:
+        given = g.replay == "auto"  # the behaviour replay handed to the step as its value
+        counts = ({"recorded": updates, "replaying": 0, "dense": 0} if given and on_served else
+                  {"recorded": int(given), "replaying": updates - int(given), "dense": 0})
     elif not rule.can_reuse or (exporter and not on_served):
         counts = {"recorded": 0, "replaying": updates, "dense": 0}
     elif on_served:
         counts = {"recorded": updates, "replaying": 0, "dense": 0}
     else:
         counts = {"recorded": 1, "replaying": updates - 1, "dense": 0}
+    if stale:
+        counts["behaviour"] = 1.0 + verify + (1.0 if exporter else 0.0)
+        return counts
     first_recorded = counts["recorded"] > 0
-    verify = 1.0 / g.verify_every if g.verify_every else 0.0
     counts["behaviour"] = (verify if first_recorded else 1.0) + (1.0 if on_served else 0.0)
     return counts
 
