@@ -397,9 +397,9 @@ def _with_bounds(res: dict, ours: dict, cfg, args, mbs, machine: dict) -> None:
             continue
         b = r["bounds"]
         r["fraction_of_bound"] = {
-            phase: float(f"{b[f'{phase}_s'] / r[phase]:.3g}")
+            phase: float(f"{b[f'{phase}_s'] / r[phase]:.4g}")
             for phase in ("sample", "behaviour", "update") if r.get(phase) and b[f"{phase}_s"]}
-        r["fraction_of_bound"]["iteration"] = float(f"{b['iteration_s'] / r['iteration_s']:.3g}")
+        r["fraction_of_bound"]["iteration"] = float(f"{b['iteration_s'] / r['iteration_s']:.4g}")
     for name, it in ours.items():
         theirs = res.get(f"tunix_mb{it.minibatches}")
         if theirs is not None:
