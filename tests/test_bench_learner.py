@@ -7,6 +7,8 @@ import pytest
 from jaxrl_lp.cli.main import main
 
 
+@pytest.mark.slow
+@pytest.mark.ci
 def test_bench_learner_prints_one_json_object_with_both_methods(capsys):
     assert main(["bench", "learner", "--size", "tiny", "--batch", "4", "--group", "2",
                  "--seq-len", "24", "--prompt-len", "8", "--repeats", "1", "--min-time", "0",

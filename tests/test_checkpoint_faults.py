@@ -14,6 +14,7 @@ import sys
 
 import jax
 import numpy as np
+import pytest
 from helpers import FINISHED, latest_checkpoint, sets
 
 from jaxrl_lp.train import apply_overrides, default_config, run_train
@@ -28,6 +29,8 @@ sys.exit(main(sys.argv[1:]))
 """
 
 
+@pytest.mark.slow
+@pytest.mark.ci
 def test_a_failed_save_is_one_line_leaves_nothing_and_the_run_resumes(tmp_path, finished_runs):
     run = tmp_path / "run"
     cfg = apply_overrides(default_config(), [*FINISHED, f"run.out_dir={run}"])

@@ -33,6 +33,8 @@ def _records(run_dir):
     return [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
+@pytest.mark.slow
+@pytest.mark.ci
 def test_kl_beta_trains_logs_the_kl_from_zero_and_resumes_bit_for_bit(tmp_path):
     import shutil
 

@@ -238,6 +238,8 @@ def test_sft_then_grpo_by_config_trains_and_resumes_exactly(tmp_path):
                                   np.asarray(want["layers"]["q_proj"]))
 
 
+@pytest.mark.slow
+@pytest.mark.ci
 def test_study_error_diffusion_quick_runs_from_the_command_line(tmp_path, capsys):
     out = tmp_path / "study"
     assert cli_main(["study", "error-diffusion", "--quick", "--out", str(out), "--sft-steps", "6",

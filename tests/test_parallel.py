@@ -166,6 +166,8 @@ def tiny_ouro_checkpoint(tmp_path_factory):
     return path
 
 
+@pytest.mark.slow
+@pytest.mark.ci
 def test_training_on_a_mesh_and_its_checkpoint_on_other_meshes(tmp_path, tiny_ouro_checkpoint):
     """`jaxrl-lp train --set run.mesh=...`: the same run as on one device, exact replay on
     the mesh, and its checkpoint restored on another mesh shape and on one device."""

@@ -120,6 +120,8 @@ def _wait_for_records(run_dir, n, proc, timeout=120):
     raise AssertionError("the run did not start")
 
 
+@pytest.mark.slow
+@pytest.mark.ci
 def test_sigterm_to_the_command_saves_and_exits_75_and_two_exit_at_once(tmp_path):
     run = tmp_path / "one"
     proc = _start(run, 4000)

@@ -88,6 +88,8 @@ def _lengths(u):
     return u["mask"].sum(1)
 
 
+@pytest.mark.slow
+@pytest.mark.ci
 def test_mu_and_minibatches_replay_after_the_first_update_and_overlong_shaping(
         warm_start, tmp_path):
     grpo, updates, rewards = _run(warm_start, tmp_path / "run",
@@ -124,9 +126,11 @@ def test_mu_and_minibatches_replay_after_the_first_update_and_overlong_shaping(
     assert min(r["overlong_frac"] for r in grpo) > 0.0
 
 
-# The bound hit (1 round) and the resume run in CI's slow tier (three runs between them).
-@pytest.mark.parametrize("refills", [REFILLS, pytest.param(1, marks=(pytest.mark.slow,
-                                                                     pytest.mark.ci))])
+# Both bounds (REFILLS rounds, and 1: the bound hit) and the resume run in CI's slow tier (four
+# runs between them); the refill's unit tests are tests/test_dynamic_sampling.py.
+@pytest.mark.slow
+@pytest.mark.ci
+@pytest.mark.parametrize("refills", [REFILLS, 1])
 def test_dynamic_sampling_refills_the_batch_with_informative_groups(warm_start, tmp_path,
                                                                     refills):
     """At 8 refill rounds every batch here is filled; at 1 the bound is hit and masks."""

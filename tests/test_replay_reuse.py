@@ -202,6 +202,8 @@ def test_coded_weights_on_recorded_logprobs():
     _assert_same_update(out, train)
 
 
+@pytest.mark.slow
+@pytest.mark.ci
 def test_sharded_step_on_recorded_logprobs():
     from jaxrl_lp.parallel import make_mesh, param_shardings
     from jaxrl_lp.parallel.shard import put_tree
@@ -238,6 +240,8 @@ def _records(run_dir):
 REUSE_KEYS = ("replayed_updates", "behaviour_recomputed", "replay_verified")
 
 
+@pytest.mark.slow
+@pytest.mark.ci
 def test_a_step_on_the_behaviour_replay_is_the_replaying_step_bit_for_bit():
     """Where the weights moved since sampling (an off-policy rollout), the training program's
     behaviour log-probs are the replay under the update's weights, taken micro-batch by
@@ -264,6 +268,8 @@ def test_a_step_on_the_behaviour_replay_is_the_replaying_step_bit_for_bit():
     assert out[1][1]["ratio_mean"] != 1.0  # the policy change, against the recorded values
 
 
+@pytest.mark.slow
+@pytest.mark.ci
 def test_minibatches_4_replay_exactly_the_three_later_ones(tmp_path):
     """`auto` replays the three later minibatches; `always` all four. On XLA:CPU a replay of a
     minibatch's rows rounds otherwise than the sampler's whole batch (about 1 ulp on a third
@@ -316,6 +322,8 @@ def test_minibatches_4_replay_exactly_the_three_later_ones(tmp_path):
     assert all(r["timing_s/iteration"] > 0 and r["update_tokens_per_s"] > 0 for r in auto)
 
 
+@pytest.mark.slow
+@pytest.mark.ci
 def test_replay_always_at_one_minibatch_is_the_auto_run_bit_for_bit(finished_runs, tmp_path):
     """At mu = 1 and one minibatch, `always` replays what `auto` takes from the rollout:
     the same bits, so the same run (the shared `plain` run is `auto`)."""

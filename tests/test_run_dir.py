@@ -77,6 +77,8 @@ def test_a_second_train_on_a_locked_run_exits_at_once_and_touches_nothing(tmp_pa
     assert _snapshot(tmp_path) == before
 
 
+@pytest.mark.slow
+@pytest.mark.ci
 def test_damaged_checkpoints_are_named_set_aside_and_the_run_continues(tmp_path, capsys,
                                                                        finished_runs):
     # The shared Fair Cast run (its GRPO moves the params, both optimizers and the exporter's

@@ -172,6 +172,8 @@ def _assert_resumed_exactly(cut_dir, ref_dir):
     assert _records(cut_dir) == _records(ref_dir)
 
 
+@pytest.mark.slow
+@pytest.mark.ci
 def test_sigkill_between_export_and_update_resumes_bit_identically(tmp_path, finished_runs):
     """Fair Cast (bf16 error feedback, the loss on the served copy), killed before the 4th
     GRPO update: its export has moved the residual past checkpoint 4, which must not count."""
@@ -236,6 +238,8 @@ def test_sigkill_inside_grpo_resumes_bit_identically(tmp_path, exporter, moment,
     _assert_resumed_exactly(tmp_path / "cut", ref_dir)
 
 
+@pytest.mark.slow
+@pytest.mark.ci
 def test_warm_start_resumes_with_another_exporter_but_a_grpo_run_does_not(tmp_path):
     run_train(_cfg(tmp_path), stop_after=6)  # the warm-start (sft.steps=6), exporter none
     assert Checkpointer(tmp_path).latest_meta()["sync"]["exporter"] == "none"
