@@ -4,7 +4,9 @@
 
 - `draw_ms`: one jitted `draw_categorical` of a [8, 32000] f32 batch of logits
   (B = 8, the small preset's vocabulary), the fastest of `--repeats` timed
-  blocks of 50 calls each, per call.
+  blocks of 50 calls each, per call; `jax_random_categorical` is the same
+  Gumbel draw as `jax.random.categorical` computes it (its `jnp.argmax`, which
+  the sampler's `first_argmax` replaced: the same tokens), beside it.
 - `sampler_s`: `rollout.generate` on random small-qwen3 weights (f32), 8 rows of
   16 prompt tokens, 112 new tokens at temperature 1.0, the fastest of
   `--repeats` calls after a warm-up.
@@ -33,6 +35,7 @@ def main() -> None:
     cfg = get_preset("small-qwen3")
     logits = jax.random.normal(jax.random.PRNGKey(0), (8, cfg.vocab_size))
     draws = {d: jax.jit(lambda k, x, d=d: draw_categorical(k, x, d)) for d in DRAWS}
+    draws["jax_random_categorical"] = jax.jit(lambda k, x: jax.random.categorical(k, x, axis=-1))
     params = init_params(cfg, jax.random.PRNGKey(1))
     prompts = np.random.default_rng(0).integers(0, cfg.vocab_size, (8, 16)).tolist()
 
@@ -41,19 +44,22 @@ def main() -> None:
                       sampling=SamplingConfig(temperature=1.0, draw=d), key=jax.random.key(0))
         return jax.block_until_ready(ro.completion_tokens)
 
-    draw_ms = {d: [] for d in DRAWS}
+    draw_ms = {d: [] for d in draws}
     sampler_s = {d: [] for d in DRAWS}
-    for d in DRAWS:  # warm-up: compile both
+    for d in draws:  # warm-up: compile them
         jax.block_until_ready(draws[d](jax.random.PRNGKey(2), logits))
-        sample(d)
+        if d in DRAWS:
+            sample(d)
     load = os.getloadavg()[0]
     for r in range(args.repeats):
-        for d in DRAWS:
+        for d in draws:
             t0 = time.perf_counter()
             for i in range(50):
                 out = draws[d](jax.random.PRNGKey(i + 50 * r), logits)
             jax.block_until_ready(out)
             draw_ms[d].append((time.perf_counter() - t0) / 50 * 1e3)
+            if d not in DRAWS:
+                continue
             t0 = time.perf_counter()
             sample(d)
             sampler_s[d].append(time.perf_counter() - t0)

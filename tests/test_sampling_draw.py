@@ -1,7 +1,8 @@
 """The sampler's token draw (`SamplingConfig.draw`, `grpo.draw`).
 
 - The default draw is `jax.random.categorical`'s, token for token (the default
-  run is unchanged).
+  run is unchanged), and `first_argmax` is `jnp.argmax`'s index for every
+  input (ties, NaN, -inf rows, signed zeros, booleans).
 - `inverse_cdf` samples the filtered, tempered distribution: with a fixed
   seed, a chi-square test of 40000 draws against the exact probabilities
   (computed here in numpy, independently of `rollout.sampling`) has p-value
@@ -24,7 +25,7 @@ from jaxrl_lp.bench.exactness import exactness_model, masked_max_abs_diff
 from jaxrl_lp.numerics.policy import Policy
 from jaxrl_lp.rl.logprobs import replay_logprobs
 from jaxrl_lp.rollout import SamplingConfig, generate, sample_tokens
-from jaxrl_lp.rollout.sampling import _filter
+from jaxrl_lp.rollout.sampling import _filter, first_argmax, gumbel_max
 from jaxrl_lp.train.config import GRPOConfig
 
 P_MIN = 1e-3  # the chi-square p-value a correct draw must reach (seeds fixed: deterministic)
@@ -72,6 +73,43 @@ def test_the_default_draw_is_jax_random_categorical():
             tokens, _ = sample_tokens(logits, key, cfg)
             want = jax.random.categorical(key, _filter(logits / cfg.temperature, cfg), axis=-1)
             np.testing.assert_array_equal(np.asarray(tokens), np.asarray(want))
+
+
+def test_gumbel_max_is_jax_random_categorical_at_the_samplers_shapes():
+    # A [8, 32000] batch as the small preset decodes, a third of it filtered, and the
+    # speculative sampler's [B, k, V] residual draw; jitted, 40 keys each.
+    logits = jax.random.normal(jax.random.PRNGKey(4), (8, 32000)) * 3
+    logits = logits.at[:, 5000:15000].set(-jnp.inf).at[3].set(-jnp.inf).at[3, 7].set(0.0)
+    cube = jax.random.normal(jax.random.PRNGKey(5), (4, 3, 500))
+    ours = jax.jit(gumbel_max)
+    ref = jax.jit(lambda k, x: jax.random.categorical(k, x, axis=-1))
+    for seed in range(40):
+        key = jax.random.PRNGKey(100 + seed)
+        for x in (logits, cube):
+            got, want = np.asarray(ours(key, x)), np.asarray(ref(key, x))
+            assert got.dtype == np.int32
+            np.testing.assert_array_equal(got, want)
+    assert int(ours(jax.random.PRNGKey(0), logits)[3]) == 7  # the one live token of row 3
+
+
+def test_first_argmax_is_jnp_argmax():
+    rng = np.random.RandomState(0)
+    x = rng.randint(-3, 4, (16, 64)).astype(np.float32)  # many ties
+    x[1] = -np.inf  # an all-filtered row: index 0
+    x[2, [5, 9]] = np.nan  # the first NaN wins
+    x[3] = 0.0
+    x[3, [4, 6]] = -0.0  # -0 == +0: the first of them
+    x[4, :] = -1.0
+    x[4, 10] = np.inf
+    rows = [x, x.astype(jnp.bfloat16), x > 1, np.zeros((3, 7), bool),
+            rng.randint(0, 5, (5, 9)).astype(np.int32)]
+    for a in rows:
+        for axis in (-1, 0):
+            want = np.asarray(jnp.argmax(a, axis=axis))
+            for f in (first_argmax, jax.jit(first_argmax, static_argnums=1)):
+                got = np.asarray(f(a, axis))
+                assert got.dtype == np.int32
+                np.testing.assert_array_equal(got, want)
 
 
 @pytest.mark.parametrize("temperature,top_k,top_p", [(1.0, 0, 1.0), (0.7, 0, 1.0),

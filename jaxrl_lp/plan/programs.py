@@ -200,6 +200,7 @@ def _decode(cfg: ModelConfig, policy: Policy, shp: ProgramShapes):
 
 def _verify(cfg: ModelConfig, policy: Policy, shp: ProgramShapes):
     from jaxrl_lp.rollout.rows import rowwise_forward
+    from jaxrl_lp.rollout.sampling import first_argmax
     from jaxrl_lp.rollout.speculative import chunk_logprobs
     from jaxrl_lp.rollout.step import fused_readout, step_logits
 
@@ -210,7 +211,7 @@ def _verify(cfg: ModelConfig, policy: Policy, shp: ProgramShapes):
                                             slot_B, loop=loop, hidden=fused)
         logits = step_logits(params, cfg, policy, out)
         lps = chunk_logprobs(params, cfg, policy, out, chunk_BxT, 1.0, logits)
-        return jnp.argmax(logits, axis=-1), lps, cache, exits
+        return first_argmax(logits, axis=-1), lps, cache, exits
 
     params, cache = _sampler_state(cfg, policy, shp)
     b, t = shp.rows, shp.drafts + 1

@@ -46,7 +46,7 @@ from jaxrl_lp.models.loop import LoopSpec
 from jaxrl_lp.models.model import forward
 from jaxrl_lp.numerics.policy import Policy
 from jaxrl_lp.rollout.rows import rowwise_forward
-from jaxrl_lp.rollout.sampling import SamplingConfig
+from jaxrl_lp.rollout.sampling import SamplingConfig, first_argmax, gumbel_max
 from jaxrl_lp.rollout.sampling import _filter as filter_logits  # the sampler's own filter
 from jaxrl_lp.rollout.spec_config import SpecConfig
 
@@ -77,9 +77,9 @@ def sampling_probs(logits_BxV: jax.Array, sampling: SamplingConfig) -> jax.Array
 def _choose(logits_BxV, key, sampling: SamplingConfig):
     """A draft token and the drafter's distribution q [B, V] (None when greedy)."""
     if sampling.greedy:
-        return jnp.argmax(logits_BxV, axis=-1).astype(jnp.int32), None
+        return first_argmax(logits_BxV, axis=-1), None
     scaled = filter_logits(logits_BxV.astype(jnp.float32) / sampling.temperature, sampling)
-    tok = jax.random.categorical(key, scaled, axis=-1).astype(jnp.int32)
+    tok = gumbel_max(key, scaled)
     return tok, jax.nn.softmax(scaled, axis=-1)
 
 

@@ -8,7 +8,8 @@ from typing import Literal
 import jax
 import jax.numpy as jnp
 
-__all__ = ["DRAWS", "SamplingConfig", "draw_categorical", "sample_tokens", "token_logprobs"]
+__all__ = ["DRAWS", "SamplingConfig", "draw_categorical", "first_argmax", "gumbel_max",
+           "sample_tokens", "token_logprobs"]
 
 # How a token is drawn from the filtered, tempered distribution (`draw_categorical`).
 DRAWS = ("gumbel", "inverse_cdf")
@@ -64,6 +65,38 @@ def token_logprobs(logits_BxV: jax.Array, tokens_B: jax.Array, temperature: floa
     return jnp.take_along_axis(lp, tokens_B[..., None], axis=-1)[..., 0]
 
 
+def first_argmax(x: jax.Array, axis: int = -1) -> jax.Array:
+    """`jnp.argmax(x, axis)` as int32, computed as two plain reductions.
+
+    The same index bit for bit, on every platform: the first position of the
+    maximum, a NaN counting as the maximum (its first position then), index 0
+    where every entry is -inf (or False). `jnp.argmax` lowers to one reduce
+    over (value, index) pairs, which XLA:CPU emits as a scalar loop: a Gumbel
+    draw at B = 8, V = 32000 took 3.3 ms a decode step that way on 2 cores
+    (the noise fused into the loop) against 1.5 ms for the noise, a max and a
+    min of positions here (`benchmarks/sampler_draw.py`,
+    docs/bench/sampler-draw-argmax-2core-cpu.json). GPU and TPU reduce either
+    form in one pass over a [B, V] block; this one costs them a second pass.
+    """
+    x = jnp.asarray(x)
+    axis = axis % x.ndim
+    hit = x == jnp.max(x, axis=axis, keepdims=True)
+    if jnp.issubdtype(x.dtype, jnp.inexact):
+        hit = hit | jnp.isnan(x)
+    positions = jax.lax.broadcasted_iota(jnp.int32, x.shape, axis)
+    return jnp.min(jnp.where(hit, positions, x.shape[axis]), axis=axis)
+
+
+def gumbel_max(key: jax.Array, scaled_BxV: jax.Array) -> jax.Array:
+    """[B] int32: `jax.random.categorical(key, scaled_BxV, axis=-1)`, token for token.
+
+    The same Gumbel noise (`jax.random.gumbel` of the logits' shape and dtype),
+    added to the logits, and `first_argmax` in place of `jnp.argmax`.
+    """
+    noise = jax.random.gumbel(key, scaled_BxV.shape, scaled_BxV.dtype)
+    return first_argmax(noise + scaled_BxV, axis=-1)
+
+
 def _filter(scaled_BxV: jax.Array, cfg: SamplingConfig) -> jax.Array:
     """Masks to -inf every token outside the top-k and top-p sets."""
     v = scaled_BxV.shape[-1]
@@ -93,13 +126,13 @@ def _inverse_cdf(key: jax.Array, scaled_BxV: jax.Array) -> jax.Array:
     u_B = jax.random.uniform(key, scaled_BxV.shape[:-1], jnp.float32)
     # u <= 1 - 2^-23, so u * total rounds to below total: some cdf entry exceeds it.
     t_B = u_B * cdf_BxV[..., -1]
-    tok = jnp.argmax(cdf_BxV > t_B[..., None], axis=-1)
+    tok = first_argmax(cdf_BxV > t_B[..., None], axis=-1)
     # A weight-0 token can only be hit where the scan's rounding is not monotone (XLA may
     # sum a prefix in another order than its neighbour's): move to the next positive one.
     live_BxV = w_BxV > 0
     after = live_BxV & (jnp.arange(v) >= tok[..., None])
-    last = v - 1 - jnp.argmax(live_BxV[..., ::-1], axis=-1)
-    nxt = jnp.where(jnp.any(after, axis=-1), jnp.argmax(after, axis=-1), last)
+    last = v - 1 - first_argmax(live_BxV[..., ::-1], axis=-1)
+    nxt = jnp.where(jnp.any(after, axis=-1), first_argmax(after, axis=-1), last)
     hit = jnp.take_along_axis(live_BxV, tok[..., None], axis=-1)[..., 0]
     return jnp.where(hit, tok, nxt).astype(jnp.int32)
 
@@ -109,19 +142,19 @@ def draw_categorical(key: jax.Array, scaled_BxV: jax.Array, draw: str = "gumbel"
 
     Both draws are exact samples of the same categorical distribution up to f32
     rounding, but map a key to different tokens:
-    - `gumbel`: `jax.random.categorical`: argmax(scaled + Gumbel noise), one
-      noise draw (two logs) per vocabulary entry.
+    - `gumbel`: `jax.random.categorical`'s tokens (`gumbel_max`): argmax(scaled
+      + Gumbel noise), one noise draw (two logs) per vocabulary entry.
     - `inverse_cdf`: w = exp(scaled - max), c = cumsum(w), the first token with
       c > u * c[-1] for one u ~ U[0, 1) per row: one exp per entry and B
-      random numbers (on 2 CPU cores 0.8 against 3.8 ms a step at B = 8,
-      V = 32000). Tokens of probability below about 2^-23 of the total mass
+      random numbers (on 2 CPU cores 1.3 against 1.5 ms a step at B = 8,
+      V = 32000, both through `first_argmax`). Tokens of probability below about 2^-23 of the total mass
       are resolved at the uniform's 23-bit resolution.
 
     The log-probs are not computed here: `token_logprobs` scores the token, so
     a replay of either draw's tokens is the sampler's bits.
     """
     if draw == "gumbel":
-        return jax.random.categorical(key, scaled_BxV, axis=-1).astype(jnp.int32)
+        return gumbel_max(key, scaled_BxV)
     if draw == "inverse_cdf":
         return _inverse_cdf(key, scaled_BxV)
     raise ValueError(f"draw must be one of {', '.join(DRAWS)}; got {draw!r}")
@@ -131,7 +164,7 @@ def sample_tokens(logits_BxV: jax.Array, key: jax.Array, cfg: SamplingConfig):
     """Chooses one token per row; returns (tokens [B] int32, log-probs [B] f32)."""
     logits = logits_BxV.astype(jnp.float32)
     if cfg.greedy:
-        tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+        tokens = first_argmax(logits, axis=-1)
     else:
         scaled = _filter(logits / cfg.temperature, cfg)
         tokens = draw_categorical(key, scaled, cfg.draw)

@@ -60,7 +60,7 @@ from jaxrl_lp.rollout.drafter import DraftState, draft, init_draft, sampling_pro
 from jaxrl_lp.rollout.generate import Rollout
 from jaxrl_lp.rollout.request import check_request
 from jaxrl_lp.rollout.rows import put_chunk, rowwise_forward, take_chunk
-from jaxrl_lp.rollout.sampling import SamplingConfig, sample_tokens
+from jaxrl_lp.rollout.sampling import SamplingConfig, first_argmax, gumbel_max, sample_tokens
 from jaxrl_lp.rollout.sampling import _filter as filter_logits  # the sampler's own filter
 from jaxrl_lp.rollout.spec_config import SpecConfig
 from jaxrl_lp.rollout.step import LoopSpec, fused_readout, prefill, step_logits, step_logprobs
@@ -129,7 +129,7 @@ def accept_drafts(drafts_BxK, q_BxKxV, logits_BxK1xV, key, sampling: SamplingCon
     """
     b, k = drafts_BxK.shape
     if sampling.greedy:
-        fix = jnp.argmax(logits_BxK1xV, axis=-1).astype(jnp.int32)
+        fix = first_argmax(logits_BxK1xV, axis=-1)
         ok = drafts_BxK == fix[:, :k]
     else:
         v = logits_BxK1xV.shape[-1]
@@ -141,10 +141,10 @@ def accept_drafts(drafts_BxK, q_BxKxV, logits_BxK1xV, key, sampling: SamplingCon
         resid = jnp.maximum(p[:, :k] - q_BxKxV, 0.0)
         # p == q leaves no residual (and no rejection can have happened): fall back to p.
         some = jnp.sum(resid, axis=-1, keepdims=True) > 0
-        fix_k = jax.random.categorical(kr, jnp.log(jnp.where(some, resid, p[:, :k])), axis=-1)
+        fix_k = gumbel_max(kr, jnp.log(jnp.where(some, resid, p[:, :k])))
         scaled = filter_logits(logits_BxK1xV[:, k].astype(jnp.float32) / sampling.temperature,
                                sampling)
-        bonus = jax.random.categorical(kb, scaled, axis=-1)
+        bonus = gumbel_max(kb, scaled)
         fix = jnp.concatenate([fix_k, bonus[:, None]], axis=1).astype(jnp.int32)
     a = jnp.sum(jnp.cumprod(ok.astype(jnp.int32), axis=1), axis=1).astype(jnp.int32)
     t = jnp.arange(k + 1)[None]
