@@ -147,8 +147,9 @@ def draw_categorical(key: jax.Array, scaled_BxV: jax.Array, draw: str = "gumbel"
     - `inverse_cdf`: w = exp(scaled - max), c = cumsum(w), the first token with
       c > u * c[-1] for one u ~ U[0, 1) per row: one exp per entry and B
       random numbers (on 2 CPU cores 1.3 against 1.5 ms a step at B = 8,
-      V = 32000, both through `first_argmax`). Tokens of probability below about 2^-23 of the total mass
-      are resolved at the uniform's 23-bit resolution.
+      V = 32000, both through `first_argmax`). Tokens of probability below
+      about 2^-23 of the total mass are resolved at the uniform's 23-bit
+      resolution.
 
     The log-probs are not computed here: `token_logprobs` scores the token, so
     a replay of either draw's tokens is the sampler's bits.
