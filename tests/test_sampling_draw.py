@@ -97,8 +97,8 @@ def test_first_argmax_is_jnp_argmax():
     x = rng.randint(-3, 4, (16, 64)).astype(np.float32)  # many ties
     x[1] = -np.inf  # an all-filtered row: index 0
     x[2, [5, 9]] = np.nan  # the first NaN wins
-    x[3] = 0.0
-    x[3, [4, 6]] = -0.0  # -0 == +0: the first of them
+    x[3] = -1.0
+    x[3, 4], x[3, 6] = -0.0, 0.0  # -0 == +0: the first of them, 4
     x[4, :] = -1.0
     x[4, 10] = np.inf
     rows = [x, x.astype(jnp.bfloat16), x > 1, np.zeros((3, 7), bool),
