@@ -6,7 +6,10 @@
   (B = 8, the small preset's vocabulary), the fastest of `--repeats` timed
   blocks of 50 calls each, per call; `jax_random_categorical` is the same
   Gumbel draw as `jax.random.categorical` computes it (its `jnp.argmax`, which
-  the sampler's `first_argmax` replaced: the same tokens), beside it.
+  the sampler's `first_argmax` replaced: the same tokens), and
+  `jax_random_gumbel_noise` the sampler's draw with JAX's own noise
+  (`jax.random.gumbel`, its Threefry rounds a loop on CPU, which
+  `rollout.noise` unrolls: the same bits), beside it.
 - `sampler_s`: `rollout.generate` on random small-qwen3 weights (f32), 8 rows of
   16 prompt tokens, 112 new tokens at temperature 1.0, the fastest of
   `--repeats` calls after a warm-up.
@@ -25,7 +28,7 @@ from jaxrl_lp.models.config import get_preset
 from jaxrl_lp.models.model import init_params
 from jaxrl_lp.numerics.policy import Policy
 from jaxrl_lp.rollout import SamplingConfig, generate
-from jaxrl_lp.rollout.sampling import DRAWS, draw_categorical
+from jaxrl_lp.rollout.sampling import DRAWS, draw_categorical, first_argmax
 
 
 def main() -> None:
@@ -36,6 +39,8 @@ def main() -> None:
     logits = jax.random.normal(jax.random.PRNGKey(0), (8, cfg.vocab_size))
     draws = {d: jax.jit(lambda k, x, d=d: draw_categorical(k, x, d)) for d in DRAWS}
     draws["jax_random_categorical"] = jax.jit(lambda k, x: jax.random.categorical(k, x, axis=-1))
+    draws["jax_random_gumbel_noise"] = jax.jit(
+        lambda k, x: first_argmax(jax.random.gumbel(k, x.shape, x.dtype) + x))
     params = init_params(cfg, jax.random.PRNGKey(1))
     prompts = np.random.default_rng(0).integers(0, cfg.vocab_size, (8, 16)).tolist()
 

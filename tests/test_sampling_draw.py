@@ -25,6 +25,7 @@ from jaxrl_lp.bench.exactness import exactness_model, masked_max_abs_diff
 from jaxrl_lp.numerics.policy import Policy
 from jaxrl_lp.rl.logprobs import replay_logprobs
 from jaxrl_lp.rollout import SamplingConfig, generate, sample_tokens
+from jaxrl_lp.rollout.noise import gumbel, threefry_bits
 from jaxrl_lp.rollout.sampling import _filter, first_argmax, gumbel_max
 from jaxrl_lp.train.config import GRPOConfig
 
@@ -90,6 +91,45 @@ def test_gumbel_max_is_jax_random_categorical_at_the_samplers_shapes():
             assert got.dtype == np.int32
             np.testing.assert_array_equal(got, want)
     assert int(ours(jax.random.PRNGKey(0), logits)[3]) == 7  # the one live token of row 3
+
+
+def test_the_unrolled_noise_is_jax_random_gumbels_bits():
+    # Raw and typed keys, 1-D to 3-D shapes, jitted and vmapped over keys: every bit.
+    shapes = [(8, 32000), (7,), (4, 3, 500), (1, 1)]
+    keys = [jax.random.PRNGKey(s) for s in (0, 1, 2**31 + 5)] + [jax.random.key(9)]
+    ours = jax.jit(gumbel, static_argnums=1)
+    for key in keys:
+        for shape in shapes:
+            want = jax.random.gumbel(key, shape)
+            got = ours(key, shape)
+            np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
+        words = jax.random.key_data(key) if key.dtype != jnp.uint32 else key
+        np.testing.assert_array_equal(threefry_bits(words, (3, 1000)),
+                                      jax.random.bits(key, (3, 1000), jnp.uint32))
+    batch = jax.random.split(jax.random.PRNGKey(3), 5)
+    got = jax.jit(jax.vmap(lambda k: gumbel(k, (2, 300))))(batch)
+    want = jax.vmap(lambda k: jax.random.gumbel(k, (2, 300)))(batch)
+    np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
+    # No rolled Threefry loop left in the compiled draw: it is one fused pass.
+    hlo = jax.jit(gumbel_max).lower(keys[0], jnp.zeros((8, 32000))).compile().as_text()
+    assert " while(" not in hlo and "while." not in hlo
+
+
+def test_the_noise_falls_back_to_jax_random_where_its_bits_differ():
+    # bf16, the original (non-partitionable) counters, high-range Gumbel and another
+    # PRNG each go to jax.random.gumbel itself: the same values as JAX's, whatever they are.
+    key = jax.random.PRNGKey(11)
+    np.testing.assert_array_equal(gumbel(key, (4, 64), jnp.bfloat16),
+                                  jax.random.gumbel(key, (4, 64), jnp.bfloat16))
+    for flag in ("jax_threefry_partitionable", "jax_high_dynamic_range_gumbel"):
+        old = getattr(jax.config, flag)
+        jax.config.update(flag, not old)
+        try:
+            np.testing.assert_array_equal(gumbel(key, (4, 64)), jax.random.gumbel(key, (4, 64)))
+        finally:
+            jax.config.update(flag, old)
+    rbg = jax.random.key(5, impl="rbg")
+    np.testing.assert_array_equal(gumbel(rbg, (4, 64)), jax.random.gumbel(rbg, (4, 64)))
 
 
 def test_first_argmax_is_jnp_argmax():

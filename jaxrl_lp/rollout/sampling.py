@@ -8,6 +8,8 @@ from typing import Literal
 import jax
 import jax.numpy as jnp
 
+from jaxrl_lp.rollout.noise import gumbel
+
 __all__ = ["DRAWS", "SamplingConfig", "draw_categorical", "first_argmax", "gumbel_max",
            "sample_tokens", "token_logprobs"]
 
@@ -90,10 +92,11 @@ def first_argmax(x: jax.Array, axis: int = -1) -> jax.Array:
 def gumbel_max(key: jax.Array, scaled_BxV: jax.Array) -> jax.Array:
     """[B] int32: `jax.random.categorical(key, scaled_BxV, axis=-1)`, token for token.
 
-    The same Gumbel noise (`jax.random.gumbel` of the logits' shape and dtype),
-    added to the logits, and `first_argmax` in place of `jnp.argmax`.
+    The same Gumbel noise (`jax.random.gumbel` of the logits' shape and dtype,
+    its bits from `rollout.noise.gumbel`), added to the logits, and
+    `first_argmax` in place of `jnp.argmax`.
     """
-    noise = jax.random.gumbel(key, scaled_BxV.shape, scaled_BxV.dtype)
+    noise = gumbel(key, scaled_BxV.shape, scaled_BxV.dtype)
     return first_argmax(noise + scaled_BxV, axis=-1)
 
 
