@@ -300,3 +300,36 @@ def test_exit_rules_loop_specs_and_their_hf_keys():
         == "threshold:0.7:1"  # an out-of-range step is ignored, as the reference does
     with pytest.raises(NotImplementedError, match="min_loops"):
         exit_rule_to_hf("threshold:0.5:2", 4)
+
+
+@pytest.mark.parametrize("preset,policy", [("tiny-qwen3", "fp32"), ("tiny-qwen3", "bf16"),
+                                           ("tiny-ouro", "fp32")])
+def test_one_token_axis_in_the_matmuls_changes_no_value_and_no_dense_gradient(
+        preset, policy, monkeypatch):
+    # `layers.dot` flattens the token axes off a mesh (one [K, T] x [T, N] weight gradient,
+    # which XLA:CPU computes without a transposing pass); under a mesh it keeps them apart.
+    # The same log-probs bit for bit, and the same gradient: bit for bit for a dense model;
+    # a looped one sums its loop steps' weight products in another order (rounding only).
+    from jaxrl_lp.bench.learner import grpo_batch
+    from jaxrl_lp.models import layers
+    from jaxrl_lp.rl.logprobs import dense_logprobs, packed_rows_of
+
+    cfg, pol = get_preset(preset), Policy.parse(policy)
+    params = init_params(cfg, jax.random.PRNGKey(0))
+    ro, adv = grpo_batch(cfg, pol, params, batch=4, prompt_len=8, seq_len=32, group=2, seed=0)
+    rows = packed_rows_of(ro, buckets=16)
+
+    def loss(p):
+        lp, ent = dense_logprobs(p, cfg, pol, ro, packed_rows=rows)
+        return jnp.sum(lp * adv[:, None] * ro.completion_mask) + 0.01 * jnp.sum(ent), lp
+
+    (v_flat, lp_flat), g_flat = jax.jit(jax.value_and_grad(loss, has_aux=True))(params)
+    monkeypatch.setattr(layers, "current_mesh", lambda: "a mesh")  # the einsum over the axes
+    (v_axes, lp_axes), g_axes = jax.jit(jax.value_and_grad(loss, has_aux=True))(params)
+    np.testing.assert_array_equal(lp_flat, lp_axes)
+    assert float(v_flat) == float(v_axes)
+    for a, b in zip(jax.tree.leaves(g_flat), jax.tree.leaves(g_axes), strict=True):
+        if cfg.is_looped:
+            np.testing.assert_allclose(a, b, rtol=0, atol=2e-6 * float(jnp.max(jnp.abs(b))))
+        else:
+            np.testing.assert_array_equal(a, b)

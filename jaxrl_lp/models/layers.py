@@ -21,6 +21,7 @@ from jaxrl_lp.kernels.fake_quant import quantized_matmul
 from jaxrl_lp.models.lora import LoraWeight, adapter_product, base_value
 from jaxrl_lp.numerics.policy import Policy
 from jaxrl_lp.numerics.qarray import QArray
+from jaxrl_lp.parallel.context import current_mesh
 
 __all__ = ["dot", "rms_norm", "rope", "swiglu"]
 
@@ -48,10 +49,22 @@ def dot(x_xK: jax.Array, w_KxN: jax.Array, policy: Policy) -> jax.Array:
         # one token at a time matches the learner's whole-sequence forward.
         return quantized_matmul(x_xK, w, policy.matmul_format, backward=policy.backward,
                                 batch_axes=tuple(range(x_xK.ndim - 1)), kernels=policy.kernels)
-    return jnp.einsum(
-        "...k,kn->...n", x_xK, w,
-        preferred_element_type=jnp.float32, precision=jax.lax.Precision.HIGHEST,
-    )
+    if current_mesh() is None and x_xK.ndim > 2:
+        # One token axis: the weight's gradient is then one [K, T] x [T, N] product. Over
+        # the leading axes as they come, autodiff's product made XLA:CPU transpose the
+        # [T, N] cotangent inside the fusion that computes it, a strided pass: the small
+        # preset's update took 10-15% longer (`benchmarks/profile_update.py`). The values
+        # are the same bits, and so is a dense model's gradient; a looped model sums its
+        # steps' weight products in another order (`tests/test_models.py`). Under a mesh
+        # the axes stay apart for the partitioner.
+        k, n = w.shape
+        return _f32_product(x_xK.reshape(-1, k), w).reshape(*x_xK.shape[:-1], n)
+    return _f32_product(x_xK, w)
+
+
+def _f32_product(x_xK: jax.Array, w_KxN: jax.Array) -> jax.Array:
+    return jnp.einsum("...k,kn->...n", x_xK, w_KxN,
+                      preferred_element_type=jnp.float32, precision=jax.lax.Precision.HIGHEST)
 
 
 def rms_norm(x_xD: jax.Array, w_D: jax.Array, eps: float, policy: Policy) -> jax.Array:
