@@ -10,6 +10,9 @@
   `jax_random_gumbel_noise` the sampler's draw with JAX's own noise
   (`jax.random.gumbel`, its Threefry rounds a loop on CPU, which
   `rollout.noise` unrolls: the same bits), beside it.
+- `noise_in_scan_ms`: the noise alone in the decode loop's form, 112 steps of
+  a `lax.scan` each adding a key's [8, 32000] noise to the logits and taking
+  the max, per step: `rollout.noise.gumbel` against `jax.random.gumbel`.
 - `sampler_s`: `rollout.generate` on random small-qwen3 weights (f32), 8 rows of
   16 prompt tokens, 112 new tokens at temperature 1.0, the fastest of
   `--repeats` calls after a warm-up.
@@ -22,12 +25,14 @@ import os
 import time
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from jaxrl_lp.models.config import get_preset
 from jaxrl_lp.models.model import init_params
 from jaxrl_lp.numerics.policy import Policy
 from jaxrl_lp.rollout import SamplingConfig, generate
+from jaxrl_lp.rollout.noise import gumbel
 from jaxrl_lp.rollout.sampling import DRAWS, draw_categorical, first_argmax
 
 
@@ -49,6 +54,17 @@ def main() -> None:
                       sampling=SamplingConfig(temperature=1.0, draw=d), key=jax.random.key(0))
         return jax.block_until_ready(ro.completion_tokens)
 
+    def noise_scan(noise):
+        def body(acc, i):
+            k = jax.random.fold_in(jax.random.PRNGKey(3), i)
+            return acc + jnp.sum(jnp.max(noise(k, logits.shape) + logits, axis=-1)), None
+        return jax.jit(lambda: jax.lax.scan(body, jnp.float32(0), jnp.arange(112))[0])
+
+    scans = {"rollout_noise": noise_scan(gumbel), "jax_random_gumbel": noise_scan(
+        lambda k, shape: jax.random.gumbel(k, shape))}
+    scan_ms = {name: [] for name in scans}
+    for fn in scans.values():
+        jax.block_until_ready(fn())
     draw_ms = {d: [] for d in draws}
     sampler_s = {d: [] for d in DRAWS}
     for d in draws:  # warm-up: compile them
@@ -57,6 +73,10 @@ def main() -> None:
             sample(d)
     load = os.getloadavg()[0]
     for r in range(args.repeats):
+        for name, fn in scans.items():
+            t0 = time.perf_counter()
+            jax.block_until_ready(fn())
+            scan_ms[name].append((time.perf_counter() - t0) / 112 * 1e3)
         for d in draws:
             t0 = time.perf_counter()
             for i in range(50):
@@ -71,6 +91,7 @@ def main() -> None:
     print(json.dumps({
         "loadavg_start": round(load, 2), "loadavg_end": round(os.getloadavg()[0], 2),
         "draw_ms": {d: round(min(v), 3) for d, v in draw_ms.items()},
+        "noise_in_scan_ms": {n: round(min(v), 3) for n, v in scan_ms.items()},
         "sampler_s": {d: round(min(v), 3) for d, v in sampler_s.items()},
         "repeats": args.repeats}, indent=2))
 

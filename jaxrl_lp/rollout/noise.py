@@ -5,8 +5,8 @@ lowers the hash as a loop of 5 iterations to keep compile times short; XLA
 then runs each decode step's noise ([B, V] = 8 x 32000 on the small preset)
 as a loop that copies its state between iterations, and the draw cannot fuse
 with the logits. Written out as array operations, the same hash is one fused
-pass: 1.36 -> 0.34 ms a decode step for noise plus max on 2 cores
-(`benchmarks/sampler_draw.py` times both). GPU and TPU lower JAX's hash
+pass: 1.14 -> 0.33 ms a decode step for noise plus max on 2 cores
+(`benchmarks/sampler_draw.py`'s `noise_in_scan_ms` times both). GPU and TPU lower JAX's hash
 unrolled already; this is the same arithmetic there.
 
 The noise is the same bits as `jax.random.gumbel(key, shape, float32)`
