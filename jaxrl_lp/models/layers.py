@@ -53,7 +53,7 @@ def dot(x_xK: jax.Array, w_KxN: jax.Array, policy: Policy) -> jax.Array:
         # One token axis: the weight's gradient is then one [K, T] x [T, N] product. Over
         # the leading axes as they come, autodiff's product made XLA:CPU transpose the
         # [T, N] cotangent inside the fusion that computes it, a strided pass: the small
-        # preset's update took 10-15% longer (`benchmarks/profile_update.py`). The values
+        # preset's update took 1.10x as long (`benchmarks/update_token_axis_ab.py`). The values
         # are the same bits, and so is a dense model's gradient; a looped model sums its
         # steps' weight products in another order (`tests/test_models.py`). Under a mesh
         # the axes stay apart for the partitioner.

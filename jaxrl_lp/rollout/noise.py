@@ -6,15 +6,15 @@ then runs each decode step's noise ([B, V] = 8 x 32000 on the small preset)
 as a loop that copies its state between iterations, and the draw cannot fuse
 with the logits. Written out as array operations, the same hash is one fused
 pass: 1.14 -> 0.33 ms a decode step for noise plus max on 2 cores
-(`benchmarks/sampler_draw.py`'s `noise_in_scan_ms` times both). GPU and TPU lower JAX's hash
-unrolled already; this is the same arithmetic there.
+(`benchmarks/sampler_draw.py`'s `noise_in_scan_ms` times both). GPU and TPU
+lower JAX's hash unrolled already; this is the same arithmetic there.
 
 The noise is the same bits as `jax.random.gumbel(key, shape, float32)`
 wherever JAX's defaults hold: a Threefry key (typed, or a raw `uint32[2]`
 under the default implementation), `jax_threefry_partitionable` on (JAX's
 default), low-range Gumbel (`jax_high_dynamic_range_gumbel` off,
 the default), float32, fewer than 2^32 values. Elsewhere `gumbel` calls
-`jax.random.gumbel` itself, so the tokens never depend on which path ran.
+`jax.random.gumbel` itself, so the values are JAX's whichever path runs.
 `tests/test_sampling_draw.py` compares the bits.
 """
 

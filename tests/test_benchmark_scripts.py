@@ -1,0 +1,25 @@
+"""The benchmark scripts that back a figure in the docs, run end to end at their smallest size."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.slow
+@pytest.mark.ci
+def test_update_token_axis_ab_runs_and_finds_the_same_bits():
+    # Both forms of the update on the tiny preset: the JSON it prints, the same parameters
+    # after the first update and the same dense gradient bits (a dense preset).
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "update_token_axis_ab.py"), "--size", "tiny",
+         "--rounds", "2"], capture_output=True, text=True, check=True, cwd=ROOT)
+    res = json.loads(out.stdout)
+    assert res["preset"] == "tiny-qwen3" and res["rounds"] == 2
+    assert set(res["seconds"]) == {"one_token_axis", "leading_axes"}
+    assert all(v["min"] > 0 for v in res["seconds"].values())
+    assert res["same_bits"] is True and res["same_gradient"] is True
