@@ -22,17 +22,24 @@ def test_arms_set_the_base_format_and_the_serving():
 @pytest.mark.slow
 @pytest.mark.ci
 def test_merged_serving_mismatches_and_the_served_copy_loss_removes_it(tmp_path, capsys):
-    """NVFP4 base, merged serving: once the adapters have moved (step 2) the unmerged learner
-    is off the merged sampler; with the loss on the served copy it is exact at every step."""
+    """NVFP4 base, merged serving. While the adapters are at their start (B = 0) the merge is
+    the base bit for bit and the unmerged learner is exact; once an update with rewards has
+    moved them, the NVFP4 merge rounds them and the learner is off the sampler. With the loss
+    on the served copy it is exact at every step."""
     out = tmp_path / "study"
     arms = "nvfp4_merged,nvfp4_merged_served"
-    assert cli_main(["study", "lora-mismatch", "--quick", "--arms", arms, "--steps", "2",
+    assert cli_main(["study", "lora-mismatch", "--quick", "--arms", arms, "--steps", "3",
                      "--out", str(out)]) == 0
     r = json.loads((out / "lora_mismatch.json").read_text())
     series = json.loads((out / "lora_mismatch_series.json").read_text())
-    assert series["nvfp4_merged_served"]["mismatch_max_abs_dlogp"] == [0.0, 0.0]
-    assert series["nvfp4_merged_served"]["replay_verified"] == [1.0, 1.0]
-    assert series["nvfp4_merged"]["mismatch_max_abs_dlogp"][-1] > 0.0
+    assert series["nvfp4_merged_served"]["mismatch_max_abs_dlogp"] == [0.0, 0.0, 0.0]
+    assert series["nvfp4_merged_served"]["replay_verified"] == [1.0, 1.0, 1.0]
+    merged = series["nvfp4_merged"]
+    assert merged["mismatch_max_abs_dlogp"][0] == 0.0  # step 1 samples with B = 0
+    # The first step after one with a reward (whose update moved the adapters) is off.
+    moved = [i for i in (1, 2) if merged["reward_mean"][i - 1] > 0]
+    assert moved, merged["reward_mean"]
+    assert merged["mismatch_max_abs_dlogp"][moved[0]] > 0.0
     assert r["merged_mismatch_removed"] == {"nvfp4": True}
     for png in ("mismatch.png", "max_dlogp.png", "reward.png", "accuracy.png"):
         assert (out / png).stat().st_size > 1000, png
