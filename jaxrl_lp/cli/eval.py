@@ -35,7 +35,7 @@ def add_parser(sub) -> None:
 
 
 def run(args) -> int:
-    from jaxrl_lp.train.program import evaluate_run
+    from jaxrl_lp.train.evaluation import evaluate_run
     from jaxrl_lp.train.run_io import run_config
 
     cfg = run_config(args.run, args.config, args.overrides) if args.run else load(args)

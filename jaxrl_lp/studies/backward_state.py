@@ -319,7 +319,8 @@ def run_backward_state(out_dir: str | Path = "runs/study-backward-state", *,
 
     from jaxrl_lp.data.pipeline import sft_loader
     from jaxrl_lp.rollout.step import LoopSpec
-    from jaxrl_lp.train.program import evaluate, initial_state
+    from jaxrl_lp.train.evaluation import evaluate
+    from jaxrl_lp.train.program import initial_state
 
     plan, state, _ = initial_state(cfg)
     task, mcfg, sft_opt = plan.task, plan.model, plan.optimizers[0]

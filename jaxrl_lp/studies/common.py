@@ -31,7 +31,8 @@ import numpy as np
 
 from jaxrl_lp.numerics.policy import Policy
 from jaxrl_lp.train.checkpoint import Checkpointer
-from jaxrl_lp.train.config import TrainConfig, apply_overrides
+from jaxrl_lp.train.config import TrainConfig
+from jaxrl_lp.train.config_files import apply_overrides
 from jaxrl_lp.train.defaults import default_config
 from jaxrl_lp.train.sync_hooks import SyncHooks
 

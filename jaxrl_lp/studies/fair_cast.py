@@ -131,7 +131,7 @@ def _final_export(cfg) -> dict:
     and the greedy accuracy of that served copy."""
     from jaxrl_lp.rollout.step import LoopSpec
     from jaxrl_lp.sync import progress_update, staleness_update
-    from jaxrl_lp.train.program import evaluate
+    from jaxrl_lp.train.evaluation import evaluate
 
     state, _, task, mcfg, hooks = restore_state(cfg)
     params = state["params"]

@@ -92,7 +92,8 @@ def run_ternary_export(out_dir: str | Path = "runs/study-ternary-export", *,
     from jaxrl_lp.sync import EmptyState, served_params_for_forward
     from jaxrl_lp.sync.layout import flatten_served, matmul_weight_paths
     from jaxrl_lp.sync.ternary import TERNARY_PATHS, code_disagreement, ternary
-    from jaxrl_lp.train.program import evaluate, run_train
+    from jaxrl_lp.train.evaluation import evaluate
+    from jaxrl_lp.train.program import run_train
 
     t0 = time.time()
     out = Path(out_dir)

@@ -12,11 +12,11 @@ from jaxrl_lp.train.config import (
     SFTConfig,
     TaskConfig,
     TrainConfig,
-    apply_overrides,
-    load_config,
 )
+from jaxrl_lp.train.config_files import apply_overrides, config_from_dict, load_config
 from jaxrl_lp.train.defaults import default_config
-from jaxrl_lp.train.program import NonFiniteError, evaluate, evaluate_run, run_train
+from jaxrl_lp.train.evaluation import evaluate, evaluate_run
+from jaxrl_lp.train.program import NonFiniteError, run_train
 from jaxrl_lp.train.rollout_queue import RolloutQueue, SamplerSide
 from jaxrl_lp.train.validate import RunPlan, validate
 
@@ -32,6 +32,7 @@ __all__ = [
     "TaskConfig",
     "TrainConfig",
     "apply_overrides",
+    "config_from_dict",
     "default_config",
     "evaluate",
     "evaluate_run",

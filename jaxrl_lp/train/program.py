@@ -18,25 +18,21 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from jaxrl_lp.data import prompt_loader, sft_loader
 from jaxrl_lp.lora import LoraParams
 from jaxrl_lp.models.lora import merge_adapters
 from jaxrl_lp.models.model import init_params
-from jaxrl_lp.numerics.policy import Policy
 from jaxrl_lp.parallel import param_shardings
 from jaxrl_lp.parallel.data import ShardedLoader
 from jaxrl_lp.parallel.distributed import initialize
-from jaxrl_lp.parallel.shard import batch_shardings, put_tree, state_shardings, to_host
+from jaxrl_lp.parallel.shard import batch_shardings, put_tree, state_shardings
 from jaxrl_lp.rl.logprobs import jit_learner_logprobs
 from jaxrl_lp.rl.train_step import make_grpo_step, make_sft_step
-from jaxrl_lp.rollout.generate import generate
-from jaxrl_lp.rollout.sampling import SamplingConfig
-from jaxrl_lp.rollout.step import LoopSpec
 from jaxrl_lp.train.behaviour import ReplayRule
 from jaxrl_lp.train.checkpoint import Checkpointer
 from jaxrl_lp.train.config import TrainConfig
+from jaxrl_lp.train.evaluation import evaluate
 from jaxrl_lp.train.grpo_iteration import (
     IterationPrograms,
     Reference,
@@ -46,7 +42,7 @@ from jaxrl_lp.train.grpo_iteration import (
     sampling_key,
 )
 from jaxrl_lp.train.logger import MetricsLogger, plot_metrics
-from jaxrl_lp.train.lora_run import LoraCheckpoints, begin_lora, read_lora_params
+from jaxrl_lp.train.lora_run import LoraCheckpoints, begin_lora
 from jaxrl_lp.train.preemption import Preempted, SignalGuard
 from jaxrl_lp.train.progress import PhaseProgress
 from jaxrl_lp.train.resume import restore_newest_intact
@@ -54,9 +50,9 @@ from jaxrl_lp.train.rollout_queue import RolloutQueue, weights_key
 from jaxrl_lp.train.run_lock import RunLock
 from jaxrl_lp.train.run_state import Progress, RunState
 from jaxrl_lp.train.sync_hooks import SyncHooks
-from jaxrl_lp.train.validate import RunPlan, build_task, model_config, validate
+from jaxrl_lp.train.validate import RunPlan, validate
 
-__all__ = ["NonFiniteError", "evaluate", "evaluate_run", "initial_state", "run_train"]
+__all__ = ["NonFiniteError", "initial_state", "run_train"]
 
 
 class NonFiniteError(RuntimeError):
@@ -117,77 +113,6 @@ def initial_state(cfg: TrainConfig, plan: RunPlan | None = None
         state = RunState(params=state.params, opt_sft=put(state.opt_sft),
                          opt_grpo=put(state.opt_grpo), sync=put(state.sync))
     return plan, state, hooks
-
-
-def evaluate(params, mcfg, task, policy, loop, size: int, max_new: int, mesh=None) -> float:
-    """Greedy held-out accuracy on the first `size` held-out problems (deterministic).
-
-    With `mesh` the sampler runs sharded (`generate(mesh=...)`) and every
-    process scores the whole batch.
-    """
-    problems = [task.heldout[i] for i in range(min(size, len(task.heldout)))]
-    tok = task.tokenizer
-    ro = generate(params, mcfg, [task.prompt_ids(p) for p in problems], policy=policy,
-                  sampling=SamplingConfig(greedy=True), max_new_tokens=max_new,
-                  eos_id=tok.eos_id, pad_id=tok.pad_id, loop=loop, mesh=mesh)
-    return float(np.mean(task.rewards(to_host(ro.completion_tokens), problems)))
-
-
-def evaluate_run(cfg: TrainConfig, size: int | None = None, *, step: int | None = None,
-                 served: bool = False, exporter: str | None = None) -> dict:
-    """Greedy held-out accuracy of a checkpoint of the run in `cfg.run.out_dir`.
-
-    Only the params are restored (and, with `served`, the exporter state), so a
-    run evaluates whatever its sync settings and phase: with or without a
-    `sync.exporter`, a warm-start or a finished run.
-
-    Args:
-      cfg: the run's config (`run.out_dir` names the run; the model must match
-        the checkpoint's).
-      size: held-out problems scored (default `run.eval_size`).
-      step: the checkpoint step (default: the latest).
-      served: also score the served copy: the run's exporter applied to the
-        params with the exporter state saved in the checkpoint, exactly what
-        `run_train` reports as `final_accuracy_served`.
-      exporter: score the copy this `sync.exporter` spec serves instead (from
-        its initial state unless it is the run's own); implies `served`.
-
-    Returns:
-      `{"step", "accuracy"}`, plus `"accuracy_served"` and `"exporter"` with `served`.
-    """
-    from jaxrl_lp.lora import LoraWeights
-    from jaxrl_lp.optim import OptimizerSpec
-    from jaxrl_lp.sync.export import served_params_for_forward
-    from jaxrl_lp.train.run_io import served_export
-
-    ckpt = Checkpointer(cfg.run.out_dir, create=False)
-    try:
-        step = ckpt.resolve_step(step)
-        task = build_task(cfg)
-        mcfg = model_config(cfg, task)
-        params, meta = ckpt.restore_params(step, mcfg)
-        weights = OptimizerSpec.parse(cfg.sft.optimizer, "sft.optimizer").weights()
-        if weights is not None:  # a low-bit run's train tree -> the model's params
-            params = weights.materialize(params)
-        params, lora = read_lora_params(cfg.run.out_dir, params, meta, mcfg, cfg.init_from)
-        if lora is not None:  # the adapters on their (checked) base, as the sampler reads them
-            params = LoraWeights(lora, mcfg).materialize(params)
-        served = served or exporter is not None
-        export = served_export(ckpt, params, meta, step, exporter) if served else None
-    finally:
-        ckpt.close()
-    g = cfg.grpo
-    loop = LoopSpec(g.exit_rule, g.compute_mode).resolve(mcfg)
-
-    def score(p):
-        return evaluate(p, mcfg, task, Policy.parse(g.sampler_policy), loop,
-                        size or cfg.run.eval_size, g.max_new_tokens or task.max_completion_tokens)
-
-    out = {"step": step, "accuracy": score(params)}
-    if export is not None:
-        out["accuracy_served"] = score(served_params_for_forward(export[0]))
-        out["exporter"] = export[1]["exporter"]
-    return out
 
 
 # The progress bar's figures: the loss and reward, and a GRPO iteration's split by phase.

@@ -20,7 +20,8 @@ import jax
 from jaxrl_lp.models.config import ModelConfig
 from jaxrl_lp.models.lora import merge_adapters
 from jaxrl_lp.train.checkpoint import Checkpointer
-from jaxrl_lp.train.config import TrainConfig, apply_overrides, load_config
+from jaxrl_lp.train.config import TrainConfig
+from jaxrl_lp.train.config_files import apply_overrides, load_config
 from jaxrl_lp.train.sync_hooks import make_exporter
 
 __all__ = ["TOKENIZER_FILES", "model_config_of", "run_config", "save_tokenizer", "served_export"]
