@@ -251,7 +251,8 @@ def _cell(pol, kind):
 
 
 @pytest.mark.parametrize("pol,kind", [
-    ("fp32", "dense"), ("fp32", "looped_deferred"), ("fp32,k=interpret-tpu", "dense"),
+    ("fp32", "dense"), ("fp32,k=interpret-tpu", "dense"),
+    pytest.param("fp32", "looped_deferred", marks=(pytest.mark.slow, pytest.mark.ci)),
     *(pytest.param(p, k, marks=(pytest.mark.slow, *((pytest.mark.ci,) if p == "bf16" else ())))
       for p in ("fp32", "bf16") for k in KINDS
       if (p, k) not in (("fp32", "dense"), ("fp32", "looped_deferred")))])

@@ -304,7 +304,7 @@ def test_exit_rules_loop_specs_and_their_hf_keys():
 
 @pytest.mark.parametrize("preset,policy", [
     ("tiny-qwen3", "fp32"), pytest.param("tiny-qwen3", "bf16", marks=pytest.mark.slow),
-    ("tiny-ouro", "fp32")])
+    pytest.param("tiny-ouro", "fp32", marks=(pytest.mark.slow, pytest.mark.ci))])
 def test_one_token_axis_in_the_matmuls_changes_no_value_and_no_dense_gradient(
         preset, policy, monkeypatch):
     # `layers.dot` flattens the token axes off a mesh (one [K, T] x [T, N] weight gradient,

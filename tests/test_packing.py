@@ -86,11 +86,13 @@ def test_bucket_rows():
         bucket_rows(9, 8, 4)
 
 
-# Each looped cell compiles two looped forwards and backwards (~10 s of CPU cold): the
-# deferred mode (the harder schedule) by default, the dense mode in CI's slow tier.
+# Each looped cell compiles two looped forwards and backwards (~25 s cold on 2 cores): both
+# run in CI's slow tier; by default a looped model's packed rows are checked through the
+# hybrid step (tests/test_logprobs.py, `packed`).
 @pytest.mark.parametrize("pol,kind", [
-    ("fp32", "dense"), ("fp32,k=interpret", "dense"), ("fp32", "looped_deferred"),
-    pytest.param("fp32", "looped_dense", marks=(pytest.mark.slow, pytest.mark.ci))])
+    ("fp32", "dense"), ("fp32,k=interpret", "dense"),
+    *(pytest.param("fp32", k, marks=(pytest.mark.slow, pytest.mark.ci))
+      for k in ("looped_deferred", "looped_dense"))])
 def test_packed_dense_logprobs_equal_the_unpacked_ones(pol, kind):
     """Values and gradients of a masked loss of log-probs and entropies; NaN when rows are short.
 
