@@ -277,6 +277,8 @@ def test_replay_and_hybrid_stay_exact_with_the_kernel_on(pol, kind):
     assert max(float(jnp.abs(a).max()) for a in jax.tree.leaves(g_hybrid)) > 0.0
 
 
+@pytest.mark.slow  # CI's tier (17 s cold): the GRPO step's read-out through the kernel is default
+@pytest.mark.ci
 def test_sft_step_reads_the_hidden_state_through_the_kernel():
     """A dense model's SFT loss and gradient by the fused path match the plain path's."""
     from jaxrl_lp.models.config import get_preset

@@ -182,6 +182,8 @@ def _restore(cfg):
     return restore_state(cfg)[0]
 
 
+@pytest.mark.slow  # CI's tier (22 s cold): tests/test_convert.py runs the command by default
+@pytest.mark.ci
 def test_convert_writes_a_binary_runs_materialized_weights(tmp_path):
     """`convert run-to-hf` of an error-diffusion run writes `codes * scale`, not its train tree."""
     from jaxrl_lp.models.hf_config import read_hf_config
