@@ -205,7 +205,8 @@ def _chi2(counts, expected):
 DRAWS = 4000
 
 
-# k = 1 (one draft a round, 14 s cold) in CI's slow tier: k = 4 runs the same rounds longer.
+# k = 1 (one draft a round, 14 s cold) in CI's slow tier: the default k = 4 cell runs the
+# same self-drafter with four drafts and a bonus a round.
 @pytest.mark.parametrize("spec", [
     pytest.param("self:loops=1,k=1", marks=(pytest.mark.slow, pytest.mark.ci)),
     "self:loops=1,k=4", "dense:-,k=4,sink=2,window=5"])
