@@ -23,3 +23,19 @@ def test_update_token_axis_ab_runs_and_finds_the_same_bits():
     assert set(res["seconds"]) == {"one_token_axis", "leading_axes"}
     assert all(v["min"] > 0 for v in res["seconds"].values())
     assert res["same_bits"] is True and res["same_gradient"] is True
+
+
+@pytest.mark.slow
+@pytest.mark.ci
+def test_profile_sampler_names_the_rollouts_ops_and_its_weight_matmuls():
+    # The tiny preset's rollout under the profiler: ops named from XLA's HLO dump (removed
+    # after), the weight matmuls found among them, and their share of the op time.
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "profile_sampler.py"), "--size", "tiny",
+         "--new-tokens", "8", "--repeats", "1", "--calls", "1", "--top", "5"],
+        capture_output=True, text=True, check=True, cwd=ROOT)
+    res = json.loads(out.stdout)
+    assert res["preset"] == "tiny-qwen3" and res["new_tokens"] == 8 and len(res["top"]) == 5
+    assert res["ops_s"] > 0 and 0 < res["weight_matmul_s"] <= res["ops_s"]
+    assert 0 < res["weight_matmul_share"] <= 1 and res["other_dot_s"] >= 0
+    assert all(r["op_name"].startswith("jit(") for r in res["top"])

@@ -1,0 +1,126 @@
+"""Where the sampler's rollout of a preset spends its time, by XLA op (jax.profiler).
+
+    python benchmarks/profile_sampler.py [--size small] [--draw gumbel] [--calls 2] > out.json
+
+The rollout `jaxrl-lp bench iteration` samples (`rollout.generate`: 2 prompts
+of 16 tokens, 4 samples each, 112 new tokens, no EOS, f32, temperature 1)
+with random weights. After two warm-up calls and `--repeats` timed ones,
+`--calls` run under `jax.profiler.trace`; the trace's XLA op events are summed
+per op and divided by the calls. Each op is named by its HLO `op_name`, read
+from the optimized HLO that XLA dumps while this script compiles (a temporary
+`--xla_dump_to`, removed at the end). The weight matmuls are the ops of
+`layers.dot`'s product (`op_name` ending `...k,kn->...n/dot_general`): their
+share of the op time is `weight_matmul_share`; `other_dot_s` is the rest of
+the dots (attention's). Prints one JSON object.
+
+On XLA:CPU independent ops run beside each other on the executor's threads, so
+the ops' sum exceeds the wall time; read the figures as shares.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import glob
+import json
+import os
+import re
+import shutil
+import tempfile
+import time
+
+DUMP = tempfile.mkdtemp(prefix="profile_sampler_hlo_")
+# Before jax is imported: XLA reads its flags once.
+os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
+                           + f" --xla_dump_to={DUMP} --xla_dump_hlo_as_text").strip()
+
+import jax  # noqa: E402
+
+
+def _op_names(dump_dir: str) -> dict[str, str]:
+    """HLO instruction name -> its `op_name` metadata, over every optimized module dumped."""
+    out = {}
+    for path in glob.glob(f"{dump_dir}/*after_optimizations.txt"):
+        with open(path) as f:
+            for line in f:
+                m = re.match(r"\s*(?:ROOT )?%([^\s=]+) = ", line)
+                n = re.search(r'op_name="([^"]*)"', line)
+                if m and n:
+                    out.setdefault(m.group(1), n.group(1))
+    return out
+
+
+def main() -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--size", default="small", choices=["tiny", "small"])
+    ap.add_argument("--draw", default="gumbel", choices=["gumbel", "inverse_cdf"])
+    ap.add_argument("--new-tokens", type=int, default=112)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--calls", type=int, default=2)
+    ap.add_argument("--top", type=int, default=25)
+    args = ap.parse_args()
+
+    import numpy as np
+    from jax.profiler import ProfileData
+
+    from jaxrl_lp.bench.learner import SIZES
+    from jaxrl_lp.models.config import get_preset
+    from jaxrl_lp.models.model import init_params
+    from jaxrl_lp.numerics.policy import Policy
+    from jaxrl_lp.rollout import SamplingConfig, generate
+
+    cfg = get_preset(SIZES[args.size])
+    params = init_params(cfg, jax.random.PRNGKey(1))
+    prompts = np.random.default_rng(0).integers(1, cfg.vocab_size, (2, 16)).tolist()
+    sampling = SamplingConfig(temperature=1.0, draw=args.draw)
+
+    def call():
+        ro = generate(params, cfg, prompts, policy=Policy.parse("fp32"), sampling=sampling,
+                      max_new_tokens=args.new_tokens, num_samples=4, eos_id=None,
+                      key=jax.random.PRNGKey(3))
+        return jax.block_until_ready(ro.completion_tokens)
+
+    call()
+    call()
+    times = []
+    for _ in range(args.repeats):
+        t = time.perf_counter()
+        call()
+        times.append(time.perf_counter() - t)
+    names = _op_names(DUMP)
+    with tempfile.TemporaryDirectory() as d:
+        t = time.perf_counter()
+        jax.profiler.start_trace(d)
+        for _ in range(args.calls):
+            call()
+        jax.profiler.stop_trace()
+        seconds = (time.perf_counter() - t) / args.calls
+        profile = ProfileData.from_file(glob.glob(f"{d}/**/*.xplane.pb", recursive=True)[0])
+    total, count = collections.Counter(), collections.Counter()
+    for plane in profile.planes:
+        for line in plane.lines:
+            if "XLA" not in line.name:  # the executor's threads, not Python's
+                continue
+            for ev in line.events:
+                if ev.name in names:  # an HLO instruction (not the executor's own spans)
+                    total[ev.name] += ev.duration_ns / 1e9 / args.calls
+                    count[ev.name] += 1
+    ops = sum(total.values())
+    shutil.rmtree(DUMP, ignore_errors=True)
+    weights = sum(s for name, s in total.items()
+                  if names[name].endswith("...k,kn->...n/dot_general"))
+    dots = sum(s for name, s in total.items() if names[name].endswith("dot_general"))
+    return {"preset": SIZES[args.size], "draw": args.draw, "batch": 8,
+            "new_tokens": args.new_tokens, "calls": args.calls,
+            "loadavg": [round(x, 2) for x in os.getloadavg()],
+            "rollout_s": round(min(times), 3), "rollout_s_under_profiler": round(seconds, 3),
+            "ops_s": round(ops, 3), "weight_matmul_s": round(weights, 3),
+            "weight_matmul_share": round(weights / ops, 4) if ops else 0.0,
+            "other_dot_s": round(dots - weights, 3),
+            "top": [{"op": name, "s": round(s, 4), "share": round(s / ops, 4),
+                     "calls": count[name] // args.calls, "op_name": names[name][-160:]}
+                    for name, s in total.most_common(args.top)]}
+
+
+if __name__ == "__main__":
+    print(json.dumps(main(), indent=1))
