@@ -20,11 +20,9 @@ the ops' sum exceeds the wall time; read the figures as shares.
 from __future__ import annotations
 
 import argparse
-import collections
 import glob
 import json
 import os
-import re
 import shutil
 import tempfile
 import time
@@ -35,18 +33,15 @@ os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
                            + f" --xla_dump_to={DUMP} --xla_dump_hlo_as_text").strip()
 
 import jax  # noqa: E402
+from _xla_ops import op_names, op_times  # noqa: E402
 
 
-def _op_names(dump_dir: str) -> dict[str, str]:
-    """HLO instruction name -> its `op_name` metadata, over every optimized module dumped."""
+def _dumped_op_names(dump_dir: str) -> dict[str, str]:
+    """`op_names` over every optimized module XLA dumped."""
     out = {}
-    for path in glob.glob(f"{dump_dir}/*after_optimizations.txt"):
+    for path in sorted(glob.glob(f"{dump_dir}/*after_optimizations.txt")):
         with open(path) as f:
-            for line in f:
-                m = re.match(r"\s*(?:ROOT )?%([^\s=]+) = ", line)
-                n = re.search(r'op_name="([^"]*)"', line)
-                if m and n:
-                    out.setdefault(m.group(1), n.group(1))
+            out = {**op_names(f.read()), **out}
     return out
 
 
@@ -61,7 +56,6 @@ def main() -> dict:
     args = ap.parse_args()
 
     import numpy as np
-    from jax.profiler import ProfileData
 
     from jaxrl_lp.bench.learner import SIZES
     from jaxrl_lp.models.config import get_preset
@@ -87,24 +81,8 @@ def main() -> dict:
         t = time.perf_counter()
         call()
         times.append(time.perf_counter() - t)
-    names = _op_names(DUMP)
-    with tempfile.TemporaryDirectory() as d:
-        t = time.perf_counter()
-        jax.profiler.start_trace(d)
-        for _ in range(args.calls):
-            call()
-        jax.profiler.stop_trace()
-        seconds = (time.perf_counter() - t) / args.calls
-        profile = ProfileData.from_file(glob.glob(f"{d}/**/*.xplane.pb", recursive=True)[0])
-    total, count = collections.Counter(), collections.Counter()
-    for plane in profile.planes:
-        for line in plane.lines:
-            if "XLA" not in line.name:  # the executor's threads, not Python's
-                continue
-            for ev in line.events:
-                if ev.name in names:  # an HLO instruction (not the executor's own spans)
-                    total[ev.name] += ev.duration_ns / 1e9 / args.calls
-                    count[ev.name] += 1
+    names = _dumped_op_names(DUMP)
+    seconds, total, count = op_times(call, args.calls, names)
     ops = sum(total.values())
     shutil.rmtree(DUMP, ignore_errors=True)
     weights = sum(s for name, s in total.items()
@@ -118,7 +96,7 @@ def main() -> dict:
             "weight_matmul_share": round(weights / ops, 4) if ops else 0.0,
             "other_dot_s": round(dots - weights, 3),
             "top": [{"op": name, "s": round(s, 4), "share": round(s / ops, 4),
-                     "calls": count[name] // args.calls, "op_name": names[name][-160:]}
+                     "calls": count[name], "op_name": names[name][-160:]}
                     for name, s in total.most_common(args.top)]}
 
 

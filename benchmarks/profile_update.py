@@ -20,29 +20,14 @@ wall time of each op on its thread); read them as shares of the step.
 from __future__ import annotations
 
 import argparse
-import collections
 import dataclasses
-import glob
 import json
 import os
-import re
-import tempfile
-import time
 
 import jax
 import jax.numpy as jnp
 import optax
-
-
-def _op_names(hlo_text: str) -> dict[str, str]:
-    """HLO instruction name -> its `op_name` metadata (the jaxpr path it lowers)."""
-    out = {}
-    for line in hlo_text.splitlines():
-        m = re.match(r"\s*(?:ROOT )?%([^\s=]+) = ", line)
-        n = re.search(r'op_name="([^"]*)"', line)
-        if m and n:
-            out[m.group(1)] = n.group(1)
-    return out
+from _xla_ops import op_names, op_times
 
 
 def main() -> dict:
@@ -53,8 +38,6 @@ def main() -> dict:
     ap.add_argument("--steps", type=int, default=2)
     ap.add_argument("--top", type=int, default=25)
     args = ap.parse_args()
-
-    from jax.profiler import ProfileData
 
     from jaxrl_lp.bench.learner import LOSS, SIZES, grpo_batch
     from jaxrl_lp.models.config import get_preset
@@ -79,31 +62,15 @@ def main() -> dict:
 
     call()
     call()
-    names = _op_names(step.lower(state["p"], state["o"], *batch).compile().as_text())
-    with tempfile.TemporaryDirectory() as d:
-        t = time.perf_counter()
-        jax.profiler.start_trace(d)
-        for _ in range(args.steps):
-            call()
-        jax.profiler.stop_trace()
-        seconds = (time.perf_counter() - t) / args.steps
-        profile = ProfileData.from_file(glob.glob(f"{d}/**/*.xplane.pb", recursive=True)[0])
-    total, count = collections.Counter(), collections.Counter()
-    for plane in profile.planes:
-        for line in plane.lines:
-            if "XLA" not in line.name:  # the executor's threads, not Python's
-                continue
-            for ev in line.events:
-                if ev.name in names:  # an HLO instruction (not the executor's own spans)
-                    total[ev.name] += ev.duration_ns / 1e9 / args.steps
-                    count[ev.name] += 1
+    names = op_names(step.lower(state["p"], state["o"], *batch).compile().as_text())
+    seconds, total, count = op_times(call, args.steps, names)
     ops = sum(total.values())
     return {"preset": SIZES[args.size], "full_completions": args.full,
             "pack_buckets": args.pack_buckets, "steps": args.steps,
             "loadavg": [round(x, 2) for x in os.getloadavg()],
             "step_s_under_profiler": round(seconds, 3), "ops_s": round(ops, 3),
             "top": [{"op": name, "s": round(s, 4), "share": round(s / ops, 4),
-                     "calls": count[name] // args.steps, "op_name": names[name][-160:]}
+                     "calls": count[name], "op_name": names[name][-160:]}
                     for name, s in total.most_common(args.top)]}
 
 

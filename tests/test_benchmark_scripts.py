@@ -39,3 +39,15 @@ def test_profile_sampler_names_the_rollouts_ops_and_its_weight_matmuls():
     assert res["ops_s"] > 0 and 0 < res["weight_matmul_s"] <= res["ops_s"]
     assert 0 < res["weight_matmul_share"] <= 1 and res["other_dot_s"] >= 0
     assert all(r["op_name"].startswith("jit(") for r in res["top"])
+
+
+@pytest.mark.slow
+@pytest.mark.ci
+def test_profile_update_names_the_updates_ops():
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "profile_update.py"), "--size", "tiny",
+         "--steps", "1", "--top", "5"], capture_output=True, text=True, check=True, cwd=ROOT)
+    res = json.loads(out.stdout)
+    assert res["preset"] == "tiny-qwen3" and res["steps"] == 1 and len(res["top"]) == 5
+    assert res["ops_s"] > 0 and all(r["calls"] >= 1 for r in res["top"])
+    assert any(r["op_name"].endswith("dot_general") for r in res["top"])
