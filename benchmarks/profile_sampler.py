@@ -13,8 +13,8 @@ from the optimized HLO that XLA dumps while this script compiles (a temporary
 share of the op time is `weight_matmul_share`; `other_dot_s` is the rest of
 the dots (attention's). Prints one JSON object.
 
-On XLA:CPU independent ops run beside each other on the executor's threads, so
-the ops' sum exceeds the wall time; read the figures as shares.
+On XLA:CPU the executor may run independent ops on its threads at once, and
+the profiler slows the rollout: read the figures as shares of the op time.
 """
 
 from __future__ import annotations
