@@ -44,10 +44,12 @@ def test_profile_sampler_names_the_rollouts_ops_and_its_weight_matmuls():
 @pytest.mark.slow
 @pytest.mark.ci
 def test_profile_update_names_the_updates_ops():
+    # Every op (a large --top): at the tiny preset the matmuls need not be among the largest.
     out = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / "profile_update.py"), "--size", "tiny",
-         "--steps", "1", "--top", "5"], capture_output=True, text=True, check=True, cwd=ROOT)
+         "--steps", "1", "--top", "100000"], capture_output=True, text=True, check=True, cwd=ROOT)
     res = json.loads(out.stdout)
-    assert res["preset"] == "tiny-qwen3" and res["steps"] == 1 and len(res["top"]) == 5
+    assert res["preset"] == "tiny-qwen3" and res["steps"] == 1 and len(res["top"]) > 10
     assert res["ops_s"] > 0 and all(r["calls"] >= 1 for r in res["top"])
     assert any(r["op_name"].endswith("dot_general") for r in res["top"])
+    assert sum(r["s"] for r in res["top"]) == pytest.approx(res["ops_s"], abs=1e-3 * len(res["top"]))
