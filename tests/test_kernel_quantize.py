@@ -39,7 +39,8 @@ from jaxrl_lp.kernels import KernelUnavailableError
 from jaxrl_lp.kernels.fake_quant import fake_quant, quantized_matmul
 from jaxrl_lp.kernels.float_bits import E2M1, E4M3, decode, encode, from_bits, to_bits
 from jaxrl_lp.kernels.lowering import kernel_calls, lower_for, trace_for
-from jaxrl_lp.kernels.quantize import TPU_TILES, QuantTiles, _tpu_misfit, dequantize, quantize
+from jaxrl_lp.kernels.quantize import TPU_TILES, QuantTiles, dequantize, quantize
+from jaxrl_lp.kernels.quantize_plan import tpu_misfit
 from jaxrl_lp.models.config import get_preset
 from jaxrl_lp.models.layers import dot
 from jaxrl_lp.models.model import param_shapes
@@ -133,7 +134,7 @@ def test_tpu_version_is_bit_equal_to_the_reference(fmt, case):
     view = (int(np.prod(shape[:axis])), shape[axis], int(np.prod(shape[axis + 1:])))
     view = view[:2] if view[2] == 1 else view
     bs = formats.FORMATS[fmt].block_size
-    assert _tpu_misfit(view, bs, TPU_TILES[len(view)], np.dtype(np.float32)) is None  # its real plan
+    assert tpu_misfit(view, bs, TPU_TILES[len(view)], np.dtype(np.float32)) is None  # its real plan
     _check_case(fmt, *TPU_CASES[case], mode="interpret-tpu", dtype=ml_dtypes.bfloat16)
 
 

@@ -42,7 +42,7 @@ Triton blocks are powers of two (`dispatch.pow2_misfit`; a dim smaller than
 its tile takes its next power of two, masked past the end). A Triton program
 keeps the tile in registers; what may go through shared memory is the
 scratch of a layout conversion or a cross-warp reduction, at most one f32
-copy of the values and scales (`_cuda_misfit`: 16.5 KiB at the default MX
+copy of the values and scales (`quantize_plan.cuda_misfit`: 16.5 KiB at the default MX
 tiles, of 227 KiB). No loop, so nothing to pipeline: one stage. Triton's `/`
 is PTX's approximate `div.full.f32`, so the compiled kernel divides NVFP4's
 values by inline `div.rn.f32` (`_div_rn`), as XLA does; MX divides by powers
@@ -55,7 +55,7 @@ of 128 (the butterfly rotates whole lanes). Mosaic cannot split lanes into
 finds each block's amax by a log2(bs)-step XOR butterfly of lane rotations
 and gathers one scale code per block by a one-hot bf16 matmul (exact: the
 codes are integers < 256); dequantize spreads them the same way. VMEM
-(`_tpu_misfit`): the blocks, double-buffered, padded to Mosaic's tiles, plus
+(`quantize_plan.tpu_misfit`): the blocks, double-buffered, padded to Mosaic's tiles, plus
 12 f32 tile-sized temporaries (the high side) and 10 bytes per element of the
 one-hot matrix: 6.8 MiB (quantize, bf16) and 7.3 MiB (dequantize) at the
 default `[P, N, Q]` MXFP8 tile, 6.2 and 6.5 MiB at `[32, 2560]` activations,
@@ -70,7 +70,6 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Sequence
-from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -81,31 +80,24 @@ from jax.experimental.pallas import triton as pltriton
 
 from jaxrl_lp.kernels import dispatch
 from jaxrl_lp.kernels import float_bits as fb
-from jaxrl_lp.kernels.targets import budget_misfit
+from jaxrl_lp.kernels.quantize_plan import (
+    CUDA_TILES,
+    TPU_TILES,
+    QuantTiles,
+    along,
+    compiler_params,
+    local_view,
+    platform_versions,
+    rows_axes,
+    specs,
+    views,
+)
 from jaxrl_lp.numerics import formats
 from jaxrl_lp.numerics.policy import KERNEL_MODES, PRESETS, Policy
 from jaxrl_lp.numerics.qarray import QArray, get_format
 from jaxrl_lp.numerics.qarray import dequantize as dequantize_reference
 
 __all__ = ["CUDA_TILES", "TPU_TILES", "QuantTiles", "dequantize", "kernels_mode", "quantize"]
-
-
-class QuantTiles(NamedTuple):
-    """A kernel tile: `rows` of P (the `[P, N]` view only), `blocks` scale blocks of N,
-    `cols` of Q (the `[P, N, Q]` view only). A dim smaller than its tile is whole (in
-    Triton, its next power of two)."""
-
-    rows: int = 1
-    blocks: int = 1
-    cols: int = 1
-
-
-# Default tiles by view rank (module docstring).
-CUDA_TILES = {2: QuantTiles(rows=32, blocks=4), 3: QuantTiles(blocks=1, cols=128)}
-TPU_TILES = {2: QuantTiles(rows=32, blocks=128), 3: QuantTiles(blocks=32, cols=128)}
-_LANES, _SUBLANES_8BIT = 128, 32
-_TPU_TEMPS = 12  # f32 tile-sized temporaries counted in the VMEM estimate (the high side)
-_ONE_HOT_BYTES = 10  # per element of the one-hot matrix: two int32 iotas and the bf16 matrix
 
 
 def kernels_mode(kernels: str | Policy) -> str:
@@ -163,37 +155,37 @@ def _quantize(x, *, fmt: str, axis: int, batch: tuple[int, ...], mode: str, tile
     spec = get_format(fmt)
     reference = lambda: formats.quantize(x, fmt, axis, batch)
     bs, shape = spec.block_size, x.shape
-    view, sview, tview = _views(shape, axis, bs)
+    view, sview, tview = views(shape, axis, bs)
     nvfp4 = spec.scale_kind == "block_e4m3_tensor_f32"
     operands, tscale = [x.reshape(view)], None
     if nvfp4:
         reduce_axes = tuple(i for i in range(x.ndim) if i not in batch)
         # Upcast: the tensor scale is computed from f32 values, as in the reference.
         tscale = formats.nvfp4_tensor_scale(x.astype(jnp.float32), reduce_axes)
-        operands.append(jnp.broadcast_to(tscale, _along(shape, axis, 1)).reshape(tview))
+        operands.append(jnp.broadcast_to(tscale, along(shape, axis, 1)).reshape(tview))
 
     def run(platform: str, tile: QuantTiles, interpret: bool) -> QArray:
         def call(*operands):
             local = operands[0].shape  # one device's rows under a mesh
-            spec_x, spec_s, spec_t, grid = _specs(platform, local, bs, tile)
+            spec_x, spec_s, spec_t, grid = specs(platform, local, bs, tile)
             return pl.pallas_call(
                 _kernel(_quantize_blocks_kernel, _quantize_lanes_kernel, platform, local, spec,
                         nvfp4, interpret),
                 out_shape=(jax.ShapeDtypeStruct(local, jnp.uint8),
                            jax.ShapeDtypeStruct(local[:1] + sview[1:], jnp.uint8)),
                 grid=grid, in_specs=[spec_x] + [spec_t] * nvfp4, out_specs=(spec_x, spec_s),
-                compiler_params=_compiler_params(platform, local, bs, tile), interpret=interpret,
+                compiler_params=compiler_params(platform, local, bs, tile), interpret=interpret,
                 name=f"{fmt}_quantize",
             )(*operands)
 
-        rows = _rows_axes(view)
+        rows = rows_axes(view)
         codes, scales = dispatch.per_shard(call, (rows,) * len(operands), (rows, rows))(*operands)
         scale_dtype = jnp.float8_e4m3fn if nvfp4 else jnp.float8_e8m0fnu
         return QArray(fb.from_bits(codes, spec.element_dtype).reshape(shape),
-                      fb.from_bits(scales, scale_dtype).reshape(_along(shape, axis, shape[axis] // bs)),
+                      fb.from_bits(scales, scale_dtype).reshape(along(shape, axis, shape[axis] // bs)),
                       fmt, axis, batch, tscale)
 
-    versions = _versions(run, mode, _local(view), bs, np.dtype(x.dtype), tiles, tpu_tiles)
+    versions = platform_versions(run, mode, local_view(view), bs, np.dtype(x.dtype), tiles, tpu_tiles)
     return dispatch.by_platform(f"{fmt}_quantize", Policy(kernels=mode), reference, **versions)
 
 
@@ -222,169 +214,32 @@ def _dequantize(q: QArray, *, mode: str, tiles, tpu_tiles) -> jax.Array:
     spec = q.spec
     reference = lambda: dequantize_reference(q)
     bs, shape = spec.block_size, q.shape
-    view, sview, tview = _views(shape, q.axis, bs)
+    view, sview, tview = views(shape, q.axis, bs)
     operands = [fb.to_bits(q.codes).reshape(view), fb.to_bits(q.scales).reshape(sview)]
     nvfp4 = q.tensor_scale is not None
     if nvfp4:
-        operands.append(jnp.broadcast_to(q.tensor_scale, _along(shape, q.axis, 1)).reshape(tview))
+        operands.append(jnp.broadcast_to(q.tensor_scale, along(shape, q.axis, 1)).reshape(tview))
 
     def run(platform: str, tile: QuantTiles, interpret: bool) -> jax.Array:
         def call(*operands):
             local = operands[0].shape  # one device's rows under a mesh
-            spec_x, spec_s, spec_t, grid = _specs(platform, local, bs, tile)
+            spec_x, spec_s, spec_t, grid = specs(platform, local, bs, tile)
             return pl.pallas_call(
                 _kernel(_dequantize_blocks_kernel, _dequantize_lanes_kernel, platform, local,
                         spec, nvfp4, interpret),
                 out_shape=jax.ShapeDtypeStruct(local, jnp.float32), grid=grid,
                 in_specs=[spec_x, spec_s] + [spec_t] * nvfp4, out_specs=spec_x,
-                compiler_params=_compiler_params(platform, local, bs, tile), interpret=interpret,
+                compiler_params=compiler_params(platform, local, bs, tile), interpret=interpret,
                 name=f"{q.format}_dequantize",
             )(*operands)
 
-        rows = _rows_axes(view)
+        rows = rows_axes(view)
         out = dispatch.per_shard(call, (rows,) * len(operands), rows)(*operands)
         return out.reshape(shape)
 
-    versions = _versions(run, mode, _local(view), bs, np.dtype(np.float32), tiles, tpu_tiles)
+    versions = platform_versions(run, mode, local_view(view), bs, np.dtype(np.float32), tiles, tpu_tiles)
     return dispatch.by_platform(f"{q.format}_dequantize", Policy(kernels=mode), reference,
                                 **versions)
-
-
-# ----------------------------------------------------------------- plans: views, tiles, fits
-def _rows_axes(view: tuple[int, ...]):
-    """The logical axes of a view's operands under a mesh (`dispatch.per_shard`): an
-    activation's `[P, N]` view is P = batch x tokens, split over the batch shards like the
-    activation (blocks run along N, within a row); a weight's `[P, N, Q]` view is whole on
-    every device (FSDP gathers a weight before its matmul anyway). A P that does not divide
-    by the shards stays whole too."""
-    if len(view) == 2 and view[0] % dispatch.shard_count("batch") == 0:
-        return ("batch", None)
-    return None
-
-
-def _local(view: tuple[int, ...]) -> tuple[int, ...]:
-    """The view one device's kernel sees (`_rows_axes`): what its tile is planned for."""
-    if _rows_axes(view) is None:
-        return view
-    return (view[0] // dispatch.shard_count("batch"), *view[1:])
-
-
-def _along(shape: tuple[int, ...], axis: int, n: int) -> tuple[int, ...]:
-    return shape[:axis] + (n,) + shape[axis + 1:]
-
-
-def _views(shape: tuple[int, ...], axis: int, bs: int):
-    """The values' view `[P, N(, Q)]`, the scales' `[P, N/bs(, Q)]`, the tensor scale's `[P, 1(, Q)]`."""
-    p, n, q = math.prod(shape[:axis]), shape[axis], math.prod(shape[axis + 1:])
-    if q == 1:
-        return (p, n), (p, n // bs), (p, 1)
-    return (p, n, q), (p, n // bs, q), (p, 1, q)
-
-
-def _tile(platform: str, view: tuple[int, ...], bs: int, tiles: QuantTiles):
-    """(rows, blocks, cols) of `tiles` on `view`: a dim smaller than its tile is whole (cuda: its
-    power of two, a Triton block, masked past the end)."""
-    fit = (lambda t, d: min(t, 1 << (d - 1).bit_length())) if platform == "cuda" else min
-    if len(view) == 2:
-        return fit(tiles.rows, view[0]), fit(tiles.blocks, view[1] // bs), 1
-    return 1, fit(tiles.blocks, view[1] // bs), fit(tiles.cols, view[2])
-
-
-def _specs(platform: str, view: tuple[int, ...], bs: int, tiles: QuantTiles):
-    """BlockSpecs of the values, the scales and the tensor scale, and the grid."""
-    tp, nb, tq = _tile(platform, view, bs, tiles)
-    if len(view) == 2:
-        grid = (pl.cdiv(view[0], tp), pl.cdiv(view[1], nb * bs))
-        return (pl.BlockSpec((tp, nb * bs), lambda i, j: (i, j)),
-                pl.BlockSpec((tp, nb), lambda i, j: (i, j)),
-                pl.BlockSpec((tp, 1), lambda i, j: (i, 0)), grid)
-    grid = (view[0], pl.cdiv(view[1], nb * bs), pl.cdiv(view[2], tq))
-    return (pl.BlockSpec((None, nb * bs, tq), lambda p, j, k: (p, j, k)),
-            pl.BlockSpec((None, nb, tq), lambda p, j, k: (p, j, k)),
-            pl.BlockSpec((None, 1, tq), lambda p, j, k: (p, 0, k)), grid)
-
-
-def _tile_text(platform, view, bs, tiles) -> str:
-    tp, nb, tq = _tile(platform, view, bs, tiles)
-    dims = (tp, nb * bs) if len(view) == 2 else (nb * bs, tq)
-    return f"[{dims[0]}, {dims[1]}] ({nb} blocks of {bs}) of the view {list(view)}"
-
-
-def _cuda_misfit(view, bs, tiles: QuantTiles, x_dtype) -> str | None:
-    """Triton: power-of-two blocks; at most one f32 copy of values and scales in shared memory."""
-    del x_dtype
-    tp, nb, tq = _tile("cuda", view, bs, tiles)
-    text = _tile_text("cuda", view, bs, tiles)
-    dims = {"rows": tp, "blocks": nb} if len(view) == 2 else {"blocks": nb, "cols": tq}
-    bad = dispatch.pow2_misfit(1, **dims)
-    if bad is not None:
-        return f"the tile {text}: {bad} (Triton blocks are powers of two)"
-    values = tp * nb * bs * tq
-    return budget_misfit("cuda", 4 * (values + values // bs), text)
-
-
-def _vmem(shape: tuple[int, ...], itemsize: int) -> int:
-    """Bytes of a VMEM block: its last two dims padded to Mosaic's (8 * 4 / itemsize, 128) tile."""
-    *lead, r, c = (1, *shape) if len(shape) == 1 else shape
-    sub = 8 * 4 // itemsize
-    return math.prod(lead) * (-(-r // sub) * sub) * (-(-c // _LANES) * _LANES) * itemsize
-
-
-def _tpu_misfit(view, bs, tiles: QuantTiles, x_dtype) -> str | None:
-    """Mosaic's block rules (ours for `uint8`, module docstring) and the VMEM estimate."""
-    tp, nb, tq = _tile("tpu", view, bs, tiles)
-    tn, text = nb * bs, _tile_text("tpu", view, bs, tiles)
-    if len(view) == 2:
-        rules = [(tp == view[0] or tp % _SUBLANES_8BIT == 0,
-                  f"rows={tp} is neither P={view[0]} nor a multiple of {_SUBLANES_8BIT} (the "
-                  "uint8 codes' sublane tile)"),
-                 (nb == view[1] // bs or nb % _LANES == 0,
-                  f"blocks={nb} is neither N/bs={view[1] // bs} nor a multiple of {_LANES} "
-                  "(Mosaic's lane rule, on the scales)"),
-                 (tn % _LANES == 0, f"its N={tn} is not a multiple of the {_LANES} lanes the "
-                                    "block butterfly rotates")]
-        blocks = [((tp, tn), x_dtype.itemsize), ((tp, tn), 1), ((tp, nb), 1), ((tp, 1), 4)]
-        temps = 4 * _TPU_TEMPS * tp * tn + _ONE_HOT_BYTES * tn * nb
-    else:
-        rules = [(nb == view[1] // bs or nb % _SUBLANES_8BIT == 0,
-                  f"blocks={nb} is neither N/bs={view[1] // bs} nor a multiple of "
-                  f"{_SUBLANES_8BIT} (the uint8 scales' sublane tile)"),
-                 (tq == view[2] or tq % _LANES == 0,
-                  f"cols={tq} is neither Q={view[2]} nor a multiple of {_LANES} (Mosaic's lane "
-                  "rule)")]
-        blocks = [((tn, tq), x_dtype.itemsize), ((tn, tq), 1), ((nb, tq), 1), ((1, tq), 4)]
-        temps = 4 * _TPU_TEMPS * tn * tq
-    for ok, why in rules:
-        if not ok:
-            return f"the tile {text}: {why}"
-    # Every block double-buffered: the values (`x_dtype`), codes, scales and tensor scales.
-    need = 2 * sum(_vmem(s, b) for s, b in blocks) + temps
-    return budget_misfit("tpu", need, text)
-
-
-def _compiler_params(platform: str, view, bs, tiles: QuantTiles):
-    if platform == "tpu":
-        return pltpu.CompilerParams(dimension_semantics=("parallel",) * len(view))
-    tp, nb, tq = _tile("cuda", view, bs, tiles)
-    # About 16 values a thread; no loop in the kernel, so nothing to pipeline.
-    return pltriton.CompilerParams(num_warps=8 if tp * nb * bs * tq >= 4096 else 4, num_stages=1)
-
-
-def _versions(run, mode: str, view, bs: int, x_dtype, tiles, tpu_tiles) -> dict:
-    """The cuda and tpu `Version`s of a `run(platform, tile, interpret)`."""
-    versions = {}
-    for platform, given, default, misfit in (("cuda", tiles, CUDA_TILES, _cuda_misfit),
-                                             ("tpu", tpu_tiles, TPU_TILES, _tpu_misfit)):
-        tile = given or default[len(view)]
-        bad = misfit(view, bs, tile, x_dtype)
-        if bad is not None and given is not None and mode == "auto":
-            tile = default[len(view)]  # a caller's tile that does not fit: the default plan
-            bad = misfit(view, bs, tile, x_dtype)
-        interpreted = given or default[len(view)]
-        versions[platform] = dispatch.Version(
-            lambda interpret, p=platform, t=tile, i=interpreted: run(p, i if interpret else t,
-                                                                     interpret), bad)
-    return versions
 
 
 # ----------------------------------------------------------------- per-block maths
