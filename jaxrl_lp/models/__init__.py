@@ -13,7 +13,7 @@ _WHERE = {
     "LoopedOutput": "looped", "looped_forward": "looped", "CausalLM": "model",
     "forward": "model", "init_params": "model", "param_shapes": "model",
     "Packing": "packing", "make_packing": "packing", "pack": "packing", "unpack": "packing",
-    "LoraWeight": "lora",
+    "LoraWeight": "lora", "Products": "recorded", "RecordedWeight": "recorded",
 }
 
 
@@ -37,6 +37,8 @@ __all__ = [
     "LoopedOutput",
     "ModelConfig",
     "Packing",
+    "Products",
+    "RecordedWeight",
     "dense_forward",
     "exit_distribution",
     "forward",

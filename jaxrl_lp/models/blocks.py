@@ -80,16 +80,21 @@ def residual_add(h: jax.Array, delta: jax.Array, policy: Policy) -> jax.Array:
 
 
 def project_qkv(lp: dict, x_BxTxD: jax.Array, positions_BxT: jax.Array,
-                cfg: ModelConfig, policy: Policy):
+                cfg: ModelConfig, policy: Policy, tape: dict | None = None):
     """Query, key and value of one layer: projections, optional bias and QK-norm, RoPE.
 
-    Returns q [B,T,H,Dh], k and v [B,T,K,Dh], all in compute precision.
+    Returns q [B,T,H,Dh], k and v [B,T,K,Dh], all in compute precision. With
+    `tape` (a dict) the three products (`dot`'s f32 accumulators) are stored
+    in it under their weights' names, as Flax's `sow` keeps intermediates
+    (`models.recorded`).
     """
     b, t, _ = x_BxTxD.shape
     hd = cfg.head_dim
 
     def proj(name, heads):
         acc = dot(x_BxTxD, lp[f"{name}_proj"], policy)
+        if tape is not None:
+            tape[f"{name}_proj"] = acc
         if cfg.attention_bias:
             acc = acc + policy.round_params(lp[f"{name}_bias"]).astype(jnp.float32)
         return policy.round(acc).reshape(b, t, heads, hd)
@@ -108,7 +113,7 @@ def project_qkv(lp: dict, x_BxTxD: jax.Array, positions_BxT: jax.Array,
 
 
 def attend(lp: dict, q, k, v, positions_BxT, policy: Policy, cache_kv=None, layer=0, lead=(),
-           cache_index=0, pos_slots_BxS=None):
+           cache_index=0, pos_slots_BxS=None, tape: dict | None = None):
     """Attention output projected by o_proj (f32 accumulator rounded), and the updated cache.
 
     Without `cache_kv` the keys are this chunk's own tokens. With `cache_kv`, the
@@ -124,12 +129,14 @@ def attend(lp: dict, q, k, v, positions_BxT, policy: Policy, cache_kv=None, laye
     flash-decoding kernel where `policy.kernels` picks it (else the same
     `attention` as any other chunk).
 
+    With `tape` the `o_proj` product is stored in it (`project_qkv`).
+
     Returns (output [B, T, D], the updated `cache_kv` or None).
     """
     k_heads, v_heads = kv_heads_first(k), kv_heads_first(v)
     if cache_kv is None:
         o = attention(q, k_heads, v_heads, positions_BxT, positions_BxT, policy)
-        return constrain(policy.round(dot(o, lp["o_proj"], policy)), RESIDUAL), None
+        return _project_out(o, lp, policy, tape), None
     ck, cv = cache_kv
     per_layer = isinstance(ck, tuple)
     at = lead if per_layer else (*lead, layer)
@@ -141,7 +148,15 @@ def attend(lp: dict, q, k, v, positions_BxT, policy: Policy, cache_kv=None, laye
     if per_layer:
         buf_k = (*ck[:layer], buf_k, *ck[layer + 1:])
         buf_v = (*cv[:layer], buf_v, *cv[layer + 1:])
-    return constrain(policy.round(dot(o, lp["o_proj"], policy)), RESIDUAL), (buf_k, buf_v)
+    return _project_out(o, lp, policy, tape), (buf_k, buf_v)
+
+
+def _project_out(o_BxTxHDh, lp: dict, policy: Policy, tape: dict | None) -> jax.Array:
+    """o_proj of the attention output, rounded to compute precision (its product taped)."""
+    acc = dot(o_BxTxHDh, lp["o_proj"], policy)
+    if tape is not None:
+        tape["o_proj"] = acc
+    return constrain(policy.round(acc), RESIDUAL)
 
 
 def attend_packed(lp: dict, q, k, v, positions_BxT, policy: Policy, packing: Packing):
@@ -187,12 +202,17 @@ def kv_heads_first(x_BxTxKxDh: jax.Array) -> jax.Array:
     return jnp.swapaxes(x_BxTxKxDh, 1, 2)
 
 
-def mlp(lp: dict, x_BxTxD: jax.Array, policy: Policy) -> jax.Array:
-    """SwiGLU MLP: down(silu(gate(x)) * up(x)), output in compute precision."""
-    hidden = swiglu(dot(x_BxTxD, lp["gate_proj"], policy), dot(x_BxTxD, lp["up_proj"], policy),
-                    policy)
-    hidden = constrain(hidden, ("batch", "sequence", "mlp"))
-    return constrain(policy.round(dot(hidden, lp["down_proj"], policy)), RESIDUAL)
+def mlp(lp: dict, x_BxTxD: jax.Array, policy: Policy, tape: dict | None = None) -> jax.Array:
+    """SwiGLU MLP: down(silu(gate(x)) * up(x)), output in compute precision.
+
+    With `tape` its three products are stored in it (`project_qkv`).
+    """
+    gate, up = dot(x_BxTxD, lp["gate_proj"], policy), dot(x_BxTxD, lp["up_proj"], policy)
+    hidden = constrain(swiglu(gate, up, policy), ("batch", "sequence", "mlp"))
+    down = dot(hidden, lp["down_proj"], policy)
+    if tape is not None:
+        tape.update(gate_proj=gate, up_proj=up, down_proj=down)
+    return constrain(policy.round(down), RESIDUAL)
 
 
 def lm_head(params: dict, cfg: ModelConfig) -> jax.Array:

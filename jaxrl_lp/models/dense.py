@@ -42,6 +42,7 @@ def dense_forward(
     remat: bool = False,
     hidden: bool = False,
     packing: Packing | None = None,
+    tape: dict | None = None,
 ) -> tuple[jax.Array, dict | None]:
     """Logits of a dense decoder, reading and writing an optional KV cache.
 
@@ -70,6 +71,10 @@ def dense_forward(
         packed query may see (the caller's promise: they are padding, masked
         by position -1 or after the row's last packed token). The outputs are
         then packed rows, [S, M, V] or [S, M, D] (S groups, `Packing.groups`).
+      tape: a dict that receives every layer's weight products, stacked over
+        the layers: `{name: [L, B, T, out]}` f32 for `models.recorded`'s
+        `LAYER_PRODUCTS` (what the sampler records; not with `packing` or
+        `remat`).
 
     Returns:
       (logits [B, T, V] f32 or the hidden state, the updated cache or None).
@@ -77,6 +82,8 @@ def dense_forward(
     cache_index = jnp.asarray(cache_index, jnp.int32)
     if positions_BxT is None:
         positions_BxT = default_positions(tokens_BxT, cache_index)
+    if tape is not None and (packing is not None or remat):
+        raise ValueError("dense_forward: tape records an unpacked forward without remat")
     if packing is not None:
         if cache is not None:
             raise ValueError("dense_forward: a packed forward has no KV cache")
@@ -90,21 +97,24 @@ def dense_forward(
     def layer(carry, xs):
         h, ck, cv = carry
         lp, l = xs
+        taped = None if tape is None else {}
         x = rms_norm(h, lp["attn_norm"], cfg.rms_eps, policy)
-        q, k, v = project_qkv(lp, x, positions_BxT, cfg, policy)
+        q, k, v = project_qkv(lp, x, positions_BxT, cfg, policy, taped)
         a, kv = attend(lp, q, k, v, positions_BxT, policy, None if ck is None else (ck, cv), l,
-                       (), cache_index, pos_slots)
+                       (), cache_index, pos_slots, taped)
         ck, cv = (None, None) if kv is None else kv
         h = residual_add(h, a, policy)
-        h = residual_add(h, mlp(lp, rms_norm(h, lp["mlp_norm"], cfg.rms_eps, policy), policy),
-                         policy)
-        return (h, ck, cv), None
+        h = residual_add(h, mlp(lp, rms_norm(h, lp["mlp_norm"], cfg.rms_eps, policy), policy,
+                                taped), policy)
+        return (h, ck, cv), taped
 
     if remat:
         layer = jax.checkpoint(layer)
     ck = None if cache is None else cache["k"]
     cv = None if cache is None else cache["v"]
-    (h, ck, cv), _ = over_layers(layer, (h, ck, cv), params["layers"])
+    (h, ck, cv), taped = over_layers(layer, (h, ck, cv), params["layers"])
+    if tape is not None:
+        tape.update(taped)
     if cache is not None:
         cache = {**cache, "k": ck, "v": cv}
     h = rms_norm(h, params["final_norm"], cfg.rms_eps, policy)

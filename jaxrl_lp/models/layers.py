@@ -14,11 +14,14 @@ Dh head width, V vocabulary.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
 from jaxrl_lp.kernels.fake_quant import quantized_matmul
 from jaxrl_lp.models.lora import LoraWeight, adapter_product, base_value
+from jaxrl_lp.models.recorded import RecordedWeight
 from jaxrl_lp.numerics.policy import Policy
 from jaxrl_lp.numerics.qarray import QArray
 from jaxrl_lp.parallel.context import current_mesh
@@ -36,7 +39,12 @@ def dot(x_xK: jax.Array, w_KxN: jax.Array, policy: Policy) -> jax.Array:
     A LoRA weight (`models.lora.LoraWeight`) adds its adapter to the accumulator,
     `x W + ((x A) B) * scale`; a quantized frozen weight (`QArray`, a LoRA base)
     is dequantized here first. Plain arrays take the path they always took.
+
+    A `RecordedWeight` (`models.recorded`) returns its recorded product, with
+    the gradient of this function at its weight.
     """
+    if isinstance(w_KxN, RecordedWeight):
+        return _recorded(x_xK, w_KxN.weight, w_KxN.product, policy)
     if isinstance(w_KxN, LoraWeight):
         return (dot(x_xK, w_KxN.base, policy)
                 + adapter_product(x_xK, w_KxN.a, w_KxN.b, w_KxN.scale, policy))
@@ -60,6 +68,28 @@ def dot(x_xK: jax.Array, w_KxN: jax.Array, policy: Policy) -> jax.Array:
         k, n = w.shape
         return _f32_product(x_xK.reshape(-1, k), w).reshape(*x_xK.shape[:-1], n)
     return _f32_product(x_xK, w)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _recorded(x_xK, w_KxN, y_xN, policy: Policy):
+    """`y_xN`, the recorded `dot(x_xK, w_KxN, policy)`, differentiated as that product."""
+    return y_xN
+
+
+def _recorded_fwd(x_xK, w_KxN, y_xN, policy):
+    return y_xN, (x_xK, w_KxN)
+
+
+def _recorded_bwd(policy, res, g):
+    # Autodiff's backward of the product: a matmul's transpose never reads its output, so
+    # the forward product traced here is dead code for XLA.
+    x, w = res
+    _, vjp = jax.vjp(lambda x, w: dot(x, w, policy), x, w)
+    dx, dw = vjp(g)
+    return dx, dw, None
+
+
+_recorded.defvjp(_recorded_fwd, _recorded_bwd)
 
 
 def _f32_product(x_xK: jax.Array, w_KxN: jax.Array) -> jax.Array:

@@ -76,7 +76,7 @@ def forward(params: dict, cfg: ModelConfig, policy: Policy | str, tokens_BxT: ja
             cache_index: jax.Array | int = 0, *, loop: LoopSpec | None = None,
             schedule: ExitSchedule | None = None, readout: str = "exit",
             early_stop: bool = False, remat: bool = False, hidden: bool = False,
-            packing: Packing | None = None):
+            packing: Packing | None = None, tape: dict | None = None):
     """Dispatches to `dense_forward` or `looped_forward`; returns (logits, cache, LoopedOutput|None).
 
     For looped models the third element is the full `LoopedOutput` (exit steps,
@@ -86,10 +86,13 @@ def forward(params: dict, cfg: ModelConfig, policy: Policy | str, tokens_BxT: ja
     With `hidden` the first element is the final normed hidden state [B, T, D]
     that the lm head reads (the input of `kernels.fused_logprobs`). `packing`
     computes the packed rows only (`models.packing`; no cache): the outputs
-    are then `[S, M, ...]` (`dense_forward`, `looped_forward`).
+    are then `[S, M, ...]` (`dense_forward`, `looped_forward`). `tape`
+    receives a dense model's weight products (`dense_forward`).
     Not jitted itself; the options are Python values, static for the caller.
     """
     policy = Policy.parse(policy)
+    if cfg.is_looped and tape is not None:
+        raise ValueError("forward: tape (recorded weight products) is for dense models")
     if cfg.is_looped:
         out: LoopedOutput = looped_forward(
             params, cfg, policy, tokens_BxT, positions_BxT, cache, cache_index, loop=loop,
@@ -99,7 +102,8 @@ def forward(params: dict, cfg: ModelConfig, policy: Policy | str, tokens_BxT: ja
     if schedule is not None or readout != "exit" or early_stop:
         raise ValueError("schedule, readout='expected' and early_stop apply to looped models only")
     logits, cache = dense_forward(params, cfg, policy, tokens_BxT, positions_BxT, cache,
-                                  cache_index, remat=remat, hidden=hidden, packing=packing)
+                                  cache_index, remat=remat, hidden=hidden, packing=packing,
+                                  tape=tape)
     return logits, cache, None
 
 
