@@ -22,6 +22,12 @@ from jax.sharding import Mesh
 from jaxrl_lp.models.blocks import unstack_layers
 from jaxrl_lp.models.cache import init_cache, unstack_cache
 from jaxrl_lp.models.config import ModelConfig
+from jaxrl_lp.models.recorded import (
+    Products,
+    empty_products,
+    split_products,
+    take_product_rows,
+)
 from jaxrl_lp.numerics.fingerprint import tree_fingerprint
 from jaxrl_lp.numerics.policy import Policy
 from jaxrl_lp.parallel.context import use_mesh
@@ -71,6 +77,10 @@ class Rollout:
         it), or None (unknown). The training program compares it with the
         weights an update computes with: equal, with matched policies, the
         recorded log-probs are the replay's values (`rl.reuse`).
+      products: the sampler's weight products and logits
+        (`generate(..., record_products=True)`, `models.recorded`), or None.
+        The training program hands them to the update that computes with the
+        weights that made them, and to no other.
     """
 
     prompt_tokens: jax.Array
@@ -88,6 +98,7 @@ class Rollout:
     verify_counts: jax.Array | None = None
     verify_tokens: int = dataclasses.field(default=0, metadata={"static": True})
     weights_digest: jax.Array | None = None
+    products: Products | None = None
 
     # Not per row: replicated where the rows are laid over a mesh (`parallel.batch_shardings`).
     replicated_fields: ClassVar[tuple[str, ...]] = ("weights_digest",)
@@ -110,14 +121,17 @@ def split_rows(ro: Rollout, m: int) -> Rollout:
     rows = {f: getattr(ro, f).reshape(m, b // m, *getattr(ro, f).shape[1:]) for f in _row_fields(ro)}
     digest = None if ro.weights_digest is None else jnp.broadcast_to(
         ro.weights_digest, (m, *ro.weights_digest.shape))
+    products = None if ro.products is None else split_products(ro.products, m)
     return dataclasses.replace(ro, **rows, loop_evals=jnp.broadcast_to(ro.loop_evals, (m,)),
                                weights_version=jnp.broadcast_to(ro.weights_version, (m,)),
-                               weights_digest=digest)
+                               weights_digest=digest, products=products)
 
 
 def take_rows(ro: Rollout, idx) -> Rollout:
     """The rollout restricted to rows `idx` (a minibatch)."""
-    return dataclasses.replace(ro, **{f: getattr(ro, f)[idx] for f in _row_fields(ro)})
+    products = None if ro.products is None else take_product_rows(ro.products, idx)
+    return dataclasses.replace(ro, **{f: getattr(ro, f)[idx] for f in _row_fields(ro)},
+                               products=products)
 
 
 def concat_rollouts(rollouts: Sequence[Rollout], pad_id: int) -> Rollout:
@@ -129,7 +143,8 @@ def concat_rollouts(rollouts: Sequence[Rollout], pad_id: int) -> Rollout:
     Prompts of different bucketed widths are left-padded to the widest with
     `pad_id` (pad slots are never attended to, and positions come from
     `prompt_lengths`). `loop_evals` are summed. The recorded log-probs are the
-    sampler's, each row as its own call computed it.
+    sampler's, each row as its own call computed it. Recorded weight products
+    are dropped (their grids differ; the learner then computes its forward).
 
     Raises:
       ValueError: no rollouts, or rollouts that disagree on a shared field.
@@ -168,7 +183,7 @@ def concat_rollouts(rollouts: Sequence[Rollout], pad_id: int) -> Rollout:
 
     rows = {f: jnp.concatenate([prompts(ro) if f == "prompt_tokens" else getattr(ro, f)
                                 for ro in rollouts]) for f in _row_fields(head)}
-    return dataclasses.replace(head, **rows,
+    return dataclasses.replace(head, **rows, products=None,
                                loop_evals=sum(ro.loop_evals for ro in rollouts))
 
 
@@ -185,15 +200,17 @@ class _DecodeState(NamedTuple):
     logprobs: jax.Array  # [B, N] f32 sampler log-probs
     exit_steps: jax.Array  # [B, N] int32 exit step of the forward that produced each token
     mask: jax.Array  # [B, N] f32 1 on generated tokens
+    products: Products | None  # the weight products and logits so far (`record_products`)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "policy", "loop", "sampling",
                                              "max_new_tokens", "eos_id", "pad_id", "mesh",
-                                             "rules"))
+                                             "rules", "record"))
 def _generate(params, prompt_BxP, positions_BxP, lengths_B, key, version, *, cfg, policy, loop,
-              sampling, max_new_tokens, eos_id, pad_id, mesh=None, rules=DEFAULT_RULES):
+              sampling, max_new_tokens, eos_id, pad_id, mesh=None, rules=DEFAULT_RULES,
+              record=False):
     """The jitted sampler. Static (a new value compiles anew): `cfg`, `policy`, `loop`,
-    `sampling`, `max_new_tokens`, `eos_id`, `pad_id`, `mesh`, `rules`, and the shapes
+    `sampling`, `max_new_tokens`, `eos_id`, `pad_id`, `mesh`, `rules`, `record`, and the shapes
     of the prompt arrays (bucketed by `pad_prompts`). Nothing is donated; inputs
     keep the shardings they come with (params by the rules, rows over the data
     shards), and activations and the KV cache are constrained to the rules under
@@ -201,11 +218,12 @@ def _generate(params, prompt_BxP, positions_BxP, lengths_B, key, version, *, cfg
     with use_mesh(mesh, rules):
         return _sample(params, prompt_BxP, positions_BxP, lengths_B, key, version, cfg=cfg,
                        policy=policy, loop=loop, sampling=sampling,
-                       max_new_tokens=max_new_tokens, eos_id=eos_id, pad_id=pad_id)
+                       max_new_tokens=max_new_tokens, eos_id=eos_id, pad_id=pad_id,
+                       record=record)
 
 
 def _sample(params, prompt_BxP, positions_BxP, lengths_B, key, version, *, cfg, policy, loop,
-            sampling, max_new_tokens, eos_id, pad_id):
+            sampling, max_new_tokens, eos_id, pad_id, record):
     b, p = prompt_BxP.shape
     n = max_new_tokens
     # Sliced once, here: inside the loop a scan over stacked weights copies them every step.
@@ -216,22 +234,42 @@ def _sample(params, prompt_BxP, positions_BxP, lengths_B, key, version, *, cfg, 
     fused = fused_readout(policy)
 
     def pick(out, key):
-        return sample_tokens(step_logits(params, cfg, policy, out), key, sampling)
+        logits = step_logits(params, cfg, policy, out)
+        return (*sample_tokens(logits, key, sampling), logits)
 
+    def taped(products, tape, logits, slot, i):
+        # The step's products at grid slot `slot` on, its logits at completion token `i`.
+        if products is None:
+            return None
+        zero = jnp.zeros((), jnp.int32)
+        at = lambda *idx: tuple(jnp.asarray(j, jnp.int32) for j in idx)
+        return Products(
+            layers={k: jax.lax.dynamic_update_slice(v, tape[k], at(zero, zero, slot, zero))
+                    for k, v in products.layers.items()},
+            logits=jax.lax.dynamic_update_slice(products.logits, logits[:, None], at(zero, i, zero)))
+
+    tape = {} if record else None
     out, cache, exit0, _ = prefill(params, cfg, policy, loop, prompt_BxP, positions_BxP, cache,
-                                   hidden=fused)
+                                   hidden=fused, tape=tape)
     key, sub = jax.random.split(key)
-    tok, lp = pick(out, sub)
+    tok, lp, logits0 = pick(out, sub)
+    products = None
+    if record:
+        widths = {k: v.shape[-1] for k, v in tape.items()}
+        products = taped(empty_products(cfg.num_layers, b, p + n - 1, widths, n, cfg.vocab_size),
+                         tape, logits0, 0, 0)
 
     def cond(s: _DecodeState):
         return (s.i < n) & ~jnp.all(s.done)
 
     def body(s: _DecodeState):
         pos = lengths_B + s.i - 1
+        tape = {} if record else None
         out, cache, exits, ev = decode_step(params, cfg, policy, loop, s.token, pos, s.cache,
-                                            p + s.i - 1, active_B=~s.done, hidden=fused)
+                                            p + s.i - 1, active_B=~s.done, hidden=fused,
+                                            tape=tape)
         key, sub = jax.random.split(s.key)
-        new, lp = pick(out, sub)
+        new, lp, logits = pick(out, sub)
         new = jnp.where(s.done, pad_id, new)
         live = (~s.done).astype(jnp.float32)
         done = s.done if eos_id is None else s.done | (new == eos_id)
@@ -239,7 +277,8 @@ def _sample(params, prompt_BxP, positions_BxP, lengths_B, key, version, *, cfg, 
             i=s.i + 1, token=new, done=done, cache=cache, key=key, loop_evals=s.loop_evals + ev,
             tokens=s.tokens.at[:, s.i].set(new), logprobs=s.logprobs.at[:, s.i].set(lp * live),
             exit_steps=s.exit_steps.at[:, s.i].set(jnp.where(s.done, 0, exits)),
-            mask=s.mask.at[:, s.i].set(live))
+            mask=s.mask.at[:, s.i].set(live),
+            products=taped(s.products, tape, logits, p + s.i - 1, s.i))
 
     state = _DecodeState(
         i=jnp.int32(1), token=tok,
@@ -248,13 +287,13 @@ def _sample(params, prompt_BxP, positions_BxP, lengths_B, key, version, *, cfg, 
         tokens=jnp.full((b, n), pad_id, jnp.int32).at[:, 0].set(tok),
         logprobs=jnp.zeros((b, n), jnp.float32).at[:, 0].set(lp),
         exit_steps=jnp.zeros((b, n), jnp.int32).at[:, 0].set(exit0),
-        mask=jnp.zeros((b, n), jnp.float32).at[:, 0].set(1.0))
+        mask=jnp.zeros((b, n), jnp.float32).at[:, 0].set(1.0), products=products)
     s = jax.lax.while_loop(cond, body, state)
     return Rollout(
         prompt_tokens=prompt_BxP, prompt_lengths=lengths_B, completion_tokens=s.tokens,
         completion_mask=s.mask, logprobs=s.logprobs, exit_steps=s.exit_steps,
         loop_evals=s.loop_evals, weights_version=jnp.asarray(version, jnp.int32),
-        policy=str(policy), loop=loop, temperature=sampling.temperature,
+        policy=str(policy), loop=loop, temperature=sampling.temperature, products=s.products,
     )
 
 
@@ -275,6 +314,7 @@ def generate(
     mesh: Mesh | None = None,
     rules: ShardingRules = DEFAULT_RULES,
     prompt_width: int = 0,
+    record_products: bool = False,
 ) -> Rollout:
     """Samples `num_samples` completions for each prompt (G samples per prompt, grouped).
 
@@ -309,6 +349,10 @@ def generate(
       rules: the logical-axis sharding rules (with `mesh`).
       prompt_width: pad the prompts to at least this many slots (0: the bucket
         of the longest; parts of one batch sampled apart pass the batch's).
+      record_products: keep every weight product and the logits of each
+        step in the rollout (`Rollout.products`, `models.recorded`): a dense
+        model on one device. The sampled tokens and log-probs are the same
+        bits as without.
 
     Returns:
       A `Rollout`.
@@ -325,6 +369,9 @@ def generate(
                         prompt_width=prompt_width)
     policy = Policy.parse(policy)
     loop = LoopSpec.parse(loop).resolve(cfg)
+    if record_products and (cfg.is_looped or mesh is not None):
+        raise ValueError("generate: record_products keeps a dense model's weight products on one "
+                         "device; drop it for a looped model or a mesh")
     key = req.key
     rows = req.tokens_BxP.shape[0]
     host = (req.tokens_BxP, req.positions_BxP, req.lengths_B)
@@ -338,7 +385,7 @@ def generate(
         key = put_tree(key, replicated(mesh))
     ro = _generate(params, *arrays, key, weights_version, cfg=cfg, policy=policy, loop=loop,
                    sampling=sampling, max_new_tokens=max_new_tokens, eos_id=eos_id,
-                   pad_id=pad_id, mesh=mesh, rules=rules)
+                   pad_id=pad_id, mesh=mesh, rules=rules, record=record_products)
     if ro.prompt_tokens.shape[0] != rows:  # the padding rows
         ro = jax.tree.map(lambda x: x[:rows] if np.ndim(x) else x, ro)
     # What the learner compares its weights with (`Rollout.weights_digest`).

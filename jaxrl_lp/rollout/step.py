@@ -60,17 +60,20 @@ def step_logprobs(params, cfg: ModelConfig, policy: Policy, out_BxX, tokens_B,
 
 
 def prefill(params, cfg: ModelConfig, policy: Policy, loop: LoopSpec, prompt_BxP, positions_BxP,
-            cache, readout_steps_B=None, *, hidden: bool = False):
+            cache, readout_steps_B=None, *, hidden: bool = False, tape: dict | None = None):
     """Runs the (left-padded) prompts through the model at full depth, writing slots [0, P).
 
     Returns (logits [B, V] at the last slot, cache, exit step [B] of the last
     slot, loop evaluations). `readout_steps_B` replays a recorded read-out step.
     With `hidden` the first output is the final hidden state [B, D] instead.
+    `tape` receives a dense model's weight products (`models.dense_forward`).
     """
     if not cfg.is_looped:
         logits, cache, _ = forward(params, cfg, policy, prompt_BxP, positions_BxP, cache, 0,
-                                   hidden=hidden)
+                                   hidden=hidden, tape=tape)
         return logits[:, -1], cache, jnp.zeros(prompt_BxP.shape[:1], jnp.int32), jnp.int32(1)
+    if tape is not None:
+        raise ValueError("prefill: tape (recorded weight products) is for dense models")
     schedule = None
     if readout_steps_B is not None:
         schedule = ExitSchedule(readout_BxT=jnp.broadcast_to(readout_steps_B[:, None],
@@ -84,7 +87,8 @@ def prefill(params, cfg: ModelConfig, policy: Policy, loop: LoopSpec, prompt_BxP
 
 
 def decode_step(params, cfg: ModelConfig, policy: Policy, loop: LoopSpec, tokens_B, positions_B,
-                cache, index, exit_steps_B=None, active_B=None, *, hidden: bool = False):
+                cache, index, exit_steps_B=None, active_B=None, *, hidden: bool = False,
+                tape: dict | None = None):
     """One token per sequence at cache slot `index`.
 
     Returns (logits [B, V] or, with `hidden`, the final hidden state [B, D],
@@ -92,12 +96,15 @@ def decode_step(params, cfg: ModelConfig, policy: Policy, loop: LoopSpec, tokens
     `exit_steps_B` the recorded schedule is replayed instead of the exit rule.
     `active_B` (bool) marks the sequences still generating: in deferred mode
     the others are not computed (their outputs are meaningless) and do not
-    keep the loop over steps running.
+    keep the loop over steps running. `tape` receives a dense model's weight
+    products (`models.dense_forward`).
     """
     if not cfg.is_looped:
         logits, cache, _ = forward(params, cfg, policy, tokens_B[:, None], positions_B[:, None],
-                                   cache, index, hidden=hidden)
+                                   cache, index, hidden=hidden, tape=tape)
         return logits[:, 0], cache, jnp.zeros(tokens_B.shape, jnp.int32), jnp.int32(1)
+    if tape is not None:
+        raise ValueError("decode_step: tape (recorded weight products) is for dense models")
     schedule = ExitSchedule(
         depth_BxT=None if exit_steps_B is None else exit_steps_B[:, None],
         active_BxT=None if active_B is None else active_B[:, None])
