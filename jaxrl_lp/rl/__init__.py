@@ -11,8 +11,10 @@ from jaxrl_lp.rl.dynamic_sampling import RefilledBatch, refill_groups
 from jaxrl_lp.rl.learner_step import LearnerStep
 from jaxrl_lp.rl.logprobs import (
     dense_logprobs,
+    forward_products,
     learner_logprobs,
     packed_rows_of,
+    recorded_logprobs,
     replay_logprobs,
 )
 from jaxrl_lp.rl.loss import LossConfig, kl_penalty, loss_denominator, policy_loss, select_anchor
@@ -25,6 +27,7 @@ __all__ = [
     "RefilledBatch",
     "correction_weights",
     "dense_logprobs",
+    "forward_products",
     "group_advantages",
     "kl_penalty",
     "learner_logprobs",
@@ -35,6 +38,7 @@ __all__ = [
     "overlong_penalty",
     "packed_rows_of",
     "policy_loss",
+    "recorded_logprobs",
     "refill_groups",
     "replay_logprobs",
     "select_anchor",

@@ -40,6 +40,7 @@ from jaxrl_lp.models.config import ModelConfig
 from jaxrl_lp.models.loop import MODEL_DEFAULT, ExitSchedule
 from jaxrl_lp.models.model import forward
 from jaxrl_lp.models.packing import bucket_rows, gather_rows, make_packing, unpack
+from jaxrl_lp.models.recorded import Products, with_products
 from jaxrl_lp.numerics.policy import Policy
 from jaxrl_lp.parallel.context import current_mesh, use_mesh
 from jaxrl_lp.parallel.rules import DEFAULT_RULES, ShardingRules
@@ -50,8 +51,8 @@ from jaxrl_lp.rollout.step import LoopSpec, decode_step, fused_readout, prefill,
 
 __all__ = ["LogprobMethod", "LogprobProgram", "dense_logprobs", "jit_learner_logprobs",
            "learner_logprobs", "logprob_entropy", "pack_groups", "packed_logprobs",
-           "packed_rows_for", "packed_rows_of", "prompt_positions", "replay_logprobs",
-           "rollout_loop"]
+           "forward_products", "packed_rows_for", "packed_rows_of", "prompt_positions", "recorded_logprobs",
+           "replay_logprobs", "rollout_loop"]
 
 LogprobMethod = Literal["dense", "replay", "hybrid"]
 PACK_BUCKETS = 16  # sizes a packed learner step compiles for, per grid (`packed_rows_of`)
@@ -189,6 +190,52 @@ def dense_logprobs(params: dict, cfg: ModelConfig, policy: Policy, ro: Rollout, 
                                policy, mask_T=flat(ro.completion_mask),
                                plain=lambda: tuple(map(flat, plain())))
     return lp.reshape(b, n), ent.reshape(b, n)
+
+
+def recorded_logprobs(params: dict, cfg: ModelConfig, policy: Policy, ro: Rollout,
+                      products: Products):
+    """`dense_logprobs` over the sampler's own weight products (`models.recorded`).
+
+    The forward runs on the rollout's grid up to its last fed-back token
+    (`[B, P + N - 1]`, the slots `products` covers) with every matmul's
+    product taken from `products`: what is computed is the elementwise work,
+    attention and the read-out's softmax. The values are the sampler's (its
+    logits, so its log-probs up to the softmax's rounding); the gradient is
+    the backward of the computation that sampled the tokens. Dense models, no
+    fused read-out (the logits are recorded).
+    """
+    if cfg.is_looped:
+        raise ValueError("recorded_logprobs: recorded weight products are for dense models")
+    tokens, positions = _fed_back(ro)
+    recorded = with_products(params, products)
+    h, _, _ = forward(recorded, cfg, policy, tokens, positions, hidden=True)
+    logits = lm_logits(recorded, h[:, ro.prompt_tokens.shape[1] - 1:], cfg, policy)
+    return logprob_entropy(logits, ro.completion_tokens, ro.temperature)
+
+
+def forward_products(params: dict, cfg: ModelConfig, policy: Policy, ro: Rollout) -> Products:
+    """The weight products and logits of one parallel forward over the rollout's grid.
+
+    What `generate(..., record_products=True)` records, computed by the
+    learner's whole-sequence forward instead of the sampler's steps: equal up
+    to matmul rounding (tests/test_recorded.py). For benchmarks and tests.
+    """
+    tokens, positions = _fed_back(ro)
+    tape: dict = {}
+    h, _, _ = forward(params, cfg, policy, tokens, positions, hidden=True, tape=tape)
+    return Products(layers=tape,
+                    logits=lm_logits(params, h[:, ro.prompt_tokens.shape[1] - 1:], cfg, policy))
+
+
+def _fed_back(ro: Rollout) -> tuple[jax.Array, jax.Array]:
+    """Tokens and positions [B, P + N - 1] the sampler fed through the model: the prompt and
+    every completion token but the last (`models.recorded.Products`' grid)."""
+    n = ro.completion_tokens.shape[1]
+    tokens = jnp.concatenate([ro.prompt_tokens, ro.completion_tokens[:, :-1]], axis=1)
+    positions = jnp.concatenate(
+        [prompt_positions(ro.prompt_tokens, ro.prompt_lengths),
+         ro.prompt_lengths[:, None] + jnp.arange(n - 1, dtype=jnp.int32)[None]], axis=1)
+    return tokens, positions
 
 
 def packed_logprobs(params: dict, cfg: ModelConfig, policy: Policy, tokens_BxT: jax.Array,
@@ -349,7 +396,7 @@ def replay_logprobs(params: dict, cfg: ModelConfig, policy: Policy, ro: Rollout,
 def learner_logprobs(params: dict, cfg: ModelConfig, policy: Policy, ro: Rollout,
                      method: LogprobMethod = "hybrid", *, loop: LoopSpec | None = None,
                      remat: bool = False, packed_rows: tuple[int, int] | None = None,
-                     replay_BxN: jax.Array | None = None):
+                     replay_BxN: jax.Array | None = None, products: Products | None = None):
     """Log-probs [B, N] (and entropies [B, N], from the dense forward; zeros for replay).
 
     Args:
@@ -366,13 +413,23 @@ def learner_logprobs(params: dict, cfg: ModelConfig, policy: Policy, ro: Rollout
         sampler ran and the policies match (`rl.reuse`): then they are the
         replay's bits on the completion mask, and the hybrid costs the dense
         forward alone.
+      products: `hybrid` with `replay_BxN` only: the sampler's weight products
+        for this rollout (`models.recorded`); the dense gradient's forward
+        then reads them (`recorded_logprobs`) instead of computing them.
     """
     rollout_loop(ro, cfg, loop)  # refuses a rollout sampled otherwise than expected
     if replay_BxN is not None and method != "hybrid":
         raise ValueError(f"replay_BxN is the hybrid's value; method={method!r} does not use it")
+    if products is not None and replay_BxN is None:
+        raise ValueError("products (the sampler's weight products) stand for the forward of "
+                         "the weights the sampler ran: pass them with its replay_BxN")
     if method == "replay":
         return replay_logprobs(params, cfg, policy, ro), jnp.zeros(ro.logprobs.shape)
-    dense, entropy = dense_logprobs(params, cfg, policy, ro, remat=remat, packed_rows=packed_rows)
+    if products is not None:
+        dense, entropy = recorded_logprobs(params, cfg, policy, ro, products)
+    else:
+        dense, entropy = dense_logprobs(params, cfg, policy, ro, remat=remat,
+                                        packed_rows=packed_rows)
     if method == "dense":
         return dense, entropy
     if method != "hybrid":

@@ -28,6 +28,7 @@ from jaxrl_lp.kernels.logprob import fused_readout, readout_logprobs
 from jaxrl_lp.models.blocks import lm_head, lm_logits
 from jaxrl_lp.models.config import ModelConfig
 from jaxrl_lp.models.model import forward
+from jaxrl_lp.models.recorded import Products, split_products
 from jaxrl_lp.numerics.policy import Policy
 from jaxrl_lp.parallel.context import constrain_params
 from jaxrl_lp.parallel.rules import DEFAULT_RULES, ShardingRules
@@ -72,6 +73,7 @@ class MicroBatch(NamedTuple):
     denominator_b: jax.Array  # [b] f32 loss denominators of the minibatch (`loss_denominator`)
     ref_logp_bxN: jax.Array | None  # [b, N] f32 KL reference log-probs, or None
     replay_bxN: jax.Array | None  # [b, N] f32 the hybrid's recorded value (`rl.reuse`), or None
+    products: Products | None  # the sampler's weight products of the b rows, or None
 
 
 def _finite(tree) -> jax.Array:
@@ -129,7 +131,7 @@ def make_grpo_step(cfg: ModelConfig, policy: Policy, loss_cfg: LossConfig,
                    rules: ShardingRules = DEFAULT_RULES, weights=None,
                    pack_buckets: int = PACK_BUCKETS):
     """Builds `step(params, opt_state, rollout, advantages_B, old_logp_BxN, ref_logp_BxN, served,
-    replay_BxN)`.
+    replay_BxN, products)`.
 
     The step is a `LearnerStep` whatever the options (on one device, packed,
     or on a mesh), jitted. Donated: `params` and `opt_state`. Static: the
@@ -180,6 +182,10 @@ def make_grpo_step(cfg: ModelConfig, policy: Policy, loss_cfg: LossConfig,
     the replay is not run: the training program passes the rollout's own
     log-probs where the update computes with the weights the sampler ran
     (`rl.reuse`). A step called with and without it compiles two programs.
+    With `products` too (the sampler's weight products of the rollout,
+    `generate(..., record_products=True)`), the dense gradient's forward reads
+    them instead of computing its matmuls (`rl.logprobs.recorded_logprobs`;
+    dense models on one device, plain weights).
 
     Returns:
       A `LearnerStep`: `step(...) -> (params, opt_state, metrics)`, metrics a
@@ -196,7 +202,8 @@ def make_grpo_step(cfg: ModelConfig, policy: Policy, loss_cfg: LossConfig,
         if served is not None:
             params = straight_through_served(params, served)
         logp, ent = learner_logprobs(params, cfg, policy, mb.rollout, method, remat=remat,
-                                     packed_rows=rows, replay_BxN=mb.replay_bxN)
+                                     packed_rows=rows, replay_BxN=mb.replay_bxN,
+                                     products=mb.products)
         loss, m = policy_loss(logp, mb.anchor_bxN, mb.advantages_b, mb.keep_bxN, mb.weights_bxN,
                               mb.denominator_b, loss_cfg, mb.ref_logp_bxN, num_tokens=num_tokens)
         m = dict(m, entropy=jnp.sum(ent * mb.keep_bxN) / num_tokens)
@@ -207,7 +214,11 @@ def make_grpo_step(cfg: ModelConfig, policy: Policy, loss_cfg: LossConfig,
     packs = pack_buckets > 0 and method in ("dense", "hybrid")
 
     def step(params, opt_state, ro: Rollout, adv_B, old_logp_BxN, ref_logp_BxN=None,
-             served=None, replay_BxN=None, packed_rows=None):
+             served=None, replay_BxN=None, products=None, packed_rows=None):
+        if products is not None and (mesh is not None or weights is not None
+                                     or method != "hybrid"):
+            raise ValueError("make_grpo_step: recorded weight products (products=) serve the "
+                             "hybrid step of plain weights on one device; drop mesh and weights")
         train, frozen = params, None
         if weights is not None:  # gradients w.r.t. f32 codes (int8 has none), or the adapters
             params, frozen = weights.differentiable(train), weights.frozen(train)
@@ -229,19 +240,26 @@ def make_grpo_step(cfg: ModelConfig, policy: Policy, loss_cfg: LossConfig,
         mbs = MicroBatch(rollout=split_rows(ro, m), advantages_b=rows(adv_B),
                          anchor_bxN=rows(anchor), keep_bxN=rows(keep), weights_bxN=rows(cweights),
                          denominator_b=rows(denom), ref_logp_bxN=rows(ref_logp_BxN),
-                         replay_bxN=rows(replay_BxN))
+                         replay_bxN=rows(replay_BxN),
+                         products=None if products is None else split_products(products, m))
 
         def accumulate(acc, mb: MicroBatch):
             (loss, metrics), g = grad_fn(params, mb, num_tokens, served, packed_rows, frozen)
             return jax.tree.map(jnp.add, acc, (loss, metrics, g)), None
 
-        (loss0, m0), g0 = jax.eval_shape(
-            lambda p, mb, n, s, f: grad_fn(p, mb, n, s, packed_rows, f), params,
-            jax.tree.map(lambda a: a[0], mbs), num_tokens, served, frozen)
-        zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), (loss0, m0, g0))
-        # On a mesh the accumulated gradient is sharded like the parameters.
-        zeros = (*zeros[:2], constrain_params(zeros[2]))
-        (loss, metrics, grads), _ = jax.lax.scan(accumulate, zeros, mbs)
+        if m == 1:
+            # One slice: its gradient as it comes, without a zero accumulator to fill and
+            # add it into (two passes over a parameter-sized tree).
+            (loss, metrics), grads = grad_fn(params, jax.tree.map(lambda a: a[0], mbs),
+                                             num_tokens, served, packed_rows, frozen)
+        else:
+            (loss0, m0), g0 = jax.eval_shape(
+                lambda p, mb, n, s, f: grad_fn(p, mb, n, s, packed_rows, f), params,
+                jax.tree.map(lambda a: a[0], mbs), num_tokens, served, frozen)
+            zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), (loss0, m0, g0))
+            # On a mesh the accumulated gradient is sharded like the parameters.
+            zeros = (*zeros[:2], constrain_params(zeros[2]))
+            (loss, metrics, grads), _ = jax.lax.scan(accumulate, zeros, mbs)
         grads = constrain_params(grads)
         grad_norm = optax.tree.norm(grads)
         opt_params = train if weights is None else weights.optimized(train)
@@ -254,9 +272,11 @@ def make_grpo_step(cfg: ModelConfig, policy: Policy, loss_cfg: LossConfig,
                 metrics["flip_rate"] = weights.flip_rate(train, new)
         return new, opt_state, metrics
 
-    kinds = ("params", "state", "batch", "batch", "batch", "batch", "params", "batch")
+    kinds = ("params", "state", "batch", "batch", "batch", "batch", "params", "batch", "batch")
 
-    def rows_of(ro, *_):
+    def rows_of(ro, *rest):
+        if len(rest) > 5 and rest[5] is not None:  # recorded products: the grid, not packed
+            return None
         groups = pack_groups(ro.prompt_tokens.shape[0] // micro_batches, mesh, rules)
         return packed_rows_of(ro, micro_batches=micro_batches, buckets=pack_buckets,
                               groups=groups)
