@@ -120,6 +120,9 @@ BAD = {
     "run.keep_checkpoints": ["0"],
     "run.progress": ["abc"],
     "grpo.remat": ["abc"],
+    # not a bool; on the default (looped) model; with every update replayed
+    "grpo.reuse_products": ["abc", "true", ("true", ["model.family=qwen3", "model.loop_steps=1",
+                                                     "grpo.replay=always"])],
     "grpo.speculative": ["abc", "self:loops=1,k=0", "dense:/nonexistent/drafter,k=4",
                          ("self:loops=1,k=4", ["grpo.compute_mode=deferred"]),
                          "self:loops=2,k=4",  # the default model has 2 loop steps

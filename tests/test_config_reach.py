@@ -102,6 +102,10 @@ RUNS = {
         "lora.serve=merged", "sync.loss_on_served=true", "sync.check_every=1",
         "grpo.verify_every=1",
     ],
+    # A dense model whose first update of each step reads the sampler's weight products, in
+    # two micro-batches; the second minibatch computes its forward.
+    "products": ["model.family=qwen3", "model.loop_steps=1", "grpo.reuse_products=true",
+                 "grpo.minibatches=2", "grpo.micro_batches=2"],
     # Speculative rollouts, self-drafted at one loop step.
     "speculative": ["grpo.speculative=self:loops=1,k=2"],
     # Sharded over the 8 CPU devices the tests have (conftest's XLA_FLAGS).
@@ -206,4 +210,8 @@ def test_every_key_at_a_non_default_value_runs_to_its_first_grpo_checkpoint(
     grpo = [r for r in records if r["phase"] == "grpo"]
     assert [r["step"] for r in grpo] == list(range(first, first + GRPO_STEPS))
     assert all(math.isfinite(r["loss"]) and r["skipped"] == 0.0 for r in grpo), grpo
+    if name == "products":  # an update on the sampler's weights reads its products, others
+        # replay (the second minibatch too, where the first moved nothing: no reward yet)
+        assert all(r["reused_forward_updates"] >= 1.0 and r["reused_forward_updates"]
+                   + r["replayed_updates"] == 2.0 for r in grpo), grpo
     assert json.loads((out / "summary.json").read_text())["steps"] == SFT_STEPS + GRPO_STEPS

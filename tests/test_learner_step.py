@@ -52,8 +52,8 @@ def test_grpo_step_is_one_kind_of_object_and_lowers(name):
     adv = jnp.linspace(-1.0, 1.0, ro.logprobs.shape[0])
     text = step.lower(params, opt.init(params), ro, adv, ro.logprobs).as_text()
     assert "func.func public @main" in text
-    with pytest.raises(TypeError, match="at most 8 arguments"):
-        step.lower(params, opt.init(params), ro, adv, ro.logprobs, None, None, None, None)
+    with pytest.raises(TypeError, match="at most 9 arguments"):
+        step.lower(params, opt.init(params), ro, adv, ro.logprobs, None, None, None, None, None)
 
 
 @pytest.mark.parametrize("name", list(OPTIONS))

@@ -36,6 +36,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxrl_lp.models.recorded import take_product_rows
 from jaxrl_lp.parallel.shard import to_host
 from jaxrl_lp.rl.advantages import group_advantages, overlong_penalty, zero_variance_groups
 from jaxrl_lp.rl.dynamic_sampling import refill_groups
@@ -113,7 +114,8 @@ def dispatch_rollout(held, version, key, cfg, plan, problems, side: SamplerSide)
         return ro, {"spec_acceptance": st.acceptance_rate,
                     "spec_tokens_per_forward": st.tokens_per_target_forward(
                         ro.prompt_tokens.shape[0])}
-    return side.generate(held, prompts, key=key, **sample_kw), {}
+    return side.generate(held, prompts, key=key, record_products=g.reuse_products,
+                         **sample_kw), {}
 
 
 def _sample(weights, step, key, cfg, plan, problems, timer, side: SamplerSide):
@@ -215,6 +217,9 @@ def grpo_iteration(state: RunState, step: int, cfg, plan, programs: IterationPro
             ro = side.to_learner(jax.block_until_ready(entry.rollout))
         problems, spec_metrics = [task.train[i] for i in entry.problems], dict(entry.spec_metrics)
     version = int(ro.weights_version)  # the export the rollout was sampled on
+    # The sampler's weight products (`grpo.reuse_products`) go to the updates that compute
+    # with the weights that made them, and nowhere else.
+    products, ro = ro.products, dataclasses.replace(ro, products=None)
     rounds = [_Round(ro, *_score(ro, problems, cfg, plan, timer))]
     ds_metrics, picked = {}, None
     if g.dynamic_sampling:
@@ -223,6 +228,7 @@ def grpo_iteration(state: RunState, step: int, cfg, plan, programs: IterationPro
                 more = [task.train[int(i)] for i in prompt_it.next_global()]
                 ro_r, sm = _sample(rollout_weights, version, jax.random.fold_in(key, r), cfg,
                                    plan, more, timer, side)
+                ro_r = dataclasses.replace(ro_r, products=None)  # a refilled batch: computed
                 for k, v in sm.items():  # the rounds' mean
                     spec_metrics[k] = (spec_metrics[k] * r + v) / (r + 1)
                 rounds.append(_Round(ro_r, *_score(ro_r, more, cfg, plan, timer)))
@@ -234,6 +240,7 @@ def grpo_iteration(state: RunState, step: int, cfg, plan, programs: IterationPro
                      if len(rows)]
             ro = concat_rollouts([take_rows(rnd.ro, rows) for rnd, rows in parts],
                                  task.tokenizer.pad_id)
+            products = None
             if picked.masked_groups:  # the bound was hit: these groups leave the loss
                 ro = dataclasses.replace(ro, completion_mask=ro.completion_mask * jnp.asarray(
                     1.0 - picked.masked_B[:, None], ro.completion_mask.dtype))
@@ -310,7 +317,7 @@ def grpo_iteration(state: RunState, step: int, cfg, plan, programs: IterationPro
     n = shaped.shape[0]
     size = n // g.minibatches
     sums: dict[str, float] = {}
-    replayed = 0
+    replayed = reused_forward = 0
     with timer("update"):
         for epoch in range(g.mu):
             for i in range(g.minibatches):
@@ -323,11 +330,16 @@ def grpo_iteration(state: RunState, step: int, cfg, plan, programs: IterationPro
                 value = (ro.logprobs[idx] if reuse else
                          old_logp[idx] if behaviour_value and (first or on_served) else None)
                 replayed += int(g.logprobs == "hybrid" and value is None)
+                # The sampler's products stand for this update's forward where its recorded
+                # log-probs are the replay's: the same weights and numerics.
+                prods = take_product_rows(products, idx) if reuse and products is not None \
+                    else None
+                reused_forward += int(prods is not None)
                 params, opt_grpo, m = programs.grpo_step(
                     params, opt_grpo, take_rows(ro, idx),
                     jnp.asarray(adv[idx]), old_logp[idx],
                     None if ref_logp is None else ref_logp[idx],
-                    sampler_params if on_served else None, value)
+                    sampler_params if on_served else None, value, prods)
                 for k, v in m.items():
                     sums[k] = sums.get(k, 0.0) + float(v)
     updates = g.mu * g.minibatches
@@ -358,6 +370,7 @@ def grpo_iteration(state: RunState, step: int, cfg, plan, programs: IterationPro
         learning_rate=g.lr, zero_variance_groups=float(n_zero_var),
         mean_exit_step=float((to_host(ro.exit_steps) * mask).sum() / max(lengths.sum(), 1)),
         replayed_updates=float(replayed), behaviour_recomputed=float(measured),
+        reused_forward_updates=float(reused_forward),
         replay_verified=float(verify and (recorded or (stale and rule.can_reuse))),
         rollout_staleness=float(step - version), **t,
     )

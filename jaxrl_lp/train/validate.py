@@ -183,6 +183,7 @@ def validate(cfg: TrainConfig) -> RunPlan:
     if lora is not None and lora.start == 0:  # on a pretrained base: LoRA from the first step
         weights = lora.weights
     _speculative(cfg, mcfg)
+    _reuse_products(cfg, mcfg, weights)
     _reference(cfg, mcfg)
     mesh, sampler = _placement(cfg, mcfg) if cfg.run.learner_mesh else (_mesh(cfg, mcfg), None)
     return RunPlan(task=task, model=mcfg, max_new_tokens=max_new, seq_len=seq_len,
@@ -218,6 +219,28 @@ def _weights(cfg: TrainConfig):
                              f"sft.optimizer={cfg.sft.optimizer!r} does not have; set "
                              "sync.bf16_start=false or sft.optimizer=adamw")
     return weights
+
+
+def _reuse_products(cfg: TrainConfig, mcfg: ModelConfig, weights) -> None:
+    """`grpo.reuse_products` checked against the model and where the run computes."""
+    g = cfg.grpo
+    if not g.reuse_products:
+        return
+    why = None
+    if mcfg.is_looped:
+        why = f"a dense model's (got a looped {mcfg.family} model)"
+    elif cfg.run.mesh or cfg.run.learner_mesh:
+        why = "one device's: set run.mesh='' and run.learner_mesh=''"
+    elif g.speculative:
+        why = "a plain sampler's: set grpo.speculative=''"
+    elif weights is not None or cfg.lora.enabled:
+        why = "plain weights': set sft.optimizer=adamw and lora.rank=0"
+    elif Policy.parse(g.learner_policy) != Policy.parse(g.sampler_policy):
+        why = ("a learner matched to its sampler's: set grpo.learner_policy equal to "
+               "grpo.sampler_policy")
+    if why:
+        raise ValueError(f"grpo.reuse_products=true: the recorded weight products are {why}, "
+                         "or set grpo.reuse_products=false")
 
 
 # Fields a KL reference checkpoint may differ in from the trained model: token ids.
