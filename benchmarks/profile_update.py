@@ -1,10 +1,11 @@
 """Where the compiled GRPO update of a preset spends its time, by XLA op (jax.profiler).
 
-    python benchmarks/profile_update.py [--size small] [--full] [--steps 2] > out.json
+    python benchmarks/profile_update.py [--size small] [--full] [--products] [--steps 2] > out.json
 
 The update `jaxrl-lp bench iteration` runs at mu = 1 (`make_grpo_step`,
 hybrid given the rollout's log-probs: `grpo.replay=auto`'s first update,
-packed rows, the bench's loss and optimizer) on `bench.learner.grpo_batch`'s
+packed rows, the bench's loss and optimizer; `--products`: given the batch's
+weight products too, `grpo.reuse_products`' first update) on `bench.learner.grpo_batch`'s
 batch (B = 8, 16 prompt + 112 completion tokens; `--full`: every completion
 runs to the end, as the iteration bench's no-EOS rollouts do). After two
 warm-up calls, `--steps` calls run under `jax.profiler.trace`; the trace's
@@ -37,6 +38,9 @@ def main() -> dict:
     ap.add_argument("--pack-buckets", type=int, default=16)
     ap.add_argument("--steps", type=int, default=2)
     ap.add_argument("--top", type=int, default=25)
+    ap.add_argument("--products", action="store_true",
+                    help="the update of grpo.reuse_products: its forward reads the batch's "
+                         "weight products (`rl.logprobs.forward_products`)")
     args = ap.parse_args()
 
     from jaxrl_lp.bench.learner import LOSS, SIZES, grpo_batch
@@ -55,6 +59,10 @@ def main() -> dict:
     step = make_grpo_step(cfg, policy, LOSS, opt, method="hybrid", pack_buckets=args.pack_buckets)
     state = {"p": jax.tree.map(jnp.copy, params), "o": opt.init(params)}
     batch = (ro, adv, ro.logprobs, None, None, ro.logprobs)
+    if args.products:
+        from jaxrl_lp.rl.logprobs import forward_products
+
+        batch = (*batch, jax.jit(forward_products, static_argnums=(1, 2))(params, cfg, policy, ro))
 
     def call():
         state["p"], state["o"], m = step(state["p"], state["o"], *batch)
@@ -65,7 +73,7 @@ def main() -> dict:
     names = op_names(step.lower(state["p"], state["o"], *batch).compile().as_text())
     seconds, total, count = op_times(call, args.steps, names)
     ops = sum(total.values())
-    return {"preset": SIZES[args.size], "full_completions": args.full,
+    return {"preset": SIZES[args.size], "full_completions": args.full, "products": args.products,
             "pack_buckets": args.pack_buckets, "steps": args.steps,
             "loadavg": [round(x, 2) for x in os.getloadavg()],
             "step_s_under_profiler": round(seconds, 3), "ops_s": round(ops, 3),

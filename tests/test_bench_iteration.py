@@ -20,7 +20,7 @@ from jaxrl_lp.cli.main import main
 def test_bench_iteration_reports_phases_and_which_updates_replayed(capsys):
     assert main(["bench", "iteration", "--size", "tiny", "--looped-size", "", "--batch", "4",
                  "--group", "2", "--prompt-len", "4", "--new-tokens", "4",
-                 "--minibatches", "1,2", "--methods", "hybrid", "--repeats", "1",
+                 "--minibatches", "1,2", "--methods", "hybrid,products", "--repeats", "1",
                  "--no-tunix"]) == 0
     res = json.loads(capsys.readouterr().out)
     assert res["target"] == "iteration" and res["tunix"] == {"available": False,
@@ -32,6 +32,14 @@ def test_bench_iteration_reports_phases_and_which_updates_replayed(capsys):
     # hybrid's value are the rollout's. With two minibatches exactly the second replays.
     assert (one["replayed_updates"], one["behaviour_recomputed"]) == (0, 0)
     assert (two["replayed_updates"], two["behaviour_recomputed"]) == (1, 0)
+    # `products`: the update on the sampler's weights reads its products (the first), the
+    # replaying one computes its forward; its first program has fewer FLOPs than hybrid's.
+    p1, p2 = tiny["products_mb1"], tiny["products_mb2"]
+    assert [(r["reused_forward_updates"], r["replayed_updates"]) for r in (p1, p2)] == [
+        (1, 0), (1, 1)]
+    assert one["reused_forward_updates"] == two["reused_forward_updates"] == 0
+    assert p1["compiled_flops"]["updates"][0] < one["compiled_flops"]["updates"][0]
+    assert p2["compiled_flops"]["updates"][1] == two["compiled_flops"]["updates"][1]
     for r in (one, two):
         phases = sum(r[p] for p in ("sample", "score", "behaviour", "update"))
         assert phases == pytest.approx(r["iteration_s"], rel=1e-3, abs=1e-3)
@@ -80,8 +88,8 @@ def test_bench_iteration_reports_phases_and_which_updates_replayed(capsys):
 class _Recorded:
     """An iteration object with fixed compiled FLOPs (what `_with_bounds` reads of one)."""
 
-    def __init__(self, params, minibatches, updates, replays):
-        self.params, self.minibatches = params, minibatches
+    def __init__(self, params, minibatches, updates, replays, method="hybrid"):
+        self.params, self.minibatches, self.method = params, minibatches, method
         self._flops = {"updates": updates, "replays": replays, "behaviour": 0.0,
                        "xla_updates": updates}
 
@@ -103,9 +111,13 @@ def test_bounds_put_tunix_and_ours_against_the_same_work():
     nbytes = weight_bytes(cfg, params)
     machine = {"weight_stream_gb_per_s": 10.0, "matmul_gflop_per_s": 100.0}
     args = argparse.Namespace(new_tokens=50)
-    ours = {"hybrid_mb2": _Recorded(params, 2, [4e9, 6e9], [False, True])}
+    # A `products` entry's first update (no forward) is not the work Tunix's stands for.
+    ours = {"products_mb2": _Recorded(params, 2, [3e9, 6e9], [False, True], "products"),
+            "hybrid_mb2": _Recorded(params, 2, [4e9, 6e9], [False, True])}
     res = {"params": 1, "hybrid_mb2": {"iteration_s": 2.0, "sample": 1.0, "update": 0.9,
                                        "behaviour": 0.0, "score": 0.1},
+           "products_mb2": {"iteration_s": 1.8, "sample": 1.0, "update": 0.7,
+                            "behaviour": 0.0, "score": 0.1},
            "tunix_mb2": {"iteration_s": 3.0, "sample": 1.5, "update": 1.4, "score": 0.1}}
     _with_bounds(res, ours, cfg, args, [2], machine)
     sample = 50 * nbytes / 10e9

@@ -19,6 +19,10 @@ Ours, per method (`--methods`):
   (`train.behaviour.ReplayRule`). The fingerprint's cost is in `behaviour`.
 - `dense`: `grpo.logprobs=dense`; the behaviour log-probs are one forward of
   the learner (what the program computes for a dense learner).
+- `products`: `hybrid` with `grpo.reuse_products=true`: the rollout also
+  keeps the sampler's weight products and logits (`models.recorded`), and an
+  update at the sampler's weights (the first) reads them instead of
+  computing its forward's matmuls; the later minibatches run as `hybrid`'s.
 The training program also replays the whole batch every `grpo.verify_every`
 (default 10) steps to prove replay == sampler; that replay is timed apart
 (`verify_replay_s`) and `hybrid_with_verify_tokens_per_s` adds a tenth of it
@@ -47,7 +51,8 @@ gumbel,inverse_cdf` races `grpo.draw=inverse_cdf` too (`<method>_mb<k>_inverse_c
 the same distribution, other tokens per key, `rollout.sampling.draw_categorical`).
 
 A looped preset (`--looped-size`, the `small-qwen3` shapes as an Ouro-style
-model, R = 4) runs ours only: Tunix has no looped model.
+model, R = 4) runs ours only: Tunix has no looped model (and `products` is a
+dense model's).
 
 The roofline (`bench.roofline`, module docstring there): in the same process
 and run, before and after the race, this machine's weight-stream bandwidth
@@ -87,6 +92,7 @@ from jaxrl_lp.bench.sampler import LOOPED_SIZES, _first_call, _race, weight_byte
 from jaxrl_lp.models.config import ModelConfig, get_preset
 from jaxrl_lp.models.hf_io import save_hf_checkpoint
 from jaxrl_lp.models.model import init_params
+from jaxrl_lp.models.recorded import take_product_rows
 from jaxrl_lp.numerics.policy import Policy
 from jaxrl_lp.plan.hlo_cost import hlo_cost
 from jaxrl_lp.rl.advantages import group_advantages
@@ -102,6 +108,7 @@ __all__ = ["add_arguments", "run"]
 NO_EOS = -1  # an EOS id no sampled token equals: every sequence runs to --new-tokens
 VERIFY_EVERY = 10  # grpo.verify_every's default
 TARGET_VS_TUNIX = 1.5
+METHODS = ("hybrid", "dense", "products")
 
 
 def _xla_flops(compiled) -> float:
@@ -132,13 +139,15 @@ class _Iteration:
         self.cfg, self.policy, self.prompts, self.draw = cfg, policy, prompts, draw
         self.group, self.new_tokens, self.minibatches = group, new_tokens, minibatches
         self.loop, self.seed, self.method = loop, seed, method
-        self.step = make_grpo_step(cfg, policy, LOSS, optimizer, method=method,
+        # `products`: the hybrid learner reading the sampler's weight products where it may.
+        self.record, learner = method == "products", "hybrid" if method == "products" else method
+        self.step = make_grpo_step(cfg, policy, LOSS, optimizer, method=learner,
                                    pack_buckets=pack_buckets)
         # The training program's behaviour program (`run_train`): the learner's values in
         # `minibatches` slices, and the whole-batch replay of a verification.
-        self.behaviour = jit_learner_logprobs(cfg, policy, method, micro_batches=minibatches)
-        self.verify = jit_learner_logprobs(cfg, policy, method)
-        self.rule = ReplayRule("auto", method, matched=True)
+        self.behaviour = jit_learner_logprobs(cfg, policy, learner, micro_batches=minibatches)
+        self.verify = jit_learner_logprobs(cfg, policy, learner)
+        self.rule = ReplayRule("auto", learner, matched=True)
         self.params = jax.tree.map(jnp.copy, params)
         self.opt = optimizer.init(params)
         self.count = 0
@@ -154,7 +163,9 @@ class _Iteration:
                 sampling=SamplingConfig(temperature=1.0, draw=self.draw),
                 max_new_tokens=self.new_tokens,
                 num_samples=self.group, eos_id=None, pad_id=PAD_ID, loop=self.loop,
-                key=jax.random.fold_in(jax.random.PRNGKey(self.seed), i), weights_version=i))
+                key=jax.random.fold_in(jax.random.PRNGKey(self.seed), i), weights_version=i,
+                record_products=self.record))
+            products, ro = ro.products, dataclasses.replace(ro, products=None)
         with timer("score"):
             rewards = _reward(jax.device_get(ro.completion_tokens))
             adv = np.asarray(group_advantages(jnp.asarray(rewards), self.group))
@@ -162,22 +173,28 @@ class _Iteration:
             recorded = self.rule.recorded(ro, self.params)
             old_logp = ro.logprobs if recorded else jax.block_until_ready(
                 self.behaviour(self.params, ro))
-        size, replayed = len(rewards) // self.minibatches, 0
+        size, replayed, reused = len(rewards) // self.minibatches, 0, 0
         self.last_updates = []
         with timer("update"):
             for k in range(self.minibatches):
                 idx = np.arange(k * size, (k + 1) * size)
                 reuse = recorded if k == 0 else self.rule.recorded(ro, self.params)
-                replayed += int(self.method == "hybrid" and not reuse)
+                replayed += int(self.method != "dense" and not reuse)
+                reused += int(reuse and products is not None)
                 self.last_updates.append((idx, reuse))
-                self.params, self.opt, m = self.step(
-                    self.params, self.opt, take_rows(ro, idx), jnp.asarray(adv[idx]),
-                    old_logp[idx], None, None, ro.logprobs[idx] if reuse else None)
+                self.params, self.opt, m = self.step(*self._update_args(ro, products, idx, reuse,
+                                                                        adv, old_logp))
             jax.block_until_ready(m["loss"])
-        self.last_rollout = ro
+        self.last_rollout, self.last_products = ro, products
         self.last_adv, self.last_old_logp = adv, old_logp
         return {**timer.metrics(), "replayed_updates": replayed,
-                "behaviour_recomputed": int(not recorded)}
+                "behaviour_recomputed": int(not recorded), "reused_forward_updates": reused}
+
+    def _update_args(self, ro, products, idx, reuse, adv, old_logp) -> tuple:
+        """The GRPO step's arguments for the update of rows `idx` (`train.grpo_iteration`'s)."""
+        return (self.params, self.opt, take_rows(ro, idx), jnp.asarray(adv[idx]), old_logp[idx],
+                None, None, ro.logprobs[idx] if reuse else None,
+                take_product_rows(products, idx) if reuse and products is not None else None)
 
     def compiled_flops(self) -> dict:
         """The loop-aware FLOPs (`plan.hlo_cost`) of the programs the last iteration ran.
@@ -189,8 +206,8 @@ class _Iteration:
         """
         ro, flops, xla, memo = self.last_rollout, [], [], {}
         for idx, reuse in self.last_updates:
-            args = (self.params, self.opt, take_rows(ro, idx), jnp.asarray(self.last_adv[idx]),
-                    self.last_old_logp[idx], None, None, ro.logprobs[idx] if reuse else None)
+            args = self._update_args(ro, self.last_products, idx, reuse, self.last_adv,
+                                     self.last_old_logp)
             if reuse not in memo:
                 compiled = self.step.lower(*args).compile()
                 memo[reuse] = (hlo_cost(compiled.as_text()).flops, _xla_flops(compiled))
@@ -199,7 +216,7 @@ class _Iteration:
         behaviour = 0.0
         if self.method == "dense":  # its behaviour forward runs every iteration
             behaviour = hlo_cost(self.behaviour.lower(self.params, ro).compile().as_text()).flops
-        return {"updates": flops, "replays": [self.method == "hybrid" and not r
+        return {"updates": flops, "replays": [self.method != "dense" and not r
                                               for _, r in self.last_updates],
                 "behaviour": behaviour, "xla_updates": xla}
 
@@ -288,7 +305,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "bench's 128)")
     parser.add_argument("--minibatches", default="1,4",
                         help="optimizer steps per iteration to race (comma list; each divides B)")
-    parser.add_argument("--methods", default="hybrid,dense", help="ours: hybrid, dense")
+    parser.add_argument("--methods", default="hybrid,dense,products",
+                        help="ours: hybrid, dense, products (hybrid with "
+                             "grpo.reuse_products; dense presets only)")
     parser.add_argument("--policy", default="fp32",
                         help="our precision policy (fp32 on CPU: SPEC section 11); Tunix gets "
                              "its compute dtype")
@@ -317,8 +336,8 @@ def _check(args) -> tuple[list[int], list[str], list[str]]:
         raise ValueError(f"--minibatches: each must be >= 1 and divide --batch {args.batch}; "
                          f"got {args.minibatches!r}")
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
-    if not methods or any(m not in ("hybrid", "dense") for m in methods):
-        raise ValueError(f"--methods: hybrid and/or dense; got {args.methods!r}")
+    if not methods or any(m not in METHODS for m in methods):
+        raise ValueError(f"--methods: some of {', '.join(METHODS)}; got {args.methods!r}")
     draws = [d.strip() for d in args.draws.split(",") if d.strip()]
     if not draws or any(d not in DRAWS for d in draws):
         raise ValueError(f"--draws: gumbel and/or inverse_cdf; got {args.draws!r}")
@@ -379,7 +398,9 @@ def _with_bounds(res: dict, ours: dict, cfg, args, mbs, machine: dict) -> None:
                  matmul_rate=machine["matmul_gflop_per_s"] * 1e9)
     common = dict(tokens=args.new_tokens, weight_bytes=nbytes, decode_steps=args.new_tokens,
                   **rates)
-    first_update = {}  # minibatches -> the first update's FLOPs (the unreplayed step)
+    # minibatches -> the first update's FLOPs (the unreplayed step, with its forward: not a
+    # `products` update's, which reads the sampler's products instead)
+    first_update = {}
     for name, it in ours.items():
         flops = it.compiled_flops()
         res[name]["compiled_flops"] = {"updates": flops["updates"], "behaviour": flops["behaviour"],
@@ -387,9 +408,10 @@ def _with_bounds(res: dict, ours: dict, cfg, args, mbs, machine: dict) -> None:
         res[name]["bounds"] = phase_bounds(update_flops=flops["updates"],
                                            replays=flops["replays"],
                                            behaviour_flops=flops["behaviour"], **common)
-        first_update.setdefault(it.minibatches, flops["updates"][0])
+        if it.method != "products":
+            first_update.setdefault(it.minibatches, flops["updates"][0])
     for k in mbs:
-        if f"tunix_mb{k}" in res:  # the same work: k updates without replay
+        if f"tunix_mb{k}" in res and k in first_update:  # the same work: k unreplayed updates
             res[f"tunix_mb{k}"]["bounds"] = phase_bounds(
                 update_flops=[first_update[k]] * k, replays=[False] * k, **common)
     for r in res.values():
@@ -415,7 +437,8 @@ def _preset_race(cfg, policy, args, mbs, methods, draws, optimizer, tunix_ckpt=N
     ours = {f"{m}_mb{k}" + ("" if d == "gumbel" else f"_{d}"): _Iteration(
                 cfg, policy, params, prompts, optimizer, method=m, minibatches=k,
                 loop=LoopSpec(), pack_buckets=16, draw=d, **common)
-            for k in mbs for m in methods for d in draws}
+            for k in mbs for m in methods for d in draws
+            if not (m == "products" and cfg.is_looped)}  # products: dense models
     calls = dict(ours)
     if tunix_ckpt is not None:
         save_hf_checkpoint(tunix_ckpt, cfg, params, dtype="f32")
@@ -427,7 +450,7 @@ def _preset_race(cfg, policy, args, mbs, methods, draws, optimizer, tunix_ckpt=N
     res = _summary(times, phases, tokens)
     for name, it in ours.items():
         res[name]["first_call_s"] = round(firsts[name], 2)
-        if it.method == "hybrid":
+        if it.method != "dense":
             v = it.verify_seconds()
             res[name]["verify_replay_s"] = round(v, 4)
             with_verify = res[name]["iteration_s"] + v / VERIFY_EVERY
@@ -486,8 +509,9 @@ def run(args: argparse.Namespace) -> dict:
     checks = {}
     dense = info[SIZES[args.size]]
     for k in mbs:
-        if "vs_tunix" in dense.get(f"hybrid_mb{k}", {}):
-            checks[f"hybrid_mb{k}_vs_tunix>={TARGET_VS_TUNIX}"] = (
-                dense[f"hybrid_mb{k}"]["vs_tunix"] >= TARGET_VS_TUNIX)
+        for m in ("hybrid", "products"):
+            if "vs_tunix" in dense.get(f"{m}_mb{k}", {}):
+                checks[f"{m}_mb{k}_vs_tunix>={TARGET_VS_TUNIX}"] = (
+                    dense[f"{m}_mb{k}"]["vs_tunix"] >= TARGET_VS_TUNIX)
     info["loadavg_end"] = round(os.getloadavg()[0], 2)
     return {**info, "targets_met": checks}
