@@ -188,6 +188,7 @@ def test_the_program_refuses_products_it_could_never_read(tmp_path):
     for extra, match in (
             (["model.family=ouro", "model.loop_steps=2"], "a dense model's .got a looped"),
             (["run.mesh=fsdp=2"], "one device's: set run.mesh=''"),
+            (["grpo.max_staleness=1"], "set grpo.max_staleness=0"),
             (["grpo.learner_policy=bf16"], "grpo.learner_policy equal to grpo.sampler_policy"),
             (["sft.optimizer=error_diffusion:binary:k=4"], "plain weights'")):
         with pytest.raises(ValueError, match=rf"grpo.reuse_products=true: .*{match}.*"

@@ -136,8 +136,8 @@ class GRPOConfig:
         a third of the update's FLOPs saved. Memory: every layer's products for every
         token and the [B, N, V] logits (0.27 GB for the small preset's 8 x 128 tokens;
         tens of GB for a billion-parameter model's batch). A dense model on one device,
-        `logprobs=hybrid`, `replay=auto`, plain weights, not speculative. Metric
-        `reused_forward_updates`.
+        `logprobs=hybrid`, `replay=auto`, plain weights, a plain synchronous sampler (not
+        speculative, `max_staleness=0`). Metric `reused_forward_updates`.
       learner_policy: the learner's precision policy, e.g. `fp32`, `bf16`, `p=f32,c=bf16`.
       sampler_policy: the sampler's precision policy (matched when equal to the learner's).
       exit_rule: the looped sampler's exit rule: `model` (the model's own default:

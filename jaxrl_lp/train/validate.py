@@ -233,6 +233,9 @@ def _reuse_products(cfg: TrainConfig, mcfg: ModelConfig, weights) -> None:
         why = "one device's: set run.mesh='' and run.learner_mesh=''"
     elif g.speculative:
         why = "a plain sampler's: set grpo.speculative=''"
+    elif g.max_staleness:
+        why = ("a synchronous loop's (an off-policy rollout's weights are not the update's): "
+               "set grpo.max_staleness=0")
     elif weights is not None or cfg.lora.enabled:
         why = "plain weights': set sft.optimizer=adamw and lora.rank=0"
     elif Policy.parse(g.learner_policy) != Policy.parse(g.sampler_policy):
