@@ -106,9 +106,10 @@ def offpolicy_run(tmp_path_factory):
     def capturing(*args, **kwargs):
         step = make(*args, **kwargs)
 
-        def call(params, opt, ro, adv, old, ref, served, value):
+        def call(params, opt, ro, adv, old, ref, served, value, products):
+            assert products is None  # an off-policy run records none (`grpo.reuse_products`)
             captured.append(jax.tree.map(np.asarray, (served, ro, old, value)))
-            return step(params, opt, ro, adv, old, ref, served, value)
+            return step(params, opt, ro, adv, old, ref, served, value, products)
 
         return call
 
