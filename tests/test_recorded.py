@@ -97,6 +97,7 @@ def test_recording_keeps_the_samplers_bits_and_records_its_forward():
     sub = take_product_rows(prods, rows)
     np.testing.assert_array_equal(sub.layers["up_proj"], prods.layers["up_proj"][:, rows])
     np.testing.assert_array_equal(sub.logits, prods.logits[rows])
+    assert take_product_rows(prods, np.arange(b)) is prods  # one minibatch: no copy
 
 
 def _dots(compiled_text: str) -> int:

@@ -34,6 +34,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 __all__ = ["LAYER_PRODUCTS", "Products", "RecordedWeight", "empty_products", "split_products",
            "take_product_rows", "with_products"]
@@ -107,6 +108,12 @@ def split_products(products: Products, m: int) -> Products:
 
 
 def take_product_rows(products: Products, idx) -> Products:
-    """The products of rows `idx` (a minibatch; `rollout.take_rows` for the rollout)."""
+    """The products of rows `idx` (a minibatch; `rollout.take_rows` for the rollout).
+
+    Every row in order (one minibatch) is `products` itself: no copy of them.
+    """
+    rows = products.logits.shape[0]
+    if isinstance(idx, np.ndarray) and np.array_equal(idx, np.arange(rows)):
+        return products
     return Products(layers={k: v[:, idx] for k, v in products.layers.items()},
                     logits=products.logits[idx])

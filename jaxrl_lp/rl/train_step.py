@@ -274,8 +274,9 @@ def make_grpo_step(cfg: ModelConfig, policy: Policy, loss_cfg: LossConfig,
 
     kinds = ("params", "state", "batch", "batch", "batch", "batch", "params", "batch", "batch")
 
-    def rows_of(ro, *rest):
-        if len(rest) > 5 and rest[5] is not None:  # recorded products: the grid, not packed
+    def rows_of(ro, adv_B=None, old_logp_BxN=None, ref_logp_BxN=None, served=None,
+                replay_BxN=None, products=None):
+        if products is not None:  # the forward reads the sampler's grid: nothing to pack
             return None
         groups = pack_groups(ro.prompt_tokens.shape[0] // micro_batches, mesh, rules)
         return packed_rows_of(ro, micro_batches=micro_batches, buckets=pack_buckets,
