@@ -137,6 +137,8 @@ def test_the_recorded_forward_has_the_samplers_values_and_the_dense_gradient():
     assert d - r == len(LAYER_PRODUCTS) + 1, (d, r)
 
 
+@pytest.mark.slow
+@pytest.mark.ci
 def test_the_grpo_step_given_products_updates_as_without_them():
     cfg, params, ro = _setup()
     plain = dataclasses.replace(ro, products=None)

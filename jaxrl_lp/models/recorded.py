@@ -1,4 +1,4 @@
-"""Weight products the sampler computed, given back to the learner's forward (`grpo.reuse_forward`).
+"""Weight products the sampler computed, given back to the learner (`grpo.reuse_products`).
 
 Where an update computes with exactly the weights and numerics the sampler ran
 (`train.behaviour.ReplayRule`), every matmul of the learner's forward over the
@@ -17,8 +17,8 @@ sampler's recorded ones (tests/test_recorded.py), and the gradient is the
 gradient of the computation that sampled the tokens; it differs from the
 parallel forward's by matmul rounding only (the decode step's products and
 the whole-sequence ones round differently). Dense models on one device, plain
-weights (not LoRA, not quantized, no matmul format); the program refuses
-others when the key is set.
+weights (not LoRA adapters, not a low-bit train tree), tested at f32; the
+training program refuses the rest when the key is set.
 
 Memory: the products of every layer for every token, `B x (P + N - 1) x
 (q + k + v + o + gate + up + down widths)` f32 per layer, and the `[B, N, V]`

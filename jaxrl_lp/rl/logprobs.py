@@ -49,10 +49,10 @@ from jaxrl_lp.rollout.generate import Rollout, split_rows
 from jaxrl_lp.rollout.speculative import replay_speculative
 from jaxrl_lp.rollout.step import LoopSpec, decode_step, fused_readout, prefill, step_logprobs
 
-__all__ = ["LogprobMethod", "LogprobProgram", "dense_logprobs", "jit_learner_logprobs",
-           "learner_logprobs", "logprob_entropy", "pack_groups", "packed_logprobs",
-           "forward_products", "packed_rows_for", "packed_rows_of", "prompt_positions", "recorded_logprobs",
-           "replay_logprobs", "rollout_loop"]
+__all__ = ["LogprobMethod", "LogprobProgram", "dense_logprobs", "forward_products",
+           "jit_learner_logprobs", "learner_logprobs", "logprob_entropy", "pack_groups",
+           "packed_logprobs", "packed_rows_for", "packed_rows_of", "prompt_positions",
+           "recorded_logprobs", "replay_logprobs", "rollout_loop"]
 
 LogprobMethod = Literal["dense", "replay", "hybrid"]
 PACK_BUCKETS = 16  # sizes a packed learner step compiles for, per grid (`packed_rows_of`)
