@@ -228,7 +228,8 @@ def _reuse_products(cfg: TrainConfig, mcfg: ModelConfig, weights) -> None:
         return
     why = None
     if mcfg.is_looped:
-        why = f"a dense model's (got a looped {mcfg.family} model)"
+        why = (f"a dense model's (got a looped {mcfg.family} model; a dense one: "
+               "model.family=qwen3 and model.loop_steps=1)")
     elif cfg.run.mesh or cfg.run.learner_mesh:
         why = "one device's: set run.mesh='' and run.learner_mesh=''"
     elif g.speculative:
