@@ -67,8 +67,8 @@ def _run(warm, out, extra, stop_after=None):
     def make(*args, **kwargs):
         step = real(*args, **kwargs)
 
-        def seen(params, opt, ro, adv, old, ref, served, replay):
-            out = step(params, opt, ro, adv, old, ref, served, replay)
+        def seen(params, opt, ro, adv, old, ref, served, replay, products):
+            out = step(params, opt, ro, adv, old, ref, served, replay, products)
             updates.append({"replayed": replay is None, "adv": np.asarray(adv),
                             "mask": np.asarray(ro.completion_mask),
                             **{k: float(v) for k, v in out[2].items()}})
