@@ -24,12 +24,10 @@ caller's jit.
 from __future__ import annotations
 
 import functools
-import math
 from typing import Literal
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.sharding import Mesh
 
 from jaxrl_lp.kernels.dispatch import per_shard
@@ -39,12 +37,12 @@ from jaxrl_lp.models.cache import init_cache, unstack_cache
 from jaxrl_lp.models.config import ModelConfig
 from jaxrl_lp.models.loop import MODEL_DEFAULT, ExitSchedule
 from jaxrl_lp.models.model import forward
-from jaxrl_lp.models.packing import bucket_rows, gather_rows, make_packing, unpack
+from jaxrl_lp.models.packing import gather_rows, make_packing, unpack
 from jaxrl_lp.models.recorded import Products, with_products
 from jaxrl_lp.numerics.policy import Policy
-from jaxrl_lp.parallel.context import current_mesh, use_mesh
+from jaxrl_lp.parallel.context import use_mesh
 from jaxrl_lp.parallel.rules import DEFAULT_RULES, ShardingRules
-from jaxrl_lp.parallel.shard import to_host
+from jaxrl_lp.rl.packed_rows import PACK_BUCKETS, pack_groups, packed_rows_for, packed_rows_of
 from jaxrl_lp.rollout.generate import Rollout, split_rows
 from jaxrl_lp.rollout.speculative import replay_speculative
 from jaxrl_lp.rollout.step import LoopSpec, decode_step, fused_readout, prefill, step_logprobs
@@ -55,7 +53,6 @@ __all__ = ["LogprobMethod", "LogprobProgram", "dense_logprobs", "forward_product
            "recorded_logprobs", "replay_logprobs", "rollout_loop"]
 
 LogprobMethod = Literal["dense", "replay", "hybrid"]
-PACK_BUCKETS = 16  # sizes a packed learner step compiles for, per grid (`packed_rows_of`)
 
 
 def prompt_positions(prompt_BxP: jax.Array, lengths_B: jax.Array) -> jax.Array:
@@ -299,58 +296,6 @@ def packed_logprobs(params: dict, cfg: ModelConfig, policy: Policy, tokens_BxT: 
     grid = lambda x: unpack(x.reshape(groups, head_rows), head, b, n)
     out = lambda x: jnp.where(ok, jnp.where(done, grid(x), 0.0), jnp.nan)
     return out(lp), out(ent)
-
-
-def pack_groups(rows: int, mesh: Mesh | None = None, rules: ShardingRules = DEFAULT_RULES) -> int:
-    """How many groups a packed forward of `rows` rows packs apart (`models.packing`).
-
-    The data shards of the batch (the `batch` axis's mesh axes) of `mesh`, by
-    default the active `use_mesh`'s, so each device packs and computes its own
-    rows; 1 without a mesh, or where the shards do not divide `rows` (the
-    packing then spans the shards: the same values, with collectives). The
-    host (`packed_rows_of`) and the traced forward ask with the same rows and
-    mesh, so they agree.
-    """
-    if mesh is None:
-        active = current_mesh()
-        if active is None:
-            return 1
-        mesh, rules = active
-    shards = math.prod(mesh.shape[a] for a in rules.mesh_axes("batch"))
-    return shards if rows % shards == 0 else 1
-
-
-def packed_rows_for(lead_lengths_B, mask_BxN, lead_width: int, *, micro_batches: int = 1,
-                    buckets: int = PACK_BUCKETS, groups: int = 1) -> tuple[int, int]:
-    """The static `packed_rows` of `packed_logprobs` for host arrays (numpy).
-
-    (body, head): the most real slots (lead tokens, and targets up to the last
-    masked one) and masked targets of any of the `micro_batches` row slices
-    (each split further into its `groups` packing groups, `pack_groups`),
-    each rounded up by `models.packing.bucket_rows` to one of `buckets`
-    sizes, so a run compiles for a few shapes only.
-    """
-    mask = np.asarray(mask_BxN) > 0
-    b, n = mask.shape
-    slices = micro_batches * groups
-    if b % slices:
-        raise ValueError(f"packed rows: {b} rows do not split into {micro_batches} slices"
-                         + ("" if groups == 1 else f" of {groups} packing groups"))
-    per = b // slices
-    done = mask.sum(axis=1).reshape(slices, per).sum(axis=1)
-    context = np.where(mask.any(axis=1), n - np.argmax(mask[:, ::-1], axis=1), 0)  # to the last
-    real = (context + np.asarray(lead_lengths_B)).reshape(slices, per).sum(axis=1)
-    return (bucket_rows(int(real.max()), per * (lead_width + n), buckets),
-            bucket_rows(int(done.max()), per * n, buckets))
-
-
-def packed_rows_of(ro: Rollout, *, micro_batches: int = 1, buckets: int = PACK_BUCKETS,
-                   groups: int = 1) -> tuple[int, int]:
-    """The static `packed_rows` of `dense_logprobs` for `ro` (`packed_rows_for`; reads its
-    masks on the host, gathered from every process)."""
-    return packed_rows_for(to_host(ro.prompt_lengths), to_host(ro.completion_mask),
-                           ro.prompt_tokens.shape[1], micro_batches=micro_batches,
-                           buckets=buckets, groups=groups)
 
 
 def replay_logprobs(params: dict, cfg: ModelConfig, policy: Policy, ro: Rollout, *,
