@@ -86,7 +86,7 @@ def test_bench_iteration_reports_phases_and_which_updates_replayed(capsys):
 
 
 class _Recorded:
-    """An iteration object with fixed compiled FLOPs (what `_with_bounds` reads of one)."""
+    """An iteration object with fixed compiled FLOPs (what `bench.roofline.add_bounds` reads of one)."""
 
     def __init__(self, params, minibatches, updates, replays, method="hybrid"):
         self.params, self.minibatches, self.method = params, minibatches, method
@@ -100,9 +100,7 @@ class _Recorded:
 def test_bounds_put_tunix_and_ours_against_the_same_work():
     """A Tunix entry gets the bounds of our first update's work, k times; the best ratio the
     bounds allow is Tunix's measured iteration over our bound iteration."""
-    import argparse
-
-    from jaxrl_lp.bench.iteration import _with_bounds
+    from jaxrl_lp.bench.roofline import add_bounds
     from jaxrl_lp.bench.sampler import weight_bytes
     from jaxrl_lp.models import get_preset, init_params
 
@@ -110,7 +108,6 @@ def test_bounds_put_tunix_and_ours_against_the_same_work():
     params = init_params(cfg, jax.random.PRNGKey(0))
     nbytes = weight_bytes(cfg, params)
     machine = {"weight_stream_gb_per_s": 10.0, "matmul_gflop_per_s": 100.0}
-    args = argparse.Namespace(new_tokens=50)
     # A `products` entry's first update (no forward) is not the work Tunix's stands for.
     ours = {"products_mb2": _Recorded(params, 2, [3e9, 6e9], [False, True], "products"),
             "hybrid_mb2": _Recorded(params, 2, [4e9, 6e9], [False, True])}
@@ -119,7 +116,7 @@ def test_bounds_put_tunix_and_ours_against_the_same_work():
            "products_mb2": {"iteration_s": 1.8, "sample": 1.0, "update": 0.7,
                             "behaviour": 0.0, "score": 0.1},
            "tunix_mb2": {"iteration_s": 3.0, "sample": 1.5, "update": 1.4, "score": 0.1}}
-    _with_bounds(res, ours, cfg, args, [2], machine)
+    add_bounds(res, ours, cfg, 50, [2], machine)
     sample = 50 * nbytes / 10e9
     b = res["hybrid_mb2"]["bounds"]
     assert b["sample_s"] == pytest.approx(sample, rel=1e-3)

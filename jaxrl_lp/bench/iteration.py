@@ -54,7 +54,8 @@ A looped preset (`--looped-size`, the `small-qwen3` shapes as an Ouro-style
 model, R = 4) runs ours only: Tunix has no looped model (and `products` is a
 dense model's).
 
-The roofline (`bench.roofline`, module docstring there): in the same process
+The roofline (`bench.roofline`, module docstring there, which also assembles
+the bounds): in the same process
 and run, before and after the race, this machine's weight-stream bandwidth
 (a batch-B matrix-vector pass over the dense preset's decode weights) and
 f32 matmul rate (the update's matmuls at its B x (prompt + new) rows) are
@@ -87,8 +88,8 @@ import optax
 
 from jaxrl_lp.bench import tunix_ref
 from jaxrl_lp.bench.learner import LOSS, PAD_ID, SIZES
-from jaxrl_lp.bench.roofline import measure_matmul_rate, measure_weight_stream, phase_bounds
-from jaxrl_lp.bench.sampler import LOOPED_SIZES, _first_call, _race, weight_bytes
+from jaxrl_lp.bench.roofline import add_bounds, best_machine, measure_machine
+from jaxrl_lp.bench.sampler import LOOPED_SIZES, _first_call, _race
 from jaxrl_lp.models.config import ModelConfig, get_preset
 from jaxrl_lp.models.hf_io import save_hf_checkpoint
 from jaxrl_lp.models.model import init_params
@@ -378,57 +379,6 @@ def _race_iterations(calls: dict, repeats: int, min_time: float):
     return firsts, times, phases
 
 
-def _machine(cfg: ModelConfig, args) -> dict:
-    """This machine's weight-stream bandwidth and f32 matmul rate (`bench.roofline`)."""
-    return {"weight_stream": measure_weight_stream(cfg, args.batch),
-            "matmul": measure_matmul_rate(cfg, args.batch * (args.prompt_len + args.new_tokens))}
-
-
-def _best_machine(before: dict, after: dict) -> dict:
-    """Both measurements, and the rates the bounds use: the better of the two."""
-    return {"before_race": before, "after_race": after,
-            "weight_stream_gb_per_s": max(m["weight_stream"]["gb_per_s"] for m in (before, after)),
-            "matmul_gflop_per_s": max(m["matmul"]["gflop_per_s"] for m in (before, after))}
-
-
-def _with_bounds(res: dict, ours: dict, cfg, args, mbs, machine: dict) -> None:
-    """Adds `bounds`, `fraction_of_bound` and `max_ratio_vs_tunix_at_bound` (module docstring)."""
-    nbytes = weight_bytes(cfg, next(iter(ours.values())).params)
-    rates = dict(bandwidth=machine["weight_stream_gb_per_s"] * 1e9,
-                 matmul_rate=machine["matmul_gflop_per_s"] * 1e9)
-    common = dict(tokens=args.new_tokens, weight_bytes=nbytes, decode_steps=args.new_tokens,
-                  **rates)
-    # minibatches -> the first update's FLOPs (the unreplayed step, with its forward: not a
-    # `products` update's, which reads the sampler's products instead)
-    first_update = {}
-    for name, it in ours.items():
-        flops = it.compiled_flops()
-        res[name]["compiled_flops"] = {"updates": flops["updates"], "behaviour": flops["behaviour"],
-                                       "xla_cost_analysis_updates": flops["xla_updates"]}
-        res[name]["bounds"] = phase_bounds(update_flops=flops["updates"],
-                                           replays=flops["replays"],
-                                           behaviour_flops=flops["behaviour"], **common)
-        if it.method != "products":
-            first_update.setdefault(it.minibatches, flops["updates"][0])
-    for k in mbs:
-        if f"tunix_mb{k}" in res and k in first_update:  # the same work: k unreplayed updates
-            res[f"tunix_mb{k}"]["bounds"] = phase_bounds(
-                update_flops=[first_update[k]] * k, replays=[False] * k, **common)
-    for r in res.values():
-        if not isinstance(r, dict) or "bounds" not in r:
-            continue
-        b = r["bounds"]
-        r["fraction_of_bound"] = {
-            phase: float(f"{b[f'{phase}_s'] / r[phase]:.4g}")
-            for phase in ("sample", "behaviour", "update") if r.get(phase) and b[f"{phase}_s"]}
-        r["fraction_of_bound"]["iteration"] = float(f"{b['iteration_s'] / r['iteration_s']:.4g}")
-    for name, it in ours.items():
-        theirs = res.get(f"tunix_mb{it.minibatches}")
-        if theirs is not None:
-            res[name]["max_ratio_vs_tunix_at_bound"] = round(
-                theirs["iteration_s"] / res[name]["bounds"]["iteration_s"], 3)
-
-
 def _preset_race(cfg, policy, args, mbs, methods, draws, optimizer, tunix_ckpt=None,
                  machine=None) -> tuple[dict, dict]:
     params = init_params(cfg, jax.random.PRNGKey(args.seed))
@@ -490,7 +440,8 @@ def run(args: argparse.Namespace) -> dict:
     else:
         info["tunix"]["reason"] = why_not
     dense_cfg = get_preset(SIZES[args.size])
-    before = None if args.no_roofline else _machine(dense_cfg, args)
+    rows = args.batch * (args.prompt_len + args.new_tokens)
+    before = None if args.no_roofline else measure_machine(dense_cfg, args.batch, rows)
     races = {}
     with tempfile.TemporaryDirectory() as tmp:
         races[SIZES[args.size]] = dense_cfg, _preset_race(
@@ -501,10 +452,10 @@ def run(args: argparse.Namespace) -> dict:
         races[f"{SIZES[args.looped_size]}-looped-r{cfg.loop_steps}"] = cfg, _preset_race(
             cfg, policy, args, mbs, methods, draws, optimizer)
     if not args.no_roofline:
-        info["machine"] = _best_machine(before, _machine(dense_cfg, args))
+        info["machine"] = best_machine(before, measure_machine(dense_cfg, args.batch, rows))
     for name, (cfg, (res, ours)) in races.items():
         if not args.no_roofline:
-            _with_bounds(res, ours, cfg, args, mbs, info["machine"])
+            add_bounds(res, ours, cfg, args.new_tokens, mbs, info["machine"])
         info[name] = res
     checks = {}
     dense = info[SIZES[args.size]]

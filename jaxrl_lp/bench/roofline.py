@@ -24,6 +24,9 @@ times against the bound they give:
   the matmul rate, and an update that replays (a later minibatch) at least
   its replay's decode loop's weight stream. Score and sync are host work and
   data movement, not bounded (0).
+- `measure_machine` takes both rates once, `best_machine` keeps the better of
+  the measurements before and after a race, and `add_bounds` puts a race's
+  entries (ours and Tunix's, `bench.iteration`) against them.
 
 Timing: each form alternates with the others, the fastest of `repeats` runs.
 """
@@ -35,9 +38,11 @@ import time
 import jax
 import jax.numpy as jnp
 
+from jaxrl_lp.bench.sampler import weight_bytes
 from jaxrl_lp.models.config import ModelConfig
 
-__all__ = ["decode_matrices", "measure_matmul_rate", "measure_weight_stream", "phase_bounds"]
+__all__ = ["add_bounds", "best_machine", "decode_matrices", "measure_machine",
+           "measure_matmul_rate", "measure_weight_stream", "phase_bounds"]
 
 
 def decode_matrices(cfg: ModelConfig) -> list[tuple[int, int]]:
@@ -158,3 +163,66 @@ def phase_bounds(*, tokens: int, weight_bytes: int, bandwidth: float, matmul_rat
            "update_s": update}
     out["iteration_s"] = sum(out.values())
     return {k: float(f"{v:.4g}") for k, v in out.items()}
+
+
+def measure_machine(cfg: ModelConfig, batch: int, rows: int) -> dict:
+    """This machine's weight-stream bandwidth at `batch` and f32 matmul rate at `rows`."""
+    return {"weight_stream": measure_weight_stream(cfg, batch),
+            "matmul": measure_matmul_rate(cfg, rows)}
+
+
+def best_machine(before: dict, after: dict) -> dict:
+    """Both measurements, and the rates the bounds use: the better of the two."""
+    return {"before_race": before, "after_race": after,
+            "weight_stream_gb_per_s": max(m["weight_stream"]["gb_per_s"] for m in (before, after)),
+            "matmul_gflop_per_s": max(m["matmul"]["gflop_per_s"] for m in (before, after))}
+
+
+def add_bounds(res: dict, ours: dict, cfg: ModelConfig, new_tokens: int, mbs: list[int],
+               machine: dict) -> None:
+    """Adds `bounds`, `fraction_of_bound` and `max_ratio_vs_tunix_at_bound` to a race's entries.
+
+    Args:
+      res: the race's entries by name (`<method>_mb<k>[_<draw>]`, `tunix_mb<k>`), each
+        with its measured `iteration_s` and phase seconds; changed in place.
+      ours: our entries' iteration objects (`bench.iteration._Iteration`: `params`,
+        `method`, `minibatches`, `compiled_flops()`).
+      cfg: the preset raced; new_tokens: sampled tokens per row; mbs: the minibatch
+        counts raced; machine: `best_machine`'s rates.
+
+    A Tunix entry is put against our first update's work, `k` times (the same work:
+    `k` unreplayed updates; never a `products` update's, which skips its forward's
+    matmuls). `max_ratio_vs_tunix_at_bound` is Tunix's measured iteration over our
+    bound iteration.
+    """
+    nbytes = weight_bytes(cfg, next(iter(ours.values())).params)
+    rates = dict(bandwidth=machine["weight_stream_gb_per_s"] * 1e9,
+                 matmul_rate=machine["matmul_gflop_per_s"] * 1e9)
+    common = dict(tokens=new_tokens, weight_bytes=nbytes, decode_steps=new_tokens, **rates)
+    first_update = {}  # minibatches -> the first (unreplayed) update's FLOPs
+    for name, it in ours.items():
+        flops = it.compiled_flops()
+        res[name]["compiled_flops"] = {"updates": flops["updates"], "behaviour": flops["behaviour"],
+                                       "xla_cost_analysis_updates": flops["xla_updates"]}
+        res[name]["bounds"] = phase_bounds(update_flops=flops["updates"],
+                                           replays=flops["replays"],
+                                           behaviour_flops=flops["behaviour"], **common)
+        if it.method != "products":
+            first_update.setdefault(it.minibatches, flops["updates"][0])
+    for k in mbs:
+        if f"tunix_mb{k}" in res and k in first_update:
+            res[f"tunix_mb{k}"]["bounds"] = phase_bounds(
+                update_flops=[first_update[k]] * k, replays=[False] * k, **common)
+    for r in res.values():
+        if not isinstance(r, dict) or "bounds" not in r:
+            continue
+        b = r["bounds"]
+        r["fraction_of_bound"] = {
+            phase: float(f"{b[f'{phase}_s'] / r[phase]:.4g}")
+            for phase in ("sample", "behaviour", "update") if r.get(phase) and b[f"{phase}_s"]}
+        r["fraction_of_bound"]["iteration"] = float(f"{b['iteration_s'] / r['iteration_s']:.4g}")
+    for name, it in ours.items():
+        theirs = res.get(f"tunix_mb{it.minibatches}")
+        if theirs is not None:
+            res[name]["max_ratio_vs_tunix_at_bound"] = round(
+                theirs["iteration_s"] / res[name]["bounds"]["iteration_s"], 3)
