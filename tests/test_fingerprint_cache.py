@@ -6,6 +6,8 @@
 - A deleted (donated) array is never served from the cache, and an id freed and
   reused by a new array misses (weak references).
 - At most `CACHE_SIZE` trees are remembered.
+- The CPU form (`CHUNK` elements a loop step) gives the one-reduction form's
+  bits, holds no leaf-sized temporary, and GPU and TPU lower the one-reduction form.
 """
 
 import gc
@@ -27,7 +29,7 @@ def _tree(seed=0):
 
 
 def _uncached(tree):
-    return np.asarray(fingerprint._fingerprint(tree))
+    return np.asarray(fingerprint._fingerprint(tree, fingerprint._spread(jax.tree.leaves(tree))))
 
 
 @pytest.fixture(autouse=True)
@@ -101,3 +103,54 @@ def test_the_cache_is_bounded():
     assert tree_fingerprint(trees[-1]) is fps[-1]
     assert tree_fingerprint(trees[0]) is not fps[0]  # the oldest was dropped
     np.testing.assert_array_equal(np.asarray(tree_fingerprint(trees[0])), np.asarray(fps[0]))
+
+
+# ------------------------------------------------------- the CPU form and the one-reduction form
+def _forms(tree):
+    spread = (False,) * len(jax.tree.leaves(tree))
+    chunked = jax.jit(lambda t: fingerprint._tree_sums(t, spread, chunked=True))(tree)
+    whole = jax.jit(lambda t: fingerprint._tree_sums(t, spread, chunked=False))(tree)
+    return np.asarray(chunked), np.asarray(whole)
+
+
+def test_the_cpu_form_is_the_one_reduction_forms_bits():
+    """Leaves of whole chunks, of chunks and a tail, and under one chunk, of 4, 2 and 1-byte
+    dtypes: the same [2] sums; and one flipped bit in the last chunk still moves them."""
+    rng = np.random.RandomState(3)
+    c = fingerprint.CHUNK
+    tree = {"whole": jnp.asarray(rng.randn(4, c // 2), jnp.float32),
+            "tail": jnp.asarray(rng.randn(3 * c + 1000), jnp.bfloat16),
+            "codes": jnp.asarray(rng.randint(-1, 2, (c + 7,)), jnp.int8),
+            "small": jnp.asarray(rng.randn(5), jnp.float32)}
+    chunked, whole = _forms(tree)
+    np.testing.assert_array_equal(chunked, whole)
+    np.testing.assert_array_equal(np.asarray(tree_fingerprint(tree)), whole)
+    flipped = dict(tree, whole=tree["whole"].at[3, -1].set(-tree["whole"][3, -1]))
+    assert not np.array_equal(_forms(flipped)[0], chunked)
+
+
+def test_the_cpu_form_holds_no_leaf_sized_temporary():
+    """A 64 MiB leaf: the compiled CPU fingerprint's temporaries stay in a few chunks, where
+    the one-reduction form writes every hashed element (twice the leaf) before summing."""
+    leaf = jnp.zeros((1 << 24,), jnp.float32)
+    spread = (False,)
+
+    def temp(chunked):
+        fn = jax.jit(lambda t: fingerprint._tree_sums(t, spread, chunked=chunked))
+        return fn.lower(leaf).compile().memory_analysis().temp_size_in_bytes
+
+    assert temp(True) < 8 * fingerprint.CHUNK * 4
+    assert temp(False) >= leaf.nbytes  # what the CPU form exists to avoid
+
+
+@pytest.mark.parametrize("platform", ["cuda", "tpu"])
+def test_gpu_and_tpu_lower_the_one_reduction_form(platform):
+    """Lowered for an accelerator, the fingerprint has no loop: the platform picks the form
+    (`jax.lax.platform_dependent`), not the host's backend."""
+    tree = {"w": jnp.zeros((3 * fingerprint.CHUNK,), jnp.float32)}
+    text = fingerprint._fingerprint.trace(tree, (False,)).lower(
+        lowering_platforms=(platform,)).as_text()
+    assert "stablehlo.while" not in text and "stablehlo.reduce" in text
+    cpu = fingerprint._fingerprint.trace(tree, (False,)).lower(
+        lowering_platforms=("cpu",)).as_text()
+    assert "stablehlo.while" in cpu

@@ -22,6 +22,7 @@ is not a cryptographic hash; `sync.layout.hash_served` is, for the files.
 from __future__ import annotations
 
 import collections
+import functools
 import weakref
 
 import jax
@@ -59,10 +60,10 @@ def _bits_u32(x: jax.Array) -> jax.Array:
     return jax.lax.bitcast_convert_type(x, _UNSIGNED[size]).astype(jnp.uint32)
 
 
-def _leaf_sums(x: jax.Array, j: int) -> jax.Array:
-    """[2] uint32: per lane, the sum over elements i of fmix(bits_i ^ fmix(i + seed_j))."""
-    bits = _bits_u32(jnp.asarray(x)).reshape(-1)
-    i = jax.lax.iota(jnp.uint32, bits.shape[0])
+def _lane_sums(bits: jax.Array, start, j: int) -> jax.Array:
+    """[2] uint32: per lane, the sum over the 1-D `bits` (elements `start`, `start` + 1, ...
+    of leaf `j`) of fmix(bits_i ^ fmix(i + seed_j))."""
+    i = jax.lax.iota(jnp.uint32, bits.shape[0]) + start
     lanes = []
     for seed in _SEEDS:
         key = _fmix(i + seed + np.uint32((j * 0x632BE5AB) & 0xFFFFFFFF))
@@ -70,12 +71,62 @@ def _leaf_sums(x: jax.Array, j: int) -> jax.Array:
     return jnp.stack(lanes)
 
 
-@jax.jit
-def _fingerprint(tree) -> jax.Array:
+def _leaf_sums(x: jax.Array, j: int) -> jax.Array:
+    """Leaf `j`'s [2] lane sums in one reduction (GPU and TPU fuse the hash into it)."""
+    return _lane_sums(_bits_u32(jnp.asarray(x)).reshape(-1), np.uint32(0), j)
+
+
+CHUNK = 1 << 16  # elements a step of the CPU form hashes (256 KiB a lane: in cache)
+
+
+def _leaf_sums_chunked(x: jax.Array, j: int) -> jax.Array:
+    """The same sums, `CHUNK` elements a loop step, then the tail (the CPU form).
+
+    XLA:CPU rewrites a long reduction into a tree of windows that no elementwise
+    producer fuses into, so the one-reduction form writes and reads every hashed
+    element (two lanes: twice the weights' bytes of fresh memory a call). Slicing
+    the leaf in a loop keeps each step's hash in cache. Integer sums wrap exactly
+    and in any order, so both forms give the same bits. A leaf of 2^31 elements or
+    more (past an int32 slice start) takes the one-reduction form.
+    """
+    flat = jnp.asarray(x).reshape(-1)
+    n = flat.shape[0]
+    rows = n // CHUNK if n < 2**31 else 0
+    out = jnp.zeros((2,), jnp.uint32)
+    if rows:
+        def step(k, acc):
+            chunk = jax.lax.dynamic_slice_in_dim(flat, k * CHUNK, CHUNK)
+            return acc + _lane_sums(_bits_u32(chunk), k.astype(jnp.uint32) * np.uint32(CHUNK), j)
+        out = jax.lax.fori_loop(0, rows, step, out)
+    if rows * CHUNK < n:
+        out = out + _lane_sums(_bits_u32(flat[rows * CHUNK:]), np.uint32(rows * CHUNK), j)
+    return out
+
+
+def _tree_sums(tree, spread: tuple[bool, ...], chunked: bool) -> jax.Array:
     total = jnp.zeros((2,), jnp.uint32)
-    for j, leaf in enumerate(jax.tree.leaves(tree)):
-        total = total + _leaf_sums(leaf, j)
+    for j, (leaf, many) in enumerate(zip(jax.tree.leaves(tree), spread, strict=True)):
+        total = total + (_leaf_sums_chunked if chunked and not many else _leaf_sums)(leaf, j)
     return total
+
+
+@functools.partial(jax.jit, static_argnames="spread")
+def _fingerprint(tree, spread: tuple[bool, ...]) -> jax.Array:
+    """The jitted fingerprint. Static: `spread` (per leaf, whether it may lie on several
+    devices: those take the one-reduction form everywhere, which the partitioner
+    splits; a loop of slices would gather them); nothing is donated. Traced by
+    `tree_fingerprint`. The CPU form is chosen by the platform lowered for
+    (`jax.lax.platform_dependent`), not by the host's backend."""
+    return jax.lax.platform_dependent(
+        tree, cpu=lambda t: _tree_sums(t, spread, chunked=True),
+        default=lambda t: _tree_sums(t, spread, chunked=False))
+
+
+def _spread(leaves) -> tuple[bool, ...]:
+    """Per leaf, whether it may lie on several devices (a tracer's placement is unknown)."""
+    return tuple(isinstance(x, jax.core.Tracer)
+                 or (isinstance(x, jax.Array) and len(x.sharding.device_set) > 1)
+                 for x in leaves)
 
 
 CACHE_SIZE = 8  # trees remembered: the sampler's copy and the master, with room to spare
@@ -120,11 +171,11 @@ def tree_fingerprint(tree) -> jax.Array:
     """
     leaves, treedef = jax.tree.flatten(tree)
     if not _cacheable(leaves):
-        return _fingerprint(tree)
+        return _fingerprint(tree, _spread(leaves))
     key = (treedef, tuple(id(x) for x in leaves))
     fp = _cached(key, leaves)
     if fp is None:
-        fp = _fingerprint(tree)
+        fp = _fingerprint(tree, _spread(leaves))
         _cache[key] = (tuple(weakref.ref(x) for x in leaves), fp)
         while len(_cache) > CACHE_SIZE:
             _cache.popitem(last=False)
