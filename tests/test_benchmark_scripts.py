@@ -53,3 +53,17 @@ def test_profile_update_names_the_updates_ops():
     assert res["ops_s"] > 0 and all(r["calls"] >= 1 for r in res["top"])
     assert any(r["op_name"].endswith("dot_general") for r in res["top"])
     assert sum(r["s"] for r in res["top"]) == pytest.approx(res["ops_s"], abs=1e-3 * len(res["top"]))
+
+
+def test_fingerprint_benchmark_runs_and_finds_the_same_bits():
+    # The tiny preset's weights (a few seconds; every leaf under one chunk, so the forms'
+    # temporaries are alike there): both forms give one [2] fingerprint (the script asserts
+    # it) and report their temporaries, page faults and seconds.
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "fingerprint.py"), "--size", "tiny",
+         "--repeats", "1"], capture_output=True, text=True, check=True, cwd=ROOT)
+    res = json.loads(out.stdout)
+    assert res["preset"] == "tiny-qwen3" and len(res["fingerprint"]) == 2
+    for form in ("one_reduction", "chunked_cpu"):
+        assert res[form]["seconds"] > 0 and res[form]["temp_bytes"] >= 0
+        assert res[form]["page_faults"] >= 0
