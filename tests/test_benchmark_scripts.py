@@ -67,3 +67,18 @@ def test_fingerprint_benchmark_runs_and_finds_the_same_bits():
     for form in ("one_reduction", "chunked_cpu"):
         assert res[form]["seconds"] > 0 and res[form]["temp_bytes"] >= 0
         assert res[form]["page_faults"] >= 0
+
+
+@pytest.mark.slow
+@pytest.mark.ci
+def test_unstacked_update_ab_runs_and_the_storage_form_needs_less_memory():
+    # The tiny preset, one round: three forms, each timed; the per-layer storage compiles
+    # to fewer temporaries than the scanned stack (no weight slices, no stacked gradients).
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "unstacked_update_ab.py"), "--size", "tiny",
+         "--rounds", "1"], capture_output=True, text=True, check=True, cwd=ROOT)
+    res = json.loads(out.stdout)
+    forms = ("stacked", "unstacked_in_step", "unstacked_storage")
+    assert res["preset"] == "tiny-qwen3" and all(res[f]["min_s"] > 0 for f in forms)
+    assert res["stacked"]["same_bits_as_stacked"] is True
+    assert res["unstacked_storage"]["temp_bytes"] < res["stacked"]["temp_bytes"]
