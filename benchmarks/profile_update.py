@@ -21,13 +21,12 @@ wall time of each op on its thread); read them as shares of the step.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 
 import jax
 import jax.numpy as jnp
-import optax
+from _update_inputs import update_inputs
 from _xla_ops import op_names, op_times
 
 
@@ -43,19 +42,10 @@ def main() -> dict:
                          "weight products (`rl.logprobs.forward_products`)")
     args = ap.parse_args()
 
-    from jaxrl_lp.bench.learner import LOSS, SIZES, grpo_batch
-    from jaxrl_lp.models.config import get_preset
-    from jaxrl_lp.models.model import init_params
-    from jaxrl_lp.numerics.policy import Policy
+    from jaxrl_lp.bench.learner import LOSS, SIZES
     from jaxrl_lp.rl.train_step import make_grpo_step
 
-    cfg, policy = get_preset(SIZES[args.size]), Policy.parse("fp32")
-    params = init_params(cfg, jax.random.PRNGKey(0))
-    ro, adv = grpo_batch(cfg, policy, params, batch=8, prompt_len=16, seq_len=128, group=4,
-                         seed=0)
-    if args.full:
-        ro = dataclasses.replace(ro, completion_mask=jnp.ones_like(ro.completion_mask))
-    opt = optax.chain(optax.clip_by_global_norm(1.0), optax.adam(1e-6))
+    cfg, policy, params, ro, adv, opt = update_inputs(args.size, full=args.full)
     step = make_grpo_step(cfg, policy, LOSS, opt, method="hybrid", pack_buckets=args.pack_buckets)
     state = {"p": jax.tree.map(jnp.copy, params), "o": opt.init(params)}
     batch = (ro, adv, ro.logprobs, None, None, ro.logprobs)

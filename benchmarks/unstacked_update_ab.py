@@ -24,7 +24,6 @@ not what the program does (it holds the layers stacked).
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import time
@@ -33,7 +32,7 @@ from unittest import mock
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
+from _update_inputs import update_inputs
 
 
 def main() -> dict:
@@ -42,20 +41,12 @@ def main() -> dict:
     ap.add_argument("--rounds", type=int, default=6)
     args = ap.parse_args()
 
-    from jaxrl_lp.bench.learner import LOSS, SIZES, grpo_batch
+    from jaxrl_lp.bench.learner import LOSS, SIZES
     from jaxrl_lp.models import model
     from jaxrl_lp.models.blocks import unstack_layers
-    from jaxrl_lp.models.config import get_preset
-    from jaxrl_lp.models.model import init_params
-    from jaxrl_lp.numerics.policy import Policy
     from jaxrl_lp.rl.train_step import make_grpo_step
 
-    cfg, policy = get_preset(SIZES[args.size]), Policy.parse("fp32")
-    params = init_params(cfg, jax.random.PRNGKey(0))
-    ro, adv = grpo_batch(cfg, policy, params, batch=8, prompt_len=16, seq_len=128, group=4,
-                         seed=0)
-    ro = dataclasses.replace(ro, completion_mask=jnp.ones_like(ro.completion_mask))
-    opt = optax.chain(optax.clip_by_global_norm(1.0), optax.adam(1e-6))
+    cfg, policy, params, ro, adv, opt = update_inputs(args.size)
     batch = (ro, adv, ro.logprobs, None, None, ro.logprobs, None)
     forward = model.dense_forward
 

@@ -21,7 +21,6 @@ the same bits (a dense preset: they are).
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import time
@@ -29,13 +28,10 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
+from _update_inputs import update_inputs
 
-from jaxrl_lp.bench.learner import LOSS, SIZES, grpo_batch
+from jaxrl_lp.bench.learner import LOSS, SIZES
 from jaxrl_lp.models import layers
-from jaxrl_lp.models.config import get_preset
-from jaxrl_lp.models.model import init_params
-from jaxrl_lp.numerics.policy import Policy
 from jaxrl_lp.rl.logprobs import dense_logprobs, packed_rows_of
 from jaxrl_lp.rl.train_step import make_grpo_step
 
@@ -56,12 +52,7 @@ def main() -> dict:
     ap.add_argument("--size", default="small", choices=sorted(SIZES))
     ap.add_argument("--rounds", type=int, default=12)
     args = ap.parse_args()
-    cfg, policy = get_preset(SIZES[args.size]), Policy.parse("fp32")
-    params = init_params(cfg, jax.random.PRNGKey(0))
-    ro, adv = grpo_batch(cfg, policy, params, batch=8, prompt_len=16, seq_len=128, group=4,
-                         seed=0)
-    ro = dataclasses.replace(ro, completion_mask=jnp.ones_like(ro.completion_mask))
-    opt = optax.chain(optax.clip_by_global_norm(1.0), optax.adam(1e-6))
+    cfg, policy, params, ro, adv, opt = update_inputs(args.size)
     batch = (ro, adv, ro.logprobs, None, None, ro.logprobs)
     rows = packed_rows_of(ro)
 

@@ -10,15 +10,19 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def _run(script: str, *args: str) -> dict:
+    """`python benchmarks/<script> <args>`, from the checkout: the JSON it prints."""
+    out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / script), *args],
+                         capture_output=True, text=True, check=True, cwd=ROOT)
+    return json.loads(out.stdout)
+
+
 @pytest.mark.slow
 @pytest.mark.ci
 def test_update_token_axis_ab_runs_and_finds_the_same_bits():
     # Both forms of the update on the tiny preset: the JSON it prints, the same parameters
     # after the first update and the same dense gradient bits (a dense preset).
-    out = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "update_token_axis_ab.py"), "--size", "tiny",
-         "--rounds", "2"], capture_output=True, text=True, check=True, cwd=ROOT)
-    res = json.loads(out.stdout)
+    res = _run("update_token_axis_ab.py", "--size", "tiny", "--rounds", "2")
     assert res["preset"] == "tiny-qwen3" and res["rounds"] == 2
     assert set(res["seconds"]) == {"one_token_axis", "leading_axes"}
     assert all(v["min"] > 0 for v in res["seconds"].values())
@@ -30,11 +34,8 @@ def test_update_token_axis_ab_runs_and_finds_the_same_bits():
 def test_profile_sampler_names_the_rollouts_ops_and_its_weight_matmuls():
     # The tiny preset's rollout under the profiler: ops named from XLA's HLO dump (removed
     # after), the weight matmuls found among them, and their share of the op time.
-    out = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "profile_sampler.py"), "--size", "tiny",
-         "--new-tokens", "8", "--repeats", "1", "--calls", "1", "--top", "5"],
-        capture_output=True, text=True, check=True, cwd=ROOT)
-    res = json.loads(out.stdout)
+    res = _run("profile_sampler.py", "--size", "tiny", "--new-tokens", "8", "--repeats", "1",
+               "--calls", "1", "--top", "5")
     assert res["preset"] == "tiny-qwen3" and res["new_tokens"] == 8 and len(res["top"]) == 5
     assert res["ops_s"] > 0 and 0 < res["weight_matmul_s"] <= res["ops_s"]
     assert 0 < res["weight_matmul_share"] <= 1 and res["other_dot_s"] >= 0
@@ -45,10 +46,7 @@ def test_profile_sampler_names_the_rollouts_ops_and_its_weight_matmuls():
 @pytest.mark.ci
 def test_profile_update_names_the_updates_ops():
     # Every op (a large --top): at the tiny preset the matmuls need not be among the largest.
-    out = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "profile_update.py"), "--size", "tiny",
-         "--steps", "1", "--top", "100000"], capture_output=True, text=True, check=True, cwd=ROOT)
-    res = json.loads(out.stdout)
+    res = _run("profile_update.py", "--size", "tiny", "--steps", "1", "--top", "100000")
     assert res["preset"] == "tiny-qwen3" and res["steps"] == 1 and len(res["top"]) > 10
     assert res["ops_s"] > 0 and all(r["calls"] >= 1 for r in res["top"])
     assert any(r["op_name"].endswith("dot_general") for r in res["top"])
@@ -59,10 +57,7 @@ def test_fingerprint_benchmark_runs_and_finds_the_same_bits():
     # The tiny preset's weights (a few seconds; every leaf under one chunk, so the forms'
     # temporaries are alike there): both forms give one [2] fingerprint (the script asserts
     # it) and report their temporaries, page faults and seconds.
-    out = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "fingerprint.py"), "--size", "tiny",
-         "--repeats", "1"], capture_output=True, text=True, check=True, cwd=ROOT)
-    res = json.loads(out.stdout)
+    res = _run("fingerprint.py", "--size", "tiny", "--repeats", "1")
     assert res["preset"] == "tiny-qwen3" and len(res["fingerprint"]) == 2
     for form in ("one_reduction", "chunked_cpu"):
         assert res[form]["seconds"] > 0 and res[form]["temp_bytes"] >= 0
@@ -74,10 +69,7 @@ def test_fingerprint_benchmark_runs_and_finds_the_same_bits():
 def test_unstacked_update_ab_runs_and_the_storage_form_needs_less_memory():
     # The tiny preset, one round: three forms, each timed; the per-layer storage compiles
     # to fewer temporaries than the scanned stack (no weight slices, no stacked gradients).
-    out = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "unstacked_update_ab.py"), "--size", "tiny",
-         "--rounds", "1"], capture_output=True, text=True, check=True, cwd=ROOT)
-    res = json.loads(out.stdout)
+    res = _run("unstacked_update_ab.py", "--size", "tiny", "--rounds", "1")
     forms = ("stacked", "unstacked_in_step", "unstacked_storage")
     assert res["preset"] == "tiny-qwen3" and all(res[f]["min_s"] > 0 for f in forms)
     assert res["stacked"]["same_bits_as_stacked"] is True

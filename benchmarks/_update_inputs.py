@@ -1,0 +1,43 @@
+"""What the update benchmarks share: the iteration bench's update inputs on a preset.
+
+Imported by `profile_update.py`, `update_token_axis_ab.py` and
+`unstacked_update_ab.py` (run as scripts, so this folder is on `sys.path`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+
+
+class UpdateInputs(NamedTuple):
+    cfg: object  # models.config.ModelConfig
+    policy: object  # numerics.policy.Policy
+    params: dict
+    rollout: object  # rollout.Rollout
+    advantages: jax.Array
+    optimizer: optax.GradientTransformation
+
+
+def update_inputs(size: str, *, full: bool = True) -> UpdateInputs:
+    """`bench.learner.grpo_batch`'s batch for preset `size` (B = 8 as 2 prompts x G = 4, 16 +
+    112 tokens, f32, random weights from key 0) with the bench's optimizer
+    (clip_by_global_norm(1.0) + adam(1e-6)). `full`: every completion runs to the end, as
+    the iteration bench's no-EOS rollouts do."""
+    from jaxrl_lp.bench.learner import SIZES, grpo_batch
+    from jaxrl_lp.models.config import get_preset
+    from jaxrl_lp.models.model import init_params
+    from jaxrl_lp.numerics.policy import Policy
+
+    cfg, policy = get_preset(SIZES[size]), Policy.parse("fp32")
+    params = init_params(cfg, jax.random.PRNGKey(0))
+    ro, adv = grpo_batch(cfg, policy, params, batch=8, prompt_len=16, seq_len=128, group=4,
+                         seed=0)
+    if full:
+        ro = dataclasses.replace(ro, completion_mask=jnp.ones_like(ro.completion_mask))
+    opt = optax.chain(optax.clip_by_global_norm(1.0), optax.adam(1e-6))
+    return UpdateInputs(cfg, policy, params, ro, adv, opt)
