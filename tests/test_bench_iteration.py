@@ -41,6 +41,7 @@ def test_bench_iteration_reports_phases_and_which_updates_replayed(capsys):
     assert p1["compiled_flops"]["updates"][0] < one["compiled_flops"]["updates"][0]
     assert p2["compiled_flops"]["updates"][1] == two["compiled_flops"]["updates"][1]
     for r in (one, two):
+        assert r["page_faults"] >= 0 and r["kernel_cpu_s"] >= 0 and r["user_cpu_s"] > 0
         phases = sum(r[p] for p in ("sample", "score", "behaviour", "update"))
         assert phases == pytest.approx(r["iteration_s"], rel=1e-3, abs=1e-3)
         assert r["tokens_per_s"] > 0 and r["verify_replay_s"] > 0

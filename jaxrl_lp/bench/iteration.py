@@ -42,6 +42,11 @@ later minibatches' ratios are the true policy ratios. What both leave out
 is the same: data loading, the reward function (both score the same token
 ids with `_reward`, a toy), metric buffering and logging.
 
+Each entry's fastest iteration also carries what it cost the process
+beyond its wall seconds (`getrusage`): `page_faults` (minor faults: fresh
+pages the kernel zeroed, docs/design.md "Host memory on CPU"),
+`kernel_cpu_s` and `user_cpu_s` (both cores together).
+
 Sampling: temperature 1.0, no top-k/top-p (Tunix's `top_p=1.0` takes the
 same categorical draw), every sequence runs `--new-tokens` tokens (no EOS
 stop; Tunix gets an EOS id that never occurs), so both do the same work.
@@ -79,6 +84,7 @@ import argparse
 import dataclasses
 import os
 import platform
+import resource
 import tempfile
 
 import jax
@@ -362,9 +368,13 @@ def _race_iterations(calls: dict, repeats: int, min_time: float):
     phases = {m: [] for m in calls}
 
     def recorder(name, fn):
-        def call():
+        def call():  # with what the iteration cost the process beyond its wall seconds
+            before = resource.getrusage(resource.RUSAGE_SELF)
             out = fn()
-            phases[name].append(out)
+            after = resource.getrusage(resource.RUSAGE_SELF)
+            phases[name].append({**out, "page_faults": after.ru_minflt - before.ru_minflt,
+                                 "kernel_cpu_s": round(after.ru_stime - before.ru_stime, 3),
+                                 "user_cpu_s": round(after.ru_utime - before.ru_utime, 3)})
             return out
         return call
 
