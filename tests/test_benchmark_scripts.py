@@ -74,3 +74,17 @@ def test_unstacked_update_ab_runs_and_the_storage_form_needs_less_memory():
     assert res["preset"] == "tiny-qwen3" and all(res[f]["min_s"] > 0 for f in forms)
     assert res["stacked"]["same_bits_as_stacked"] is True
     assert res["unstacked_storage"]["temp_bytes"] < res["stacked"]["temp_bytes"]
+
+
+@pytest.mark.slow
+@pytest.mark.ci
+def test_norm_grad_benchmark_times_both_forms():
+    # The tiny preset: both forms of the weight gradient at its shapes and of its update,
+    # the update's parameters after them differing only by the norm weights' summation order.
+    res = _run("norm_grad.py", "--size", "tiny", "--rounds", "1")
+    assert res["preset"] == "tiny-qwen3" and res["rounds"] == 1
+    assert set(res["weight_grad_ms"]) == {"1x1024x64", "1x1024x4x16"}
+    assert all(v["reduce"] > 0 and v["product"] > 0 for v in res["weight_grad_ms"].values())
+    for form in ("reduce", "product"):
+        assert res["update"][form]["min_s"] > 0 and res["update"][form]["temp_bytes"] > 0
+    assert isinstance(res["update"]["same_bits"], bool)
