@@ -120,9 +120,9 @@ def scale_features(y_xD: jax.Array, w_D: jax.Array) -> jax.Array:
     weight's, the sum of `g * y` over every leading axis, is on XLA:CPU a
     product with a vector of ones (`lax.platform_dependent`, by the platform
     lowered for; off a mesh): XLA:CPU's YNNPACK sums a `[1024, 512]`
-    activation over its token axis in 7.1 ms, as a product 0.17 ms
-    (`benchmarks/norm_grad.py`), and the small preset's update has 17 such
-    norms. The sum's order differs, so on CPU the norm weights' gradients
+    activation over its token axis in 7.2 ms, as a product 0.2 ms
+    (`benchmarks/norm_grad.py`, docs/bench/norm-grad-2core-zen5.json), and
+    the small preset's update has 17 such norms. The sum's order differs, so on CPU the norm weights' gradients
     round otherwise than autodiff's reduce (f32 summation error,
     tests/test_norm_grad.py). GPU and TPU lower the reduce.
     """
