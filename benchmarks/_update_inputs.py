@@ -1,12 +1,15 @@
 """What the update benchmarks share: the iteration bench's update inputs on a preset.
 
-Imported by `profile_update.py`, `update_token_axis_ab.py` and
-`unstacked_update_ab.py` (run as scripts, so this folder is on `sys.path`).
+Imported by `profile_update.py`, `update_token_axis_ab.py`, `unstacked_update_ab.py`
+and `norm_grad.py` (run as scripts, so this folder is on `sys.path`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import time
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from typing import NamedTuple
 
 import jax
@@ -41,3 +44,28 @@ def update_inputs(size: str, *, full: bool = True) -> UpdateInputs:
         ro = dataclasses.replace(ro, completion_mask=jnp.ones_like(ro.completion_mask))
     opt = optax.chain(optax.clip_by_global_norm(1.0), optax.adam(1e-6))
     return UpdateInputs(cfg, policy, params, ro, adv, opt)
+
+
+def alternate_updates(steps: dict, states: dict, batch: tuple, rounds: int,
+                      patch: Callable[[str], AbstractContextManager]) -> dict[str, list[float]]:
+    """Seconds of each named update step in `rounds` alternating calls, after two warm-ups.
+
+    `steps[name](params, opt_state, *batch)` updates `states[name] = [params, opt_state]`
+    in place; each call runs inside `patch(name)` (what the step reads when it is traced).
+    """
+    def call(name):
+        s = states[name]
+        with patch(name):
+            t = time.perf_counter()
+            s[0], s[1], m = steps[name](s[0], s[1], *batch)
+            jax.block_until_ready(m["loss"])
+            return time.perf_counter() - t
+
+    for name in steps:
+        call(name)
+        call(name)
+    times = {name: [] for name in steps}
+    for _ in range(rounds):
+        for name in steps:
+            times[name].append(call(name))
+    return times

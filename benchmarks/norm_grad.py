@@ -29,7 +29,7 @@ from unittest import mock
 
 import jax
 import numpy as np
-from _update_inputs import update_inputs
+from _update_inputs import alternate_updates, update_inputs
 
 
 def _plain(y, w):
@@ -82,21 +82,9 @@ def updates(size: str, rounds: int) -> dict:
             temps[name] = steps[name].lower(*states[name], *batch).compile() \
                 .memory_analysis().temp_size_in_bytes
 
-    def call(name):
-        s = states[name]
-        with mock.patch.object(layers, "scale_features", forms[name]):
-            t = time.perf_counter()
-            s[0], s[1], m = steps[name](s[0], s[1], *batch)
-            jax.block_until_ready(m["loss"])
-            return time.perf_counter() - t
-
-    for name in forms:
-        call(name)
-        call(name)
-    times = {name: [] for name in forms}
-    for _ in range(rounds):
-        for name in forms:
-            times[name].append(call(name))
+    times = alternate_updates(
+        steps, states, batch, rounds,
+        lambda name: mock.patch.object(layers, "scale_features", forms[name]))
     same = all(np.array_equal(np.asarray(a), np.asarray(b)) for a, b in
                zip(jax.tree.leaves(states["reduce"][0]), jax.tree.leaves(states["product"][0]),
                    strict=True))

@@ -26,13 +26,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import time
 from unittest import mock
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from _update_inputs import update_inputs
+from _update_inputs import alternate_updates, update_inputs
 
 
 def main() -> dict:
@@ -65,21 +64,10 @@ def main() -> dict:
             temps[name] = steps[name].lower(*states[name], *batch).compile() \
                 .memory_analysis().temp_size_in_bytes  # traced here, with the patch
 
-    def call(name):
-        s = states[name]
-        with mock.patch.object(model, "dense_forward", forms[name][1] or forward):
-            t = time.perf_counter()  # the patch is only read when the step is traced
-            s[0], s[1], m = steps[name](s[0], s[1], *batch)
-            jax.block_until_ready(m["loss"])
-            return time.perf_counter() - t
-
-    for name in forms:
-        call(name)
-        call(name)
-    times = {name: [] for name in forms}
-    for _ in range(args.rounds):
-        for name in forms:
-            times[name].append(call(name))
+    # The patch is only read when a step is traced (its first call).
+    times = alternate_updates(
+        steps, states, batch, args.rounds,
+        lambda name: mock.patch.object(model, "dense_forward", forms[name][1] or forward))
     ref = jax.tree.leaves(states["stacked"][0])
     out = {}
     for name in forms:

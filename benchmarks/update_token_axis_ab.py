@@ -11,6 +11,8 @@ the end), built twice in one process:
 - `leading_axes`: `layers.dot` traced as under a mesh (`current_mesh` patched
   to say one is active while the step traces), the einsum over the leading
   axes that main ran before.
+In both the norm weights' gradient is autodiff's reduce (`layers.scale_features`
+patched to the plain product; it too reads the mesh).
 Both start from the same weights and optimizer state, are called alternately
 `--rounds` times after one warm-up call each, and report the fastest and the
 median seconds. `same_bits` says whether their first updates left the same
@@ -38,13 +40,16 @@ from jaxrl_lp.rl.train_step import make_grpo_step
 
 def _traced_as(form: str, fn):
     """`fn()` with `layers.dot` tracing the form named (the patch only lives during the call)."""
-    real = layers.current_mesh
+    real, scale = layers.current_mesh, layers.scale_features
+    # The norm weights' gradient takes its form by the mesh too (`scale_features`): the plain
+    # product in both, so that only the matmuls' token axes differ.
+    layers.scale_features = lambda y, w: y * w
     if form == "leading_axes":
         layers.current_mesh = lambda: "traced as under a mesh"
     try:
         return fn()
     finally:
-        layers.current_mesh = real
+        layers.current_mesh, layers.scale_features = real, scale
 
 
 def main() -> dict:

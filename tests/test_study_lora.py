@@ -23,8 +23,8 @@ def test_arms_set_the_base_format_and_the_serving():
 @pytest.mark.ci
 def test_merged_serving_mismatches_and_the_served_copy_loss_removes_it(tmp_path, capsys):
     """NVFP4 base, merged serving. While the adapters are at their start (B = 0) the merge is
-    the base bit for bit and the unmerged learner is exact; once an update with rewards has
-    moved them, the NVFP4 merge rounds them and the learner is off the sampler. With the loss
+    the base and the learner is off the sampler only by two programs' rounding; once an update
+    with rewards has moved them, the NVFP4 merge re-rounds them and the learner is far off. With the loss
     on the served copy it is exact at every step."""
     out = tmp_path / "study"
     arms = "nvfp4_merged,nvfp4_merged_served"
@@ -35,11 +35,16 @@ def test_merged_serving_mismatches_and_the_served_copy_loss_removes_it(tmp_path,
     assert series["nvfp4_merged_served"]["mismatch_max_abs_dlogp"] == [0.0, 0.0, 0.0]
     assert series["nvfp4_merged_served"]["replay_verified"] == [1.0, 1.0, 1.0]
     merged = series["nvfp4_merged"]
-    assert merged["mismatch_max_abs_dlogp"][0] == 0.0  # step 1 samples with B = 0
-    # The first step after one with a reward (whose update moved the adapters) is off.
+    # Step 1 samples with B = 0: the merge is the base, re-quantized, and the same values
+    # computed by two programs (docs/design.md: within 7e-6 at full size; exactly 0 here
+    # until the norm weights' gradient moved the warm-start's bits, 9.5e-7 since).
+    first = merged["mismatch_max_abs_dlogp"][0]
+    assert first < 1e-5
+    # The first step after one with a reward (whose update moved the adapters) jumps: the
+    # merge re-derives the NVFP4 scales, far past the two programs' rounding.
     moved = [i for i in (1, 2) if merged["reward_mean"][i - 1] > 0]
     assert moved, merged["reward_mean"]
-    assert merged["mismatch_max_abs_dlogp"][moved[0]] > 0.0
+    assert merged["mismatch_max_abs_dlogp"][moved[0]] > max(1e-3, 100 * first)
     assert r["merged_mismatch_removed"] == {"nvfp4": True}
     for png in ("mismatch.png", "max_dlogp.png", "reward.png", "accuracy.png"):
         assert (out / png).stat().st_size > 1000, png

@@ -122,9 +122,10 @@ def scale_features(y_xD: jax.Array, w_D: jax.Array) -> jax.Array:
     lowered for; off a mesh): XLA:CPU's YNNPACK sums a `[1024, 512]`
     activation over its token axis in 7.2 ms, as a product 0.2 ms
     (`benchmarks/norm_grad.py`, docs/bench/norm-grad-2core-zen5.json), and
-    the small preset's update has 17 such norms. The sum's order differs, so on CPU the norm weights' gradients
-    round otherwise than autodiff's reduce (f32 summation error,
-    tests/test_norm_grad.py). GPU and TPU lower the reduce.
+    the small preset's update has 17 such norms. The sum's order differs,
+    so on CPU the norm weights' gradients round otherwise than autodiff's
+    reduce (f32 summation error, tests/test_norm_grad.py). GPU and TPU
+    lower the reduce.
     """
     return y_xD * w_D
 
