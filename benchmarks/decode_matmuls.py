@@ -7,6 +7,8 @@ weight bytes per second, three ways:
 
 - `dot_in_out`: `x @ W` with W stored `[in, out]`, the model's layout;
 - `dot_out_in`: the same product with W stored `[out, in]`;
+- `dot_out_in_weights_major`: W stored `[out, in]` as the dot's row
+  operand (`W @ x.T`, the product `[out, B]`, transposed back);
 - `multiply_reduce_out_in`: `sum(W[:, None, :] * x[None], -1)` (XLA's
   reduction emitter instead of its dot);
 - `multiply_reduce_transposed_in_loop`: the same with W stored `[in, out]`
@@ -48,6 +50,16 @@ def _products():
     def dot_out_in(x, w_out_in):
         return jax.lax.dot_general(x, w_out_in, (((1,), (1,)), ((), ())))
 
+    def dot_out_in_weights_major(x, w_out_in):
+        # The weights as the dot's row operand: `[out, in] @ x.T`, then back to `[B, out]`.
+        y = jax.lax.dot_general(w_out_in, x, (((1,), (1,)), ((), ())))
+        return jax.lax.optimization_barrier(y).T
+
+    def dot_in_out_weights_major(x, w_in_out):
+        # The same with W as stored, `[in, out]`, contracted over its first axis.
+        y = jax.lax.dot_general(w_in_out, x, (((0,), (1,)), ((), ())))
+        return jax.lax.optimization_barrier(y).T
+
     def multiply_reduce_out_in(x, w_out_in):
         return jnp.sum(w_out_in[:, None, :] * x[None], axis=-1).T
 
@@ -55,6 +67,8 @@ def _products():
         return multiply_reduce_out_in(x, w_in_out.T)
 
     return {"dot_in_out": (dot_in_out, False), "dot_out_in": (dot_out_in, True),
+            "dot_out_in_weights_major": (dot_out_in_weights_major, True),
+            "dot_in_out_weights_major": (dot_in_out_weights_major, False),
             "multiply_reduce_out_in": (multiply_reduce_out_in, True),
             "multiply_reduce_transposed_in_loop": (multiply_reduce_transposed_in_loop, False)}
 
@@ -80,7 +94,7 @@ def main() -> None:
         def loop(weights, xs, product=product):
             def body(_, acc):
                 for (n, _out), w in zip(shapes, weights, strict=True):
-                    acc = acc + product(xs[n] + acc * 1e-9, w)[:, :1].sum()
+                    acc = acc + product(xs[n] + acc * 1e-9, w).sum()
                 return acc
             return jax.lax.fori_loop(0, args.steps, body, jnp.float32(0.0))
 

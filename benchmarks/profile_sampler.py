@@ -53,6 +53,9 @@ def main() -> dict:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--calls", type=int, default=2)
     ap.add_argument("--top", type=int, default=25)
+    ap.add_argument("--record-products", action="store_true",
+                    help="the rollout keeps its weight products and logits "
+                         "(`grpo.reuse_products`, the iteration bench's `products`)")
     args = ap.parse_args()
 
     import numpy as np
@@ -71,7 +74,8 @@ def main() -> dict:
     def call():
         ro = generate(params, cfg, prompts, policy=Policy.parse("fp32"), sampling=sampling,
                       max_new_tokens=args.new_tokens, num_samples=4, eos_id=None,
-                      key=jax.random.PRNGKey(3))
+                      key=jax.random.PRNGKey(3),
+                      record_products=args.record_products)
         return jax.block_until_ready(ro.completion_tokens)
 
     call()
@@ -88,7 +92,8 @@ def main() -> dict:
     weights = sum(s for name, s in total.items()
                   if names[name].endswith("...k,kn->...n/dot_general"))
     dots = sum(s for name, s in total.items() if names[name].endswith("dot_general"))
-    return {"preset": SIZES[args.size], "draw": args.draw, "batch": 8,
+    return {"preset": SIZES[args.size], "draw": args.draw,
+            "record_products": args.record_products, "batch": 8,
             "new_tokens": args.new_tokens, "calls": args.calls,
             "loadavg": [round(x, 2) for x in os.getloadavg()],
             "rollout_s": round(min(times), 3), "rollout_s_under_profiler": round(seconds, 3),

@@ -51,7 +51,8 @@ def test_bench_iteration_reports_phases_and_which_updates_replayed(capsys):
     m = res["machine"]
     for when in ("before_race", "after_race"):
         ws = m[when]["weight_stream"]
-        assert ws["batch"] == 4 and set(ws["forms"]) == {"dot_in_out", "reduce_out_in"}
+        assert ws["batch"] == 4 and set(ws["forms"]) == {"dot_in_out", "weights_major_out_in",
+                                                         "reduce_out_in"}
         assert ws["gb_per_s"] == max(f["gb_per_s"] for f in ws["forms"].values()) > 0
         assert m[when]["matmul"]["rows"] == 4 * (4 + 4) and m[when]["matmul"]["gflop_per_s"] > 0
     assert m["weight_stream_gb_per_s"] == max(m[w]["weight_stream"]["gb_per_s"]

@@ -109,7 +109,7 @@ def test_bad_rounds_and_bounds_are_refused():
         refill_groups(_Draws([_round(LIVE, LIVE)]), P, G, max_rounds=1)
 
 
-def _rollout(rows, width, seed, digest=(1, 2), version=3, policy="fp32"):
+def _rollout(rows, width, seed, digest=(1, 2), version=3, policy="fp32", layout="as_stored"):
     rs = np.random.RandomState(seed)
     n = 5
     lengths = rs.randint(1, width + 1, rows).astype(np.int32)
@@ -123,7 +123,7 @@ def _rollout(rows, width, seed, digest=(1, 2), version=3, policy="fp32"):
         logprobs=jnp.asarray(-rs.rand(rows, n), jnp.float32),
         exit_steps=jnp.asarray(rs.randint(0, 2, (rows, n)), jnp.int32),
         loop_evals=jnp.int32(7 * seed), weights_version=jnp.int32(version), policy=policy,
-        weights_digest=jnp.asarray(digest, jnp.uint32))
+        weights_digest=jnp.asarray(digest, jnp.uint32), decode_layout=layout)
 
 
 def test_concat_rollouts_keeps_each_rows_values_and_pads_prompts_on_the_left():
@@ -146,7 +146,8 @@ def test_concat_rollouts_keeps_each_rows_values_and_pads_prompts_on_the_left():
 
 @pytest.mark.parametrize("other, message", [
     (dict(digest=(1, 3)), "different weights"), (dict(version=4), "weights versions"),
-    (dict(policy="bf16"), "different policy")])
+    (dict(policy="bf16"), "different policy"),
+    (dict(layout="transposed"), "different decode_layout")])
 def test_concat_rollouts_refuses_rollouts_of_other_weights_or_numerics(other, message):
     with pytest.raises(ValueError, match=message):
         concat_rollouts([_rollout(2, 8, 1), _rollout(2, 8, 2, **other)], pad_id=0)

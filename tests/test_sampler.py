@@ -274,14 +274,21 @@ def test_deferred_kv_of_exited_token_at_deeper_steps_is_its_exit_step_kv():
                 assert not np.allclose(kv_f[e + 1, :, b, :, slot], own[e])  # dense differs there
 
 
-def test_unstacked_params_give_the_same_rollout():
-    """`generate` unstacks the layers itself; passing them unstacked changes nothing."""
+@pytest.mark.parametrize("layout", ["as_stored", "transposed"])
+def test_unstacked_params_give_the_same_rollout(layout):
+    """`generate` unstacks the layers itself; passing them unstacked (in the same layout)
+    changes nothing, and the rollout records the layout either way."""
     params = looped_params()
     kw = dict(max_new_tokens=N, loop=LoopSpec(THRESHOLD, "deferred"))
-    a = generate(params, LOOPED, PROMPTS, **kw)
-    b = generate(unstack_layers(params), LOOPED, PROMPTS, **kw)
+    a = generate(params, LOOPED, PROMPTS, decode_layout=layout, **kw)
+    unstacked = unstack_layers(params, transpose=layout == "transposed")
+    b = generate(unstacked, LOOPED, PROMPTS, **kw)
+    assert a.decode_layout == b.decode_layout == layout
     for name in ("completion_tokens", "logprobs", "exit_steps", "loop_evals"):
         np.testing.assert_array_equal(np.asarray(getattr(a, name)), np.asarray(getattr(b, name)))
+    with pytest.raises(ValueError, match="unstacked as"):
+        generate(unstacked, LOOPED, PROMPTS,
+                 decode_layout={"as_stored": "transposed"}.get(layout, "as_stored"), **kw)
 
 
 # ---------------------------------------------------------------- ragged prompts and G samples

@@ -70,7 +70,7 @@ from jaxrl_lp.rl.logprobs import jit_learner_logprobs, packed_rows_of
 from jaxrl_lp.rl.loss import LossConfig
 from jaxrl_lp.rl.train_step import make_grpo_step
 from jaxrl_lp.rollout.generate import Rollout
-from jaxrl_lp.rollout.step import LoopSpec
+from jaxrl_lp.rollout.step import LoopSpec, decode_layout
 
 __all__ = ["SIZES", "add_arguments", "grpo_batch", "model_flops_per_token", "peak_flops", "run"]
 
@@ -86,7 +86,8 @@ def grpo_batch(cfg: ModelConfig, policy: Policy, params: dict, *, batch: int, pr
     """A fixed GRPO minibatch: a rollout of random tokens and its advantages [B].
 
     A looped model's rollout is read at the model's own exit rule in dense
-    mode, every token at the last loop step (its `full` rule).
+    mode, every token at the last loop step (its `full` rule), and the replay
+    decodes in the layout `generate` would sample these weights in.
     """
     rng = np.random.RandomState(seed)
     n = seq_len - prompt_len
@@ -103,7 +104,7 @@ def grpo_batch(cfg: ModelConfig, policy: Policy, params: dict, *, batch: int, pr
                  exit_steps=jnp.full((batch, n), cfg.loop_steps - 1 if cfg.is_looped else 0,
                                      jnp.int32),
                  loop_evals=jnp.int32(0), weights_version=jnp.int32(0), policy=str(policy),
-                 loop=LoopSpec().resolve(cfg))
+                 loop=LoopSpec().resolve(cfg), decode_layout=decode_layout(params, policy))
     # The sampler's log-probs stand in as the learner's own at these weights (what an
     # on-policy rollout records up to kernel rounding).
     logp = jit_learner_logprobs(cfg, policy, "dense")(params, ro) * ro.completion_mask

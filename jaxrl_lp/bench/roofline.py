@@ -7,11 +7,13 @@ times against the bound they give:
 - `measure_weight_stream(cfg, batch)`: one decode step's matmuls alone, B rows
   against every matmul weight of a step (each layer's q, k, v, o, gate, up and
   down, and the output head: `decode_matrices`), `--steps` dependent steps in
-  one jitted loop, in two forms: `x @ W` with W stored `[in, out]`, as the
-  decode does, and the elementwise product reduced over `in` with W stored
-  `[out, in]` (XLA's reduction emitter; `benchmarks/decode_matmuls.py` found
-  it the faster stream). The bandwidth is the faster form's weight bytes per
-  second: the most a batch-B matrix-vector pass gets out of this machine.
+  one jitted loop, in three forms: `x @ W` with W stored `[in, out]` (the
+  decode layout `as_stored`), W stored `[out, in]` as the product's row
+  operand (`W @ x.T`, transposed back: the `transposed` layout's product on
+  CPU, `models.layers.TransposedWeight`), and the elementwise product
+  reduced over `in` with W stored `[out, in]` (XLA's reduction emitter).
+  The bandwidth is the fastest form's weight bytes per second: the most a
+  batch-B matrix-vector pass gets out of this machine.
 - `measure_matmul_rate(cfg, rows)`: the update's matmuls alone, f32, at its
   rows (the tokens of a minibatch): for every weight the forward `x @ W` and
   the backward's two (`g @ W.T`, `x.T @ g`), FLOPs over seconds.
@@ -40,6 +42,10 @@ import jax.numpy as jnp
 
 from jaxrl_lp.bench.sampler import weight_bytes
 from jaxrl_lp.models.config import ModelConfig
+from jaxrl_lp.models.layers import TransposedWeight, dot
+from jaxrl_lp.numerics.policy import Policy
+
+F32 = Policy.parse("fp32")
 
 __all__ = ["add_bounds", "best_machine", "decode_matrices", "measure_machine",
            "measure_matmul_rate", "measure_weight_stream", "phase_bounds"]
@@ -84,8 +90,11 @@ def measure_weight_stream(cfg: ModelConfig, batch: int, *, steps: int = 10,
     nbytes = sum(i * o for i, o in shapes) * 4
     xs = {n: jax.random.normal(jax.random.PRNGKey(n), (batch, n)) for n in {i for i, _ in shapes}}
 
-    def dot_in_out(x, w):  # the decode's form
+    def dot_in_out(x, w):  # the `as_stored` decode layout's product
         return x @ w
+
+    def weights_major(x, w):  # the `transposed` decode layout's product on CPU
+        return dot(x, TransposedWeight(w), F32)
 
     def reduce_out_in(x, w):
         return jnp.sum(w[:, None, :] * x[None], axis=-1).T
@@ -100,6 +109,7 @@ def measure_weight_stream(cfg: ModelConfig, batch: int, *, steps: int = 10,
 
     calls = {}
     for name, product, transposed in (("dot_in_out", dot_in_out, False),
+                                      ("weights_major_out_in", weights_major, True),
                                       ("reduce_out_in", reduce_out_in, True)):
         fn, weights = jax.jit(lambda w, x, p=product: loop(p, w, x)), _weights(shapes, transposed)
         calls[name] = lambda fn=fn, weights=weights: fn(weights, xs)

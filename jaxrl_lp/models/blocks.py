@@ -13,7 +13,7 @@ import jax.numpy as jnp
 from jaxrl_lp.kernels import decode_attention as decode_kernel
 from jaxrl_lp.models.attention import attention
 from jaxrl_lp.models.config import ModelConfig
-from jaxrl_lp.models.layers import dot, rms_norm, rope, swiglu
+from jaxrl_lp.models.layers import TransposedWeight, dot, rms_norm, rope, swiglu
 from jaxrl_lp.models.packing import Packing, pack, unpack
 from jaxrl_lp.numerics.policy import Policy
 from jaxrl_lp.parallel.context import constrain
@@ -24,11 +24,16 @@ RESIDUAL = ("batch", "sequence", "hidden")
 
 __all__ = [
     "attend", "attend_packed", "embed", "kv_heads_first", "lm_head", "lm_logits", "mlp",
-    "over_layers", "project_qkv", "residual_add", "unstack_layers",
+    "MATMUL_WEIGHTS", "over_layers", "project_qkv", "residual_add", "unstack_layers",
 ]
 
 
-def unstack_layers(params: dict) -> dict:
+# A layer's matmul weights `[in, out]`, the ones `unstack_layers(transpose=True)` copies
+# `[out, in]` (`models.recorded.LAYER_PRODUCTS` names the same seven).
+MATMUL_WEIGHTS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def unstack_layers(params: dict, *, transpose: bool = False) -> dict:
     """`params` with `layers` as a tuple of per-layer dicts (for decoding).
 
     The forward functions accept either form and compute the same thing. A
@@ -36,12 +41,32 @@ def unstack_layers(params: dict) -> dict:
     materializes as a copy of every weight on every decode step; unstacked
     weights, sliced once before the decode loop, are read in place. Layer
     loops then unroll, so compile time grows with depth.
+
+    `transpose=True` (the decode layout `transposed`, `rollout.step.decode_layout`):
+    each layer's plain matmul weights (`MATMUL_WEIGHTS`, not LoRA or quantized
+    leaves) are sliced as `[out, in]` copies and the lm head is `[V, D]`,
+    each a `layers.TransposedWeight` (a tied head is the embedding itself, no
+    copy); `dot` multiplies them weights-major. Same values, other sums.
     """
     layers = params["layers"]
-    if isinstance(layers, tuple):
+    if isinstance(layers, tuple):  # unstacked already, in the layout they were unstacked in
         return params
     n = jax.tree_util.tree_leaves(layers)[0].shape[0]
-    return {**params, "layers": tuple(jax.tree.map(lambda x, i=i: x[i], layers) for i in range(n))}
+
+    def layer(i):
+        lp = jax.tree.map(lambda x: x[i], layers)
+        if transpose:
+            lp = {k: TransposedWeight(jnp.swapaxes(layers[k][i], 0, 1))
+                  if k in MATMUL_WEIGHTS and isinstance(layers[k], jax.Array) else v
+                  for k, v in lp.items()}
+        return lp
+
+    out = {**params, "layers": tuple(layer(i) for i in range(n))}
+    if transpose:
+        head = params["embed"] if "lm_head" not in params else params["lm_head"]
+        if isinstance(head, jax.Array):
+            out["lm_head"] = TransposedWeight(head if "lm_head" not in params else head.T)
+    return out
 
 
 def over_layers(layer_fn, carry, layers, xs=()):
@@ -216,7 +241,13 @@ def mlp(lp: dict, x_BxTxD: jax.Array, policy: Policy, tape: dict | None = None) 
 
 
 def lm_head(params: dict, cfg: ModelConfig) -> jax.Array:
-    """The output matrix `[D, V]`: `lm_head`, or the embedding transposed when tied."""
+    """The output matrix `[D, V]`: `lm_head`, or the embedding transposed when tied.
+
+    In a decode copy (`unstack_layers(transpose=True)`) the head is the
+    `TransposedWeight` there, tied or not.
+    """
+    if isinstance(params.get("lm_head"), TransposedWeight):
+        return params["lm_head"]
     return params["embed"].T if cfg.tie_embeddings else params["lm_head"]
 
 

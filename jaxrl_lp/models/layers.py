@@ -14,7 +14,9 @@ Dh head width, V vocabulary.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -26,7 +28,27 @@ from jaxrl_lp.numerics.policy import Policy
 from jaxrl_lp.numerics.qarray import QArray
 from jaxrl_lp.parallel.context import current_mesh
 
-__all__ = ["dot", "rms_norm", "rope", "scale_features", "swiglu"]
+__all__ = ["TransposedWeight", "dot", "rms_norm", "rope", "scale_features", "swiglu"]
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class TransposedWeight:
+    """A plain matmul weight stored `[out, in]` (`w_NxK`), the decode's copy (`unstack_layers`).
+
+    `dot(x, TransposedWeight(w.T), policy)` is `x @ w`, computed on CPU with the
+    weight as the product's row operand: `w_NxK @ x.T`, `[N, rows]`, then
+    transposed back. At a decode step's few rows XLA:CPU streams a weight
+    read that way in one pass; `x @ w` as stored packs the whole weight on
+    every call (the small preset's decode matmuls: 13.1 against 25.0 ms a
+    step on 2 Zen 3 cores, `benchmarks/decode_matmuls.py`). Other platforms
+    multiply `x @ w_NxK.T` as one product. The sums round as their own
+    product does, not as `x @ w`'s: the sampler and the replay both read
+    this copy, so they agree bit for bit (docs/design.md, "The decode's
+    weights").
+    """
+
+    w_NxK: Any
 
 
 def dot(x_xK: jax.Array, w_KxN: jax.Array, policy: Policy) -> jax.Array:
@@ -45,6 +67,13 @@ def dot(x_xK: jax.Array, w_KxN: jax.Array, policy: Policy) -> jax.Array:
     """
     if isinstance(w_KxN, RecordedWeight):
         return _recorded(x_xK, w_KxN.weight, w_KxN.product, policy)
+    if isinstance(w_KxN, TransposedWeight):
+        if policy.matmul_format is not None:
+            raise ValueError("dot: a TransposedWeight is a plain weight's decode copy; a "
+                             "matmul_format quantizes along the stored contraction axis")
+        w = policy.round_params(w_KxN.w_NxK)
+        n, k = w.shape
+        return _weights_major_product(x_xK.reshape(-1, k), w).reshape(*x_xK.shape[:-1], n)
     if isinstance(w_KxN, LoraWeight):
         return (dot(x_xK, w_KxN.base, policy)
                 + adapter_product(x_xK, w_KxN.a, w_KxN.b, w_KxN.scale, policy))
@@ -90,6 +119,22 @@ def _recorded_bwd(policy, res, g):
 
 
 _recorded.defvjp(_recorded_fwd, _recorded_bwd)
+
+
+def _weights_major_product(x_RxK: jax.Array, w_NxK: jax.Array) -> jax.Array:
+    """`x_RxK @ w_NxK.T` in f32, `[R, N]`; on CPU as `w_NxK @ x_RxK.T` (`TransposedWeight`)."""
+    dims = (((1,), (1,)), ((), ()))
+    kw = dict(preferred_element_type=jnp.float32, precision=jax.lax.Precision.HIGHEST)
+
+    def rows_of_weight(x, w):
+        # The barrier keeps the product [N, R] in memory: without it XLA lays the dot's
+        # output out as the transpose wants it, [R, N], and takes the slow form again.
+        y = jax.lax.optimization_barrier(jax.lax.dot_general(w, x, dims, **kw))
+        return jax.lax.optimization_barrier(y.T)
+
+    return jax.lax.platform_dependent(
+        x_RxK, w_NxK, cpu=rows_of_weight,
+        default=lambda x, w: jax.lax.dot_general(x, w, dims, **kw))
 
 
 def _f32_product(x_xK: jax.Array, w_KxN: jax.Array) -> jax.Array:

@@ -316,7 +316,8 @@ def replay_logprobs(params: dict, cfg: ModelConfig, policy: Policy, ro: Rollout,
         return replay_speculative(params, cfg, policy, ro, loop)
     b, p = ro.prompt_tokens.shape
     n = ro.completion_tokens.shape[1]
-    params = unstack_layers(params)  # as the sampler (`generate`) decodes
+    # As the sampler (`generate`) decoded: the same copy of the weights, in its layout.
+    params = unstack_layers(params, transpose=ro.decode_layout == "transposed")
     cache = unstack_cache(init_cache(cfg, policy, b, p + n), cfg)
     positions = prompt_positions(ro.prompt_tokens, ro.prompt_lengths)
     fused = fused_readout(policy)  # the steps return what the sampler's did

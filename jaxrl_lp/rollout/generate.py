@@ -42,6 +42,7 @@ from jaxrl_lp.rollout.step import (
     prefill,
     step_logits,
 )
+from jaxrl_lp.rollout.step import decode_layout as decode_layout_for  # `generate` has the name
 
 __all__ = ["Rollout", "bucket_length", "concat_rollouts", "generate", "pad_prompts", "split_rows",
            "take_rows"]
@@ -81,6 +82,9 @@ class Rollout:
         (`generate(..., record_products=True)`, `models.recorded`), or None.
         The training program hands them to the update that computes with the
         weights that made them, and to no other.
+      decode_layout: how the sampler's decode copy of the weights was laid
+        out (static; `rollout.step.decode_layout`): the replay unstacks the
+        learner's weights the same way, so its sums are the sampler's.
     """
 
     prompt_tokens: jax.Array
@@ -99,6 +103,7 @@ class Rollout:
     verify_tokens: int = dataclasses.field(default=0, metadata={"static": True})
     weights_digest: jax.Array | None = None
     products: Products | None = None
+    decode_layout: str = dataclasses.field(default="as_stored", metadata={"static": True})
 
     # Not per row: replicated where the rows are laid over a mesh (`parallel.batch_shardings`).
     replicated_fields: ClassVar[tuple[str, ...]] = ("weights_digest",)
@@ -138,7 +143,7 @@ def concat_rollouts(rollouts: Sequence[Rollout], pad_id: int) -> Rollout:
     """The rows of several rollouts of the same weights as one rollout (dynamic sampling's refill).
 
     The rollouts must agree on everything that is not per row: the policy,
-    loop spec, temperature, verification chunk, weights version and weights
+    loop spec, temperature, verification chunk, decode layout, weights version and weights
     digest (one sampler, one set of weights), and the completion width N.
     Prompts of different bucketed widths are left-padded to the widest with
     `pad_id` (pad slots are never attended to, and positions come from
@@ -155,7 +160,7 @@ def concat_rollouts(rollouts: Sequence[Rollout], pad_id: int) -> Rollout:
     if len(rollouts) == 1:
         return head
     for ro in rollouts[1:]:
-        for f in ("policy", "loop", "temperature", "verify_tokens"):
+        for f in ("policy", "loop", "temperature", "verify_tokens", "decode_layout"):
             if getattr(ro, f) != getattr(head, f):
                 raise ValueError(f"concat_rollouts: rollouts with different {f} "
                                  f"({getattr(head, f)!r} and {getattr(ro, f)!r})")
@@ -205,12 +210,13 @@ class _DecodeState(NamedTuple):
 
 @functools.partial(jax.jit, static_argnames=("cfg", "policy", "loop", "sampling",
                                              "max_new_tokens", "eos_id", "pad_id", "mesh",
-                                             "rules", "record"))
+                                             "rules", "record", "layout"))
 def _generate(params, prompt_BxP, positions_BxP, lengths_B, key, version, *, cfg, policy, loop,
               sampling, max_new_tokens, eos_id, pad_id, mesh=None, rules=DEFAULT_RULES,
-              record=False):
+              record=False, layout="as_stored"):
     """The jitted sampler. Static (a new value compiles anew): `cfg`, `policy`, `loop`,
-    `sampling`, `max_new_tokens`, `eos_id`, `pad_id`, `mesh`, `rules`, `record`, and the shapes
+    `sampling`, `max_new_tokens`, `eos_id`, `pad_id`, `mesh`, `rules`, `record`, `layout`
+    (the decode layout, `rollout.step.decode_layout`), and the shapes
     of the prompt arrays (bucketed by `pad_prompts`). Nothing is donated; inputs
     keep the shardings they come with (params by the rules, rows over the data
     shards), and activations and the KV cache are constrained to the rules under
@@ -219,15 +225,16 @@ def _generate(params, prompt_BxP, positions_BxP, lengths_B, key, version, *, cfg
         return _sample(params, prompt_BxP, positions_BxP, lengths_B, key, version, cfg=cfg,
                        policy=policy, loop=loop, sampling=sampling,
                        max_new_tokens=max_new_tokens, eos_id=eos_id, pad_id=pad_id,
-                       record=record)
+                       record=record, layout=layout)
 
 
 def _sample(params, prompt_BxP, positions_BxP, lengths_B, key, version, *, cfg, policy, loop,
-            sampling, max_new_tokens, eos_id, pad_id, record):
+            sampling, max_new_tokens, eos_id, pad_id, record, layout):
     b, p = prompt_BxP.shape
     n = max_new_tokens
-    # Sliced once, here: inside the loop a scan over stacked weights copies them every step.
-    params = unstack_layers(params)
+    # Sliced once, here: inside the loop a scan over stacked weights copies them every step
+    # (and a transpose there would be redone every step too).
+    params = unstack_layers(params, transpose=layout == "transposed")
     cache = unstack_cache(init_cache(cfg, policy, b, p + n), cfg)
     # With the fused read-out the steps return the hidden state: the token is sampled from its
     # logits, and its log-prob is theirs (`token_logprobs`, what `step_logprobs` replays).
@@ -294,6 +301,7 @@ def _sample(params, prompt_BxP, positions_BxP, lengths_B, key, version, *, cfg, 
         completion_mask=s.mask, logprobs=s.logprobs, exit_steps=s.exit_steps,
         loop_evals=s.loop_evals, weights_version=jnp.asarray(version, jnp.int32),
         policy=str(policy), loop=loop, temperature=sampling.temperature, products=s.products,
+        decode_layout=layout,
     )
 
 
@@ -315,6 +323,7 @@ def generate(
     rules: ShardingRules = DEFAULT_RULES,
     prompt_width: int = 0,
     record_products: bool = False,
+    decode_layout: str | None = None,
 ) -> Rollout:
     """Samples `num_samples` completions for each prompt (G samples per prompt, grouped).
 
@@ -353,6 +362,10 @@ def generate(
         step in the rollout (`Rollout.products`, `models.recorded`): a dense
         model on one device. The sampled tokens and log-probs are the same
         bits as without.
+      decode_layout: `as_stored` or `transposed`, the layout of the decode's
+        copy of the weights (`rollout.step.decode_layout`); None picks it by
+        the platform the weights are on (`transposed` on CPU). The rollout
+        records it and the replay follows it.
 
     Returns:
       A `Rollout`.
@@ -383,9 +396,10 @@ def generate(
         host = tuple(np.concatenate([a, np.repeat(a[-1:], fill, axis=0)]) for a in host)
         arrays = put_tree(host, batch_shardings(host, mesh, rules))
         key = put_tree(key, replicated(mesh))
+    layout = decode_layout_for(params, policy, mesh, decode_layout)
     ro = _generate(params, *arrays, key, weights_version, cfg=cfg, policy=policy, loop=loop,
                    sampling=sampling, max_new_tokens=max_new_tokens, eos_id=eos_id,
-                   pad_id=pad_id, mesh=mesh, rules=rules, record=record_products)
+                   pad_id=pad_id, mesh=mesh, rules=rules, record=record_products, layout=layout)
     if ro.prompt_tokens.shape[0] != rows:  # the padding rows
         ro = jax.tree.map(lambda x: x[:rows] if np.ndim(x) else x, ro)
     # What the learner compares its weights with (`Rollout.weights_digest`).

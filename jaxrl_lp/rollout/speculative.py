@@ -63,7 +63,14 @@ from jaxrl_lp.rollout.rows import put_chunk, rowwise_forward, take_chunk
 from jaxrl_lp.rollout.sampling import SamplingConfig, first_argmax, gumbel_max, sample_tokens
 from jaxrl_lp.rollout.sampling import _filter as filter_logits  # the sampler's own filter
 from jaxrl_lp.rollout.spec_config import SpecConfig
-from jaxrl_lp.rollout.step import LoopSpec, fused_readout, prefill, step_logits, step_logprobs
+from jaxrl_lp.rollout.step import (
+    LoopSpec,
+    decode_layout,
+    fused_readout,
+    prefill,
+    step_logits,
+    step_logprobs,
+)
 
 __all__ = ["SpecConfig", "SpecStats", "accept_drafts", "chunk_logprobs", "drafter_cache_bytes",
            "load_drafter", "replay_speculative", "speculative_generate"]
@@ -154,15 +161,18 @@ def accept_drafts(drafts_BxK, q_BxKxV, logits_BxK1xV, key, sampling: SamplingCon
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "dcfg", "spec", "policy", "loop", "sampling",
-                                             "max_new_tokens", "eos_id", "pad_id"))
+                                             "max_new_tokens", "eos_id", "pad_id", "layout"))
 def _speculate(params, dparams, prompt_BxP, positions_BxP, lengths_B, key, version, *, cfg, dcfg,
-               spec, policy, loop, sampling, max_new_tokens, eos_id, pad_id):
+               spec, policy, loop, sampling, max_new_tokens, eos_id, pad_id, layout):
     """The jitted speculative sampler; static: the configs, `spec`, `policy`, `loop`,
-    `sampling`, `max_new_tokens`, `eos_id`, `pad_id` and the prompt shapes. Nothing donated."""
+    `sampling`, `max_new_tokens`, `eos_id`, `pad_id`, `layout` (the decode layout of the
+    target's and the drafter's weights, `rollout.step.decode_layout`) and the prompt shapes.
+    Nothing donated. Traced by `speculative_generate` only."""
     b, p = prompt_BxP.shape
     n, k = max_new_tokens, spec.k
-    params = unstack_layers(params)
-    dparams = None if dparams is None else unstack_layers(dparams)
+    transpose = layout == "transposed"
+    params = unstack_layers(params, transpose=transpose)
+    dparams = None if dparams is None else unstack_layers(dparams, transpose=transpose)
     cache = unstack_cache(init_cache(cfg, policy, b, p + n + k), cfg)
     fused = fused_readout(policy)
     out, cache, exit0, _ = prefill(params, cfg, policy, loop, prompt_BxP, positions_BxP, cache,
@@ -230,7 +240,7 @@ def _speculate(params, dparams, prompt_BxP, positions_BxP, lengths_B, key, versi
         exit_steps=jnp.where(mask, s.exit_steps[:, :n], 0),
         loop_evals=s.loop_evals, weights_version=jnp.asarray(version, jnp.int32),
         policy=str(policy), loop=loop, temperature=sampling.temperature,
-        verify_counts=s.counts, verify_tokens=k + 1)
+        verify_counts=s.counts, verify_tokens=k + 1, decode_layout=layout)
     stats = SpecStats(iterations=s.it, proposed=s.proposed, accepted=s.accepted,
                       committed=jnp.sum(s.counts), draft_steps=s.draft.steps,
                       max_draft_position=s.draft.max_pos)
@@ -327,7 +337,8 @@ def speculative_generate(
                            jnp.asarray(req.positions_BxP), jnp.asarray(req.lengths_B), req.key,
                            weights_version, cfg=cfg, dcfg=dcfg,
                            spec=spec, policy=policy, loop=loop, sampling=sampling,
-                           max_new_tokens=max_new_tokens, eos_id=eos_id, pad_id=pad_id)
+                           max_new_tokens=max_new_tokens, eos_id=eos_id, pad_id=pad_id,
+                           layout=decode_layout(params, policy))
     ro = dataclasses.replace(ro, weights_digest=tree_fingerprint(params))  # the target's weights
     return (ro, stats) if with_stats else ro
 
@@ -349,7 +360,7 @@ def replay_speculative(params: dict, cfg: ModelConfig, policy: Policy, ro: Rollo
     n = ro.completion_tokens.shape[1]
     t = ro.verify_tokens
     k = t - 1
-    params = unstack_layers(params)
+    params = unstack_layers(params, transpose=ro.decode_layout == "transposed")
     cache = unstack_cache(init_cache(cfg, policy, b, p + n + k), cfg)
     lengths = ro.prompt_lengths
     ppos = jnp.arange(p, dtype=jnp.int32)[None] - (p - lengths[:, None])

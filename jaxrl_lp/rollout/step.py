@@ -26,12 +26,59 @@ import jax.numpy as jnp
 from jaxrl_lp.kernels.logprob import fused_readout
 from jaxrl_lp.models.blocks import lm_logits
 from jaxrl_lp.models.config import ModelConfig
+from jaxrl_lp.models.layers import TransposedWeight
 from jaxrl_lp.models.loop import ExitSchedule, LoopSpec
 from jaxrl_lp.models.model import forward
 from jaxrl_lp.numerics.policy import Policy
 from jaxrl_lp.rollout.sampling import token_logprobs
 
-__all__ = ["LoopSpec", "decode_step", "fused_readout", "prefill", "step_logits", "step_logprobs"]
+__all__ = ["DECODE_LAYOUTS", "LoopSpec", "decode_layout", "decode_step", "fused_readout",
+           "prefill", "step_logits", "step_logprobs"]
+
+# How the sampler's decode copy of the weights is laid out (`Rollout.decode_layout`):
+# `as_stored` slices the stacked layers; `transposed` copies the plain matmul weights and
+# the lm head `[out, in]` (`models.blocks.unstack_layers(transpose=True)`).
+DECODE_LAYOUTS = ("as_stored", "transposed")
+
+
+def decode_layout(params, policy: Policy, mesh=None, layout: str | None = None) -> str:
+    """The decode layout a sampler uses for `params` (`layout` given: that one, checked).
+
+    `transposed` where the weights live on CPU devices, one device (no mesh)
+    and the policy has no `matmul_format` (docs/design.md, "The decode's
+    weights"): XLA:CPU streams an `[out, in]` weight at a few rows twice as fast.
+    Elsewhere `as_stored`: GPU and TPU multiply the stored weights at full
+    speed, a mesh's rules name the stored axes, and the MX formats quantize
+    along the stored contraction axis. Params unstacked by the caller keep
+    the layout they were unstacked in. The platform is the one the weights
+    are committed to, which is the one the sampler's program is compiled
+    for; abstract or traced weights (`jax.ShapeDtypeStruct`, inside another
+    jit) take `as_stored` unless `layout` says otherwise.
+
+    Raises:
+      ValueError: an unknown `layout`, or `transposed` where it cannot apply.
+    """
+    layers = params["layers"]
+    if isinstance(layers, tuple):  # unstacked by the caller
+        found = ("transposed" if isinstance(params.get("lm_head"), TransposedWeight)
+                 else "as_stored")
+        if layout is not None and layout != found:
+            raise ValueError(f"decode_layout: params unstacked as {found!r}, asked for "
+                             f"{layout!r}; pass the stacked params")
+        return found
+    if layout is not None:
+        if layout not in DECODE_LAYOUTS:
+            raise ValueError(f"decode_layout: {layout!r} is not one of {DECODE_LAYOUTS}")
+        if layout == "transposed" and (mesh is not None or policy.matmul_format is not None):
+            raise ValueError("decode_layout: 'transposed' is for one device and plain "
+                             "matmuls (no mesh, no matmul_format)")
+        return layout
+    if mesh is not None or policy.matmul_format is not None:
+        return "as_stored"
+    leaf = next((x for x in jax.tree.leaves(params) if isinstance(x, jax.Array)), None)
+    if leaf is None or isinstance(leaf, jax.core.Tracer):
+        return "as_stored"
+    return "transposed" if {d.platform for d in leaf.devices()} == {"cpu"} else "as_stored"
 
 
 def step_logits(params, cfg: ModelConfig, policy: Policy, out_BxX) -> jax.Array:
