@@ -30,6 +30,7 @@ def test_bench_iteration_reports_phases_and_which_updates_replayed(capsys):
     one, two = tiny["hybrid_mb1"], tiny["hybrid_mb2"]
     # At mu = 1 and one minibatch nothing is replayed: the behaviour log-probs and the
     # hybrid's value are the rollout's. With two minibatches exactly the second replays.
+    assert one["decode_layout"] == two["decode_layout"] == "transposed"  # CPU weights
     assert (one["replayed_updates"], one["behaviour_recomputed"]) == (0, 0)
     assert (two["replayed_updates"], two["behaviour_recomputed"]) == (1, 0)
     # `products`: the update on the sampler's weights reads its products (the first), the
@@ -136,6 +137,9 @@ def test_bounds_put_tunix_and_ours_against_the_same_work():
 def test_bench_iteration_refuses_bad_arguments(capsys):
     assert main(["bench", "iteration", "--size", "tiny", "--minibatches", "3", "--no-tunix"]) == 2
     assert "--minibatches" in capsys.readouterr().err
+    assert main(["bench", "iteration", "--size", "tiny", "--decode-layouts", "columns",
+                 "--no-tunix"]) == 2
+    assert "--decode-layouts" in capsys.readouterr().err
     assert main(["bench", "iteration", "--size", "tiny", "--methods", "sparse",
                  "--no-tunix"]) == 2
     assert "--methods" in capsys.readouterr().err

@@ -55,6 +55,12 @@ Ours draws by Gumbel-max (`jax.random.categorical`, as Tunix); `--draws
 gumbel,inverse_cdf` races `grpo.draw=inverse_cdf` too (`<method>_mb<k>_inverse_cdf`:
 the same distribution, other tokens per key, `rollout.sampling.draw_categorical`).
 
+Our sampler decodes in the layout `generate` picks for the weights
+(`rollout.step.decode_layout`: `transposed` on CPU, docs/design.md "The
+decode's weights"); each entry says which (`decode_layout`). `--decode-layouts
+auto,as_stored` races the stored layout beside it (`<method>_mb<k>_as_stored`),
+the replays following each rollout's layout.
+
 A looped preset (`--looped-size`, the `small-qwen3` shapes as an Ouro-style
 model, R = 4) runs ours only: Tunix has no looped model (and `products` is a
 dense model's).
@@ -108,6 +114,7 @@ from jaxrl_lp.rl.train_step import make_grpo_step
 from jaxrl_lp.rollout import LoopSpec, SamplingConfig, generate
 from jaxrl_lp.rollout.generate import take_rows
 from jaxrl_lp.rollout.sampling import DRAWS
+from jaxrl_lp.rollout.step import DECODE_LAYOUTS
 from jaxrl_lp.train.behaviour import PhaseTimer, ReplayRule
 
 __all__ = ["add_arguments", "run"]
@@ -142,8 +149,9 @@ class _Iteration:
     """
 
     def __init__(self, cfg, policy, params, prompts, optimizer, *, method, group, new_tokens,
-                 minibatches, loop, pack_buckets, seed, draw="gumbel"):
+                 minibatches, loop, pack_buckets, seed, draw="gumbel", layout=None):
         self.cfg, self.policy, self.prompts, self.draw = cfg, policy, prompts, draw
+        self.layout = layout  # the sampler's decode layout (None: `generate` picks it)
         self.group, self.new_tokens, self.minibatches = group, new_tokens, minibatches
         self.loop, self.seed, self.method = loop, seed, method
         # `products`: the hybrid learner reading the sampler's weight products where it may.
@@ -171,7 +179,7 @@ class _Iteration:
                 max_new_tokens=self.new_tokens,
                 num_samples=self.group, eos_id=None, pad_id=PAD_ID, loop=self.loop,
                 key=jax.random.fold_in(jax.random.PRNGKey(self.seed), i), weights_version=i,
-                record_products=self.record))
+                record_products=self.record, decode_layout=self.layout))
             products, ro = ro.products, dataclasses.replace(ro, products=None)
         with timer("score"):
             rewards = _reward(jax.device_get(ro.completion_tokens))
@@ -194,7 +202,7 @@ class _Iteration:
             jax.block_until_ready(m["loss"])
         self.last_rollout, self.last_products = ro, products
         self.last_adv, self.last_old_logp = adv, old_logp
-        return {**timer.metrics(), "replayed_updates": replayed,
+        return {**timer.metrics(), "decode_layout": ro.decode_layout, "replayed_updates": replayed,
                 "behaviour_recomputed": int(not recorded), "reused_forward_updates": reused}
 
     def _update_args(self, ro, products, idx, reuse, adv, old_logp) -> tuple:
@@ -322,6 +330,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="our sampler's token draws to race (comma list of gumbel, "
                              "inverse_cdf: `grpo.draw`); a non-default one is named "
                              "<method>_mb<k>_<draw>")
+    parser.add_argument("--decode-layouts", default="auto",
+                        help="our sampler's decode layouts to race (comma list of auto, "
+                             "as_stored, transposed: `rollout.step.decode_layout`; auto lets "
+                             "`generate` pick); a non-auto one is named <method>_mb<k>_<layout>")
     parser.add_argument("--repeats", type=int, default=3,
                         help="timed iterations of each after the warm-up (at least)")
     parser.add_argument("--min-time", type=float, default=0.0,
@@ -332,7 +344,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0)
 
 
-def _check(args) -> tuple[list[int], list[str], list[str]]:
+def _check(args) -> tuple[list[int], list[str], list[str], list[str]]:
     if args.batch % args.group or args.group < 2:
         raise ValueError("--group must be >= 2 and divide --batch")
     for name in ("prompt_len", "new_tokens", "repeats"):
@@ -348,7 +360,11 @@ def _check(args) -> tuple[list[int], list[str], list[str]]:
     draws = [d.strip() for d in args.draws.split(",") if d.strip()]
     if not draws or any(d not in DRAWS for d in draws):
         raise ValueError(f"--draws: gumbel and/or inverse_cdf; got {args.draws!r}")
-    return mbs, methods, draws
+    layouts = [x.strip() for x in args.decode_layouts.split(",") if x.strip()]
+    if not layouts or any(x not in ("auto", *DECODE_LAYOUTS) for x in layouts):
+        raise ValueError(f"--decode-layouts: some of auto, {', '.join(DECODE_LAYOUTS)}; got "
+                         f"{args.decode_layouts!r}")
+    return mbs, methods, draws, layouts
 
 
 def _summary(times: dict, phases: dict, tokens: int) -> dict:
@@ -389,15 +405,17 @@ def _race_iterations(calls: dict, repeats: int, min_time: float):
     return firsts, times, phases
 
 
-def _preset_race(cfg, policy, args, mbs, methods, draws, optimizer, tunix_ckpt=None,
+def _preset_race(cfg, policy, args, mbs, methods, draws, layouts, optimizer, tunix_ckpt=None,
                  machine=None) -> tuple[dict, dict]:
     params = init_params(cfg, jax.random.PRNGKey(args.seed))
     prompts = _prompts(cfg, args.batch // args.group, args.prompt_len, args.seed)
     common = dict(group=args.group, new_tokens=args.new_tokens, seed=args.seed)
-    ours = {f"{m}_mb{k}" + ("" if d == "gumbel" else f"_{d}"): _Iteration(
+    ours = {f"{m}_mb{k}" + ("" if d == "gumbel" else f"_{d}")
+            + ("" if lay == "auto" else f"_{lay}"): _Iteration(
                 cfg, policy, params, prompts, optimizer, method=m, minibatches=k,
-                loop=LoopSpec(), pack_buckets=16, draw=d, **common)
-            for k in mbs for m in methods for d in draws
+                loop=LoopSpec(), pack_buckets=16, draw=d,
+                layout=None if lay == "auto" else lay, **common)
+            for k in mbs for m in methods for d in draws for lay in layouts
             if not (m == "products" and cfg.is_looped)}  # products: dense models
     calls = dict(ours)
     if tunix_ckpt is not None:
@@ -429,7 +447,7 @@ def _preset_race(cfg, policy, args, mbs, methods, draws, optimizer, tunix_ckpt=N
 
 def run(args: argparse.Namespace) -> dict:
     """Runs the benchmark; returns one JSON-serializable dict."""
-    mbs, methods, draws = _check(args)
+    mbs, methods, draws, layouts = _check(args)
     policy = Policy.parse(args.policy)
     optimizer = optax.chain(optax.clip_by_global_norm(1.0), optax.adam(1e-6))
     why_not = "--no-tunix" if args.no_tunix else tunix_ref.unavailable()
@@ -442,7 +460,7 @@ def run(args: argparse.Namespace) -> dict:
         "prompt_len": args.prompt_len, "new_tokens": args.new_tokens, "mu": 1,
         "minibatches": mbs, "loss": {"epsilon": LOSS.epsilon, "aggregation": LOSS.aggregation},
         "optimizer": "clip_by_global_norm(1.0) + adam(1e-6)", "sampling": "temperature 1.0",
-        "draws": draws,
+        "draws": draws, "decode_layouts": layouts,
         "tunix": {"available": why_not is None},
     }
     if why_not is None:
@@ -455,12 +473,12 @@ def run(args: argparse.Namespace) -> dict:
     races = {}
     with tempfile.TemporaryDirectory() as tmp:
         races[SIZES[args.size]] = dense_cfg, _preset_race(
-            dense_cfg, policy, args, mbs, methods, draws, optimizer,
+            dense_cfg, policy, args, mbs, methods, draws, layouts, optimizer,
             tunix_ckpt=tmp if why_not is None else None)
     if args.looped_size:
         cfg = LOOPED_SIZES[args.looped_size]
         races[f"{SIZES[args.looped_size]}-looped-r{cfg.loop_steps}"] = cfg, _preset_race(
-            cfg, policy, args, mbs, methods, draws, optimizer)
+            cfg, policy, args, mbs, methods, draws, layouts, optimizer)
     if not args.no_roofline:
         info["machine"] = best_machine(before, measure_machine(dense_cfg, args.batch, rows))
     for name, (cfg, (res, ours)) in races.items():
