@@ -123,8 +123,14 @@ for policy, (ro, lps) in results.items():
 # policies, at any batch size: `import jaxrl_lp` asks XLA to round where the
 # program rounds (`--xla_allow_excess_precision=false`; with XLA's default a
 # fusion may skip a bf16 round trip, and 64-row bf16 batches differed by
-# about 6e-3 nats). `dense` is off by f32 rounding at fp32, and by far more at bf16:
-# that gap is the *training-inference mismatch* that TIS/MIS corrections exist
+# about 6e-3 nats). `dense` is off by rounding: its sums over the whole
+# sequence round apart from the sampler's one-token steps, at fp32 in the last
+# bits and at bf16 by a bf16 step wherever a product lands on the other side of
+# a rounding boundary. How often that happens depends on the kernels: on CPU the
+# sampler multiplies a `[out, in]` copy of its weights (the decode layout
+# `transposed`, `ro.decode_layout`) and at this size its bf16 products mostly
+# round as the dense forward's do; on a GPU, or a larger model, they do not.
+# That gap is the *training-inference mismatch* that TIS/MIS corrections exist
 # to patch up, here removed at its source.
 
 # %%
@@ -181,7 +187,8 @@ print("hybrid gradient == dense gradient, bit for bit:", same_grad)
 assert same_grad and (ratio["hybrid"] == 1).all()
 
 fig, ax = plt.subplots(figsize=(7, 3.6))
-ax.hist(ratio["dense"], bins=60, color="C1", alpha=0.8, label="dense (bf16)")
+# float64 bins: the ratios may sit within a few f32 steps of 1.
+ax.hist(ratio["dense"].astype(np.float64), bins=60, color="C1", alpha=0.8, label="dense (bf16)")
 ax.axvline(1.0, color="C2", lw=2, label="hybrid / replay: exactly 1")
 ax.set(xlabel="PPO ratio at the behaviour weights", ylabel="tokens",
        title="Importance ratios that should all be 1")
