@@ -100,6 +100,9 @@ def test_the_layout_is_chosen_by_where_the_weights_are():
     mesh = jax.make_mesh((1,), ("data",))
     assert decode_layout(params, F32, mesh) == "as_stored"
     assert decode_layout(jax.eval_shape(lambda: params), F32) == "as_stored"
+    traced = []
+    jax.jit(lambda p: traced.append(decode_layout(p, F32)) or 0.0)(params)
+    assert traced == ["as_stored"]  # inside another jit: no platform to read
     assert decode_layout(params, F32, layout="as_stored") == "as_stored"
     assert decode_layout(unstack_layers(params), F32) == "as_stored"
     assert decode_layout(unstack_layers(params, transpose=True), F32) == "transposed"

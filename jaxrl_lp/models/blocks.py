@@ -15,6 +15,7 @@ from jaxrl_lp.models.attention import attention
 from jaxrl_lp.models.config import ModelConfig
 from jaxrl_lp.models.layers import TransposedWeight, dot, rms_norm, rope, swiglu
 from jaxrl_lp.models.packing import Packing, pack, unpack
+from jaxrl_lp.models.recorded import LAYER_PRODUCTS
 from jaxrl_lp.numerics.policy import Policy
 from jaxrl_lp.parallel.context import constrain
 
@@ -29,8 +30,8 @@ __all__ = [
 
 
 # A layer's matmul weights `[in, out]`, the ones `unstack_layers(transpose=True)` copies
-# `[out, in]` (`models.recorded.LAYER_PRODUCTS` names the same seven).
-MATMUL_WEIGHTS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# `[out, in]`: the seven whose products the sampler can record.
+MATMUL_WEIGHTS = LAYER_PRODUCTS
 
 
 def unstack_layers(params: dict, *, transpose: bool = False) -> dict:
@@ -63,9 +64,10 @@ def unstack_layers(params: dict, *, transpose: bool = False) -> dict:
 
     out = {**params, "layers": tuple(layer(i) for i in range(n))}
     if transpose:
-        head = params["embed"] if "lm_head" not in params else params["lm_head"]
+        # The head `[V, D]`: an untied head's copy, or (tied: no `lm_head`) the embedding.
+        head = params.get("lm_head", params["embed"])
         if isinstance(head, jax.Array):
-            out["lm_head"] = TransposedWeight(head if "lm_head" not in params else head.T)
+            out["lm_head"] = TransposedWeight(head.T if "lm_head" in params else head)
     return out
 
 

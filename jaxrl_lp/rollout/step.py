@@ -60,7 +60,8 @@ def decode_layout(params, policy: Policy, mesh=None, layout: str | None = None) 
     """
     layers = params["layers"]
     if isinstance(layers, tuple):  # unstacked by the caller
-        found = ("transposed" if isinstance(params.get("lm_head"), TransposedWeight)
+        leaves = jax.tree.leaves(params, is_leaf=lambda x: isinstance(x, TransposedWeight))
+        found = ("transposed" if any(isinstance(x, TransposedWeight) for x in leaves)
                  else "as_stored")
         if layout is not None and layout != found:
             raise ValueError(f"decode_layout: params unstacked as {found!r}, asked for "
