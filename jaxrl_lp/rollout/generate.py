@@ -332,8 +332,9 @@ def generate(
     after `max_new_tokens`).
 
     The layer weights are unstacked once per call (`unstack_layers`, a
-    transient copy of them): pass params already unstacked to skip it when
-    sampling repeatedly from the same weights.
+    transient copy of them, in the decode layout): pass params already
+    unstacked (`unstack_layers(params, transpose=True)` for the `transposed`
+    layout) to skip it when sampling repeatedly from the same weights.
 
     Args:
       params: parameter pytree (the served copy), layers stacked or unstacked.
