@@ -9,7 +9,8 @@ with random weights. After two warm-up calls and `--repeats` timed ones,
 per op and divided by the calls. Each op is named by its HLO `op_name`, read
 from the optimized HLO that XLA dumps while this script compiles (a temporary
 `--xla_dump_to`, removed at the end). The weight matmuls are the ops of
-`layers.dot`'s product (`op_name` ending `...k,kn->...n/dot_general`): their
+`layers.dot`'s product (`op_name` ending `...k,kn->...n/dot_general`, or in the
+`transposed` decode layout `weights_major/dot_general`): their
 share of the op time is `weight_matmul_share`; `other_dot_s` is the rest of
 the dots (attention's). Prints one JSON object.
 
@@ -33,7 +34,15 @@ os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
                            + f" --xla_dump_to={DUMP} --xla_dump_hlo_as_text").strip()
 
 import jax  # noqa: E402
+
+# Op names come from XLA's dump of what it compiles: an executable from a persistent
+# compilation cache (a caller's JAX_COMPILATION_CACHE_DIR) is not compiled, and carries
+# the op names of the program that filled the cache.
+jax.config.update("jax_enable_compilation_cache", False)
 from _xla_ops import op_names, op_times  # noqa: E402
+
+# The op names of `layers.dot`'s weight products: as stored, and in the transposed layout.
+WEIGHT_PRODUCTS = ("...k,kn->...n/dot_general", "weights_major/dot_general")
 
 
 def _dumped_op_names(dump_dir: str) -> dict[str, str]:
@@ -90,7 +99,7 @@ def main() -> dict:
     ops = sum(total.values())
     shutil.rmtree(DUMP, ignore_errors=True)
     weights = sum(s for name, s in total.items()
-                  if names[name].endswith("...k,kn->...n/dot_general"))
+                  if names[name].endswith(WEIGHT_PRODUCTS))
     dots = sum(s for name, s in total.items() if names[name].endswith("dot_general"))
     return {"preset": SIZES[args.size], "draw": args.draw,
             "record_products": args.record_products, "batch": 8,

@@ -127,15 +127,19 @@ def _weights_major_product(x_RxK: jax.Array, w_NxK: jax.Array) -> jax.Array:
     dims = (((1,), (1,)), ((), ()))
     kw = dict(preferred_element_type=jnp.float32, precision=jax.lax.Precision.HIGHEST)
 
+    def product(a, b):
+        # Named, so profiles find the decode's weight products (`benchmarks/profile_sampler.py`).
+        with jax.named_scope("weights_major"):
+            return jax.lax.dot_general(a, b, dims, **kw)
+
     def rows_of_weight(x, w):
         # The barrier keeps the product [N, R] in memory: without it XLA lays the dot's
         # output out as the transpose wants it, [R, N], and takes the slow form again.
-        y = jax.lax.optimization_barrier(jax.lax.dot_general(w, x, dims, **kw))
+        y = jax.lax.optimization_barrier(product(w, x))
         return jax.lax.optimization_barrier(y.T)
 
-    return jax.lax.platform_dependent(
-        x_RxK, w_NxK, cpu=rows_of_weight,
-        default=lambda x, w: jax.lax.dot_general(x, w, dims, **kw))
+    return jax.lax.platform_dependent(x_RxK, w_NxK, cpu=rows_of_weight,
+                                      default=lambda x, w: product(x, w))
 
 
 def _f32_product(x_xK: jax.Array, w_KxN: jax.Array) -> jax.Array:
