@@ -8,7 +8,10 @@ weight bytes per second, three ways:
 - `dot_in_out`: `x @ W` with W stored `[in, out]`, the model's layout;
 - `dot_out_in`: the same product with W stored `[out, in]`;
 - `dot_out_in_weights_major`: W stored `[out, in]` as the dot's row
-  operand (`W @ x.T`, the product `[out, B]`, transposed back);
+  operand (`W @ x.T`, the product `[out, B]`, transposed back): the
+  decode layout `transposed`'s product, `models.layers.dot` itself;
+- `dot_in_out_weights_major`: W as stored, `[in, out]`, contracted over its
+  first axis as the row operand (no copy; XLA:CPU transposes it every call);
 - `multiply_reduce_out_in`: `sum(W[:, None, :] * x[None], -1)` (XLA's
   reduction emitter instead of its dot);
 - `multiply_reduce_transposed_in_loop`: the same with W stored `[in, out]`
@@ -34,6 +37,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxrl_lp.models.config import get_preset
+from jaxrl_lp.models.layers import TransposedWeight, dot
+from jaxrl_lp.numerics.policy import Policy
 
 
 def _shapes(cfg) -> list[tuple[int, int]]:
@@ -51,9 +56,8 @@ def _products():
         return jax.lax.dot_general(x, w_out_in, (((1,), (1,)), ((), ())))
 
     def dot_out_in_weights_major(x, w_out_in):
-        # The weights as the dot's row operand: `[out, in] @ x.T`, then back to `[B, out]`.
-        y = jax.lax.dot_general(w_out_in, x, (((1,), (1,)), ((), ())))
-        return jax.lax.optimization_barrier(y).T
+        # The decode's own product in the `transposed` layout (`models.layers.TransposedWeight`).
+        return dot(x, TransposedWeight(w_out_in), Policy.parse("fp32"))
 
     def dot_in_out_weights_major(x, w_in_out):
         # The same with W as stored, `[in, out]`, contracted over its first axis.

@@ -88,3 +88,17 @@ def test_norm_grad_benchmark_times_both_forms():
     for form in ("reduce", "product"):
         assert res["update"][form]["min_s"] > 0 and res["update"][form]["temp_bytes"] > 0
     assert isinstance(res["update"]["same_bits"], bool)
+
+
+@pytest.mark.slow
+@pytest.mark.ci
+def test_decode_matmuls_times_every_form_and_they_agree():
+    # The tiny preset's decode matmuls in each form, the transposed layout's being
+    # `layers.dot` itself: the same sums to f32 rounding, every form timed.
+    res = _run("decode_matmuls.py", "--preset", "tiny-qwen3", "--steps", "2", "--repeats", "1")
+    forms = {"dot_in_out", "dot_out_in", "dot_out_in_weights_major", "dot_in_out_weights_major",
+             "multiply_reduce_out_in", "multiply_reduce_transposed_in_loop"}
+    assert forms <= set(res) and res["preset"] == "tiny-qwen3"
+    for f in forms:
+        assert res[f]["ms_per_step"] > 0 and res[f]["result_rel_diff"] < 1e-4, f
+    assert res["dot_in_out"]["result_rel_diff"] == 0.0
