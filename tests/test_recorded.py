@@ -205,37 +205,48 @@ def test_the_program_refuses_products_it_could_never_read(tmp_path):
 @pytest.mark.slow
 @pytest.mark.ci
 def test_a_run_reading_the_samplers_products_trains_as_the_run_computing_them(tmp_path):
-    """A dense model, a KL term to the GRPO start (so the updates move the weights), two
-    minibatches: the first update of each step reads the products, the second replays; the
-    runs agree to f32 rounding, step by step, and in their last weights."""
+    """A dense model, a KL term to another model (a random checkpoint: its KL is not 0 at the
+    first update, so every update moves the weights whatever the rewards), two minibatches:
+    the first update of each step reads the products, the second replays; the runs agree to
+    f32 rounding, step by step, and in their last weights."""
     import json
 
     from helpers import short_run
 
+    from jaxrl_lp.models.hf_io import save_hf_checkpoint
+    from jaxrl_lp.models.model import init_params
     from jaxrl_lp.train import apply_overrides, default_config, run_train
     from jaxrl_lp.train.checkpoint import Checkpointer
+    from jaxrl_lp.train.validate import build_task, model_config
 
+    base = [*short_run(sft_steps=2, grpo_steps=3, checkpoint_every=50), "model.family=qwen3",
+            "model.loop_steps=1", "loss.kl_beta=0.05", "grpo.minibatches=2",
+            "grpo.verify_every=2"]
+    probe = apply_overrides(default_config(), base)
+    mcfg = model_config(probe, build_task(probe))
+    reference = tmp_path / "reference"
+    save_hf_checkpoint(reference, mcfg, init_params(mcfg, jax.random.PRNGKey(9)))
     runs, params = {}, {}
     for reuse in ("false", "true"):
         out = tmp_path / reuse
         run_train(apply_overrides(default_config(), [
-            *short_run(sft_steps=2, grpo_steps=3, checkpoint_every=50), "model.family=qwen3",
-            "model.loop_steps=1", "loss.kl_beta=0.05", "grpo.minibatches=2",
-            "grpo.verify_every=2", f"grpo.reuse_products={reuse}", f"run.out_dir={out}"]))
+            *base, f"loss.reference={reference}", f"grpo.reuse_products={reuse}",
+            f"run.out_dir={out}"]))
         lines = (out / "metrics.jsonl").read_text().splitlines()
         runs[reuse] = [r for r in map(json.loads, lines) if r["phase"] == "grpo"]
         ckpt = Checkpointer(out)
         params[reuse] = ckpt.manager.restore(ckpt.latest_step())["state"]["params"]
         ckpt.close()
     off, on = runs["false"], runs["true"]
-    # Every update on the sampler's weights reads its products: the first of each step, and
-    # at the first step the second too (the first moved nothing: no reward, no KL yet).
+    # The first update of each step reads the sampler's products; it moves the weights (the KL
+    # to the other model has a gradient from the start), so the second replays.
     assert [r["replayed_updates"] for r in on] == [r["replayed_updates"] for r in off]
-    assert [r["replayed_updates"] for r in on][1:] == [1.0, 1.0]
+    assert [r["replayed_updates"] for r in on] == [1.0, 1.0, 1.0]
+    assert all(r["kl_ref"] > 0.0 for r in on)
     assert all(r["reused_forward_updates"] + r["replayed_updates"] == 2.0 for r in on)
     assert all(r["reused_forward_updates"] == 0.0 for r in off)
     assert [r["replay_verified"] for r in on] == [1.0, 0.0, 1.0]  # the verification still runs
-    assert all(r["grad_norm"] > 0 for r in off[1:])
+    assert all(r["grad_norm"] > 0 for r in off)
     for a, b in zip(off, on, strict=True):
         for k in ("loss", "grad_norm", "kl_ref", "entropy", "ratio_mean"):
             np.testing.assert_allclose(b[k], a[k], rtol=1e-4, atol=1e-7, err_msg=k)
