@@ -42,7 +42,8 @@ print("devices:", jax.devices(), "| SMALL =", SMALL)
 # ## 1. The default warm-start
 #
 # The default run (`jaxrl_lp.train.default_config()`) trains a small looped
-# (Ouro-style) model on two-digit addition: 1,200 supervised steps, then GRPO.
+# (Ouro-style) model on two-digit addition: 1,200 supervised steps (128
+# sequences each), then GRPO.
 # We run its warm-start alone (`grpo.steps=0`, what `jaxrl-lp sft` does) into
 # `runs/warmstart`; a finished run there is reused, so this takes a few minutes
 # once and a second afterwards. `validate(cfg)` builds what a run of the config
