@@ -130,7 +130,11 @@ for step in range(1, STEPS + 1):
 # %%
 before, after = history["accuracy"][0], history["accuracy"][-1]
 print(f"held-out accuracy: {before:.1%} after the warm-start -> {after:.1%} after {STEPS} GRPO steps")
-assert after > before + 0.05, f"GRPO did not improve held-out accuracy ({before:.3f} -> {after:.3f})"
+# GRPO must remove at least a quarter of the warm-start's errors. (The warm-start's accuracy
+# depends on the CPU's rounding: about 50% to 96% across three seeds on one machine, so a fixed
+# number of points to gain could be out of reach.)
+assert 1 - after <= 0.75 * (1 - before), \
+    f"GRPO did not improve held-out accuracy enough ({before:.3f} -> {after:.3f})"
 
 fig, ax = plt.subplots(1, 2, figsize=(11, 3.8))
 ax[0].plot(history["step"], history["reward"], label="mean reward of the step's samples")
