@@ -18,12 +18,12 @@ def default_config() -> TrainConfig:
     kernels by instruction set). At 64 sequences a step the 1,200 steps escaped
     it on the Zen 5 and Xeon development machines (37.5% to 81.3% after the
     warm-start) and on no seed of three on a 2-core Zen 3 EPYC (0.8% to 6.6%,
-    measured as below); at 128 (the default since 2026-12-04) all three seeds
-    escape there (warm-start loss 0.003 to 0.009). Greedy accuracy on 512
+    measured as below); at 128 (the default since 2026-12-04) all five seeds
+    tried escape there (warm-start loss 0.003 to 0.015). Greedy accuracy on 512
     held-out problems after the warm-start (`jaxrl-lp sft --set run.seed=N`,
-    then `jaxrl-lp eval --size 512`), Zen 3, seeds 0/1/2: 88.3% / 95.7% / 51.2%
-    with the sampler's read-out (the last loop step), 99.8% / 99.8% / 100% at
-    `grpo.exit_rule=threshold:0.5`: the warm-start trains the exit-weighted
+    then `jaxrl-lp eval --size 512`), Zen 3, seeds 0-4: 88.3% / 95.7% / 51.2% /
+    91.0% / 62.1% with the sampler's read-out (the last loop step), 99.8% to
+    100% at `grpo.exit_rule=threshold:0.5`: the warm-start trains the exit-weighted
     read-out, the sampler and GRPO the last step's. The whole run (`jaxrl-lp
     train --set run.seed=N`) on that machine: 87.5% -> 99.6% (seed 0, 3.0
     minutes) and 47.7% -> 95.7% (seed 2).
