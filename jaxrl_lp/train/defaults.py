@@ -12,9 +12,9 @@ __all__ = ["default_config"]
 def default_config() -> TrainConfig:
     """Two-digit addition; a 2-layer, 2-loop Ouro-style model; warm-start then GRPO.
 
-    The warm-start must learn the carry, which a model this small finds after a
-    loss plateau (about 1.3, then about 0.65 nats per answer token) whose length
-    depends on the seed and on the CPU's rounding (XLA:CPU picks its matmul
+    The warm-start leaves a loss plateau (about 1.3, then about 0.65 nats per
+    answer token; by our reading, until the model learns the carry) after a time
+    that depends on the seed and on the CPU's rounding (XLA:CPU picks its matmul
     kernels by instruction set). At 64 sequences a step the 1,200 steps escaped
     it on the Zen 5 and Xeon development machines (37.5% to 81.3% after the
     warm-start) and on no seed of three on a 2-core Zen 3 EPYC (0.8% to 6.6%,
