@@ -19,7 +19,8 @@ def short_run(sft_steps: int = 6, grpo_steps: int = 6, checkpoint_every: int = 2
 # has groups whose rewards vary from the first GRPO step, so GRPO updates move the weights
 # (with no signal at all a fresh Adam's step is 0 and nothing moves). At 16 sequences a step
 # the warm-start's sampled reward was 0 at the first two GRPO steps on a Zen 3 EPYC (every
-# group alike, nothing moved); at 64 it is 0.19 there (`tests/test_kl_reference.py`'s run).
+# group alike, nothing moved); at 64 it is 0.19 there (the first GRPO record's `reward_mean`
+# in `tests/test_kl_reference.py`'s run).
 # A test that needs motion whatever the rewards uses a KL to another model instead.
 LEARNS = ["sft.steps=300", "sft.lr=1e-2", "sft.batch_size=64", "task.max_digits=1",
           "grpo.prompts_per_step=8", "grpo.group_size=4"]

@@ -129,7 +129,8 @@ for policy, (ro, lps) in results.items():
 # a rounding boundary. How often that happens depends on the kernels: on CPU the
 # sampler multiplies a `[out, in]` copy of its weights (the decode layout
 # `transposed`, `ro.decode_layout`) and at this size its bf16 products mostly
-# round as the dense forward's do; on a GPU, or a larger model, they do not.
+# round as the dense forward's do; on a GPU, or at another size, that need not
+# hold (not measured there).
 # That gap is the *training-inference mismatch* that TIS/MIS corrections exist
 # to patch up, here removed at its source.
 
