@@ -1,3 +1,124 @@
 #!/usr/bin/env bash
-# The benchmarks and compiled kernel tests on one NVIDIA GPU: benchmarks/accelerator.sh.
-PLATFORM=gpu exec "$(dirname "${BASH_SOURCE[0]}")/accelerator.sh" "$@"
+# The GPU tier and the GPU benchmarks on one NVIDIA GPU, offline, in at most 8 minutes (each step
+# under its own `timeout`, the slowest last). Writes into DIR (default docs/bench), named by the
+# device (e.g. `h200` for an NVIDIA H200):
+#
+#   gpu-<device>.json      the device, jax, and per step its exit status, seconds, command and
+#                          last line of output (the tier's pytest summary among them)
+#   replay-<device>.json   jaxrl-lp bench replay: replay == sampler at Qwen3-0.6B and Ouro-1.4B
+#                          shapes, bf16 and fp32, whole batch, 2- and 4-way slices, shuffled rows,
+#                          max_staleness 1; the first cell with --cost and --traced
+#   train-<device>.json    the default `jaxrl-lp train`'s summary.json, with its GRPO steps'
+#                          replay_verified count and largest mismatch
+#   gpu-<device>.log       every step's output, in order
+#
+# Steps: the tier's quick cells (`pytest -m gpu -k "not model_sizes"`: the compiled-kernel
+# cells, the tiny exactness cells of every path, a run in minibatches, the start probe) beside
+# the default `jaxrl-lp train` (nothing is timed there), then `bench replay` alone (its first
+# cell times the sampler). The model-size cells of the tier are `bench replay`'s.
+#
+# Needs a python3 with JAX for the GPU, flax, optax, orbax-checkpoint, ml_dtypes and pytest. What
+# it lacks (grain, tensorboardX and their needs) comes as wheels in .whl/, fetched beforehand on
+# a machine with PyPI by benchmarks/fetch_wheels.sh and installed with --no-index --no-deps into a
+# private folder. The project runs from this checkout (PYTHONPATH), not installed.
+#
+#   benchmarks/fetch_wheels.sh                 # once, with PyPI
+#   benchmarks/gpu.sh [DIR]                    # on the GPU machine, from the checkout
+#   PRESETS=qwen3-0.6b SKIP_TRAIN=1 benchmarks/gpu.sh   # a part of it
+#   QUICK=1 ALLOW_CPU=1 benchmarks/gpu.sh /tmp/x        # the script's own check on a CPU
+set -uo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+DIR="${1:-docs/bench}"
+PYTHON="${PYTHON:-python3}"
+PRESETS="${PRESETS:-qwen3-0.6b,ouro-1.4b}"
+mkdir -p "$DIR"
+SITE="${SITE:-/tmp/jaxrl_lp_site}"
+if ! "$PYTHON" -c "import grain, tensorboardX" 2> /dev/null && compgen -G ".whl/*.whl" > /dev/null
+then
+  "$PYTHON" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target "$SITE" .whl/*.whl > /dev/null 2>&1 || { echo "$0: wheel install failed" >&2; exit 2; }
+fi
+export PYTHONPATH="$PWD:$SITE${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+export XLA_PYTHON_CLIENT_PREALLOCATE=false  # two processes share the GPU
+NAME=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -n 1)
+if [[ -z "$NAME" && -z "${ALLOW_CPU:-}" ]]; then
+  echo "$0: no GPU answers nvidia-smi; ALLOW_CPU=1 to run anyway" >&2
+  exit 2
+fi
+# The device's short name: the last word of nvidia-smi's, lower case (`NVIDIA H200` -> h200).
+DEV=$(echo "${NAME:-cpu}" | awk '{print tolower($NF)}' | tr -c 'a-z0-9\n' '-')
+[[ -n "${ALLOW_CPU:-}" && -z "$NAME" ]] && DEV=cpu-dry-run
+LOG="$DIR/gpu-$DEV.log"
+STEPS="$DIR/.steps-$DEV.tsv"
+: > "$LOG"; : > "$STEPS"
+if ! "$PYTHON" -c "import jaxrl_lp.cli.main" >> "$LOG" 2>&1; then
+  echo "$0: jaxrl_lp does not import (missing wheels? see $LOG, benchmarks/fetch_wheels.sh)" >&2
+  exit 2
+fi
+JAXRL=("$PYTHON" -m jaxrl_lp.cli.main)
+t0=$(date +%s)
+
+# step NAME SECONDS COMMAND...: COMMAND under `timeout`, its output appended to the log when it
+# ends; records (exit status, seconds, last line of output, command).
+step() {
+  local name=$1 limit=$2 start rc out
+  shift 2
+  start=$(date +%s)
+  out="$DIR/.$name-$DEV.out"
+  timeout -k 10 "$limit" "$@" > "$out" 2>&1
+  rc=$?
+  { echo "=== $name (limit ${limit}s, exit $rc): $*"; cat "$out"; } >> "$LOG"
+  printf '%s\t%s\t%s\t%s\t%s\n' "$name" "$rc" "$(( $(date +%s) - start ))" \
+    "$(grep -v '^\s*$' "$out" | tail -n 1 | tr '\t' ' ')" "$*" >> "$STEPS"
+  rm -f "$out"
+  echo "$0: $name exit $rc after $(( $(date +%s) - start ))s" >&2
+}
+
+if [[ -n "${QUICK:-}" ]]; then  # tiny sizes, a few seconds a step
+  export QUICK
+  PRESETS=tiny-qwen3,tiny-ouro
+  REPLAY=(--prompts 4 --prompt-len 12 --new-tokens 16)
+  TRAIN=(--set sft.steps=20 --set grpo.steps=3)
+else
+  REPLAY=()
+  TRAIN=()
+fi
+
+# Worst case, every limit reached: max(150, 200) + 240 s of steps, plus the set-up.
+step tier 150 "$PYTHON" -m pytest -q -p no:cacheprovider -m gpu -k "not model_sizes" \
+  tests/test_gpu.py tests/test_kernels_compiled.py &
+if [[ -z "${SKIP_TRAIN:-}" ]]; then
+  step train 200 "${JAXRL[@]}" train --set run.out_dir="$DIR/.train-$DEV" \
+    --set run.progress=false "${TRAIN[@]}"
+fi
+wait
+step replay 240 "${JAXRL[@]}" bench replay --presets "$PRESETS" --policies bf16,fp32 --cost \
+  --traced "${REPLAY[@]}" --out "$DIR/replay-$DEV.json"
+
+NAME="$NAME" STEPS="$STEPS" DIR="$DIR" DEV="$DEV" SECONDS_ALL=$(( $(date +%s) - t0 )) \
+"$PYTHON" - >> "$LOG" 2>&1 <<'PY'
+import json, os, pathlib
+import jax
+d = pathlib.Path(os.environ["DIR"]); dev = os.environ["DEV"]
+steps = {}
+for line in open(os.environ["STEPS"]):
+    name, rc, secs, last, cmd = line.rstrip("\n").split("\t", 4)
+    steps[name] = {"exit": int(rc), "seconds": int(secs), "timed_out": rc in ("124", "137"),
+                   "last_line": last[-300:], "command": cmd}
+run = d / f".train-{dev}"
+if (run / "summary.json").is_file():
+    grpo = [r for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())
+            if r.get("phase") == "grpo"]
+    summary = json.loads((run / "summary.json").read_text())
+    summary.update(grpo_steps_logged=len(grpo),
+                   replay_verified_steps=int(sum(r.get("replay_verified", 0) for r in grpo)),
+                   max_mismatch_max_abs_dlogp=max((r.get("mismatch_max_abs_dlogp", 0.0)
+                                                   for r in grpo), default=None))
+    (d / f"train-{dev}.json").write_text(json.dumps(summary, indent=2) + "\n")
+(d / f"gpu-{dev}.json").write_text(json.dumps({
+    "device": os.environ["NAME"] or "none (dry run on CPU)", "jax": jax.__version__,
+    "backend": jax.default_backend(), "seconds": int(os.environ["SECONDS_ALL"]),
+    "steps": steps}, indent=2) + "\n")
+PY
+rm -rf "$STEPS" "$DIR/.train-$DEV"
+cat "$DIR/gpu-$DEV.json"

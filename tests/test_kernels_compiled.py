@@ -1,10 +1,14 @@
-"""The kernels compiled on the device this runs on (`k=on`): GPU (Triton) or TPU (Mosaic).
+"""The kernels on the device this runs on: compiled on TPU (Mosaic, `k=on`), retired on GPU.
 
-Skipped on CPU, where the same maths is checked in Pallas interpret mode
+On a TPU every kernel is compiled and checked against its reference. On a GPU
+our versions (Pallas on the deprecated Triton backend) are retired from
+compiled use (`kernels.dispatch.RETIRED`): the GPU cells check that `k=auto`
+runs the reference there and `k=on` is a clear error. Skipped on CPU, where
+the maths of both versions is checked in Pallas interpret mode
 (tests/test_kernels_logprob.py, test_kernel_logprob_tpu.py, test_kernel_quantize.py,
-test_kernel_decode_attention.py) and the lowering for both platforms in
-tests/test_lowering.py. `benchmarks/gpu.sh` and `benchmarks/tpu.sh` run this file on a
-device. Tolerances are the interpret tests' (stated per test); quantization is bit for bit.
+test_kernel_decode_attention.py) and the lowering in tests/test_lowering.py.
+Part of the GPU tier (`pytest -m gpu`, `benchmarks/gpu.sh`). Tolerances are
+the interpret tests' (stated per test); quantization is bit for bit.
 """
 
 import jax
@@ -20,10 +24,14 @@ from jaxrl_lp.numerics import formats
 from jaxrl_lp.numerics.policy import Policy
 from jaxrl_lp.numerics.qarray import dequantize as dequantize_reference
 
-pytestmark = pytest.mark.skipif(
-    jax.default_backend() not in ("gpu", "cuda", "tpu"),
+ON_TPU = jax.default_backend() == "tpu"
+ON_GPU = jax.default_backend() in ("gpu", "cuda")
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(
+    not (ON_TPU or ON_GPU),
     reason="compiles the kernels for this host's GPU or TPU (k=on); on CPU the interpret-mode "
-           "tests check the same maths and tests/test_lowering.py the lowering")
+           "tests check the same maths and tests/test_lowering.py the lowering")]
+tpu_only = pytest.mark.skipif(not ON_TPU, reason="the GPU versions are retired from compiled "
+                              "use (kernels.dispatch.RETIRED): the GPU cells below check that")
 
 
 def _logprob_inputs(t, d, v, dtype, seed=0):
@@ -45,26 +53,28 @@ def _value_and_grads(policy, h, w, tokens, mask, g):
     return outs, grads
 
 
+@tpu_only
 @pytest.mark.parametrize("t,d,v", [(256, 1024, 151936), (200, 2048, 49152), (8, 1024, 151936)])
 def test_fused_logprob_compiled_matches_the_reference(t, d, v):
     """f32: values within 1e-5 + 1e-6 relative, gradients within 1e-5 + 1e-4 relative of the
     reference scan (k=off), at the presets' read-out shapes (Qwen3's ragged last tile, a
     decode step's 8 rows)."""
     h, w, tokens, mask, g = _logprob_inputs(t, d, v, jnp.float32)
-    (lp, ent), (dh, dw) = _value_and_grads("fp32,k=on", h, w, tokens, mask, g)
-    (lp0, ent0), (dh0, dw0) = _value_and_grads("fp32,k=off", h, w, tokens, mask, g)
+    (lp, ent), (dh, dw) = _value_and_grads(Policy.parse("fp32,k=on"), h, w, tokens, mask, g)
+    (lp0, ent0), (dh0, dw0) = _value_and_grads(Policy.parse("fp32,k=off"), h, w, tokens, mask, g)
     np.testing.assert_allclose(lp, lp0, atol=1e-5, rtol=1e-6)
     np.testing.assert_allclose(ent, ent0, atol=1e-5, rtol=1e-6)
     np.testing.assert_allclose(dh, dh0, atol=1e-5, rtol=1e-4)
     np.testing.assert_allclose(dw, dw0, atol=1e-5, rtol=1e-4)
 
 
+@tpu_only
 def test_fused_logprob_compiled_in_native_bf16():
     """bf16 h and W (what a native-bf16 run hands the kernel): within 3e-5 of the reference fed
     the same bf16 arrays on values; gradients within one bf16 ulp (2^-7 relative)."""
     h, w, tokens, mask, g = _logprob_inputs(256, 1024, 151936, jnp.bfloat16)
-    (lp, ent), (dh, dw) = _value_and_grads("bf16,k=on", h, w, tokens, mask, g)
-    (lp0, ent0), (dh0, dw0) = _value_and_grads("bf16,k=off", h, w, tokens, mask, g)
+    (lp, ent), (dh, dw) = _value_and_grads(Policy.parse("bf16,k=on"), h, w, tokens, mask, g)
+    (lp0, ent0), (dh0, dw0) = _value_and_grads(Policy.parse("bf16,k=off"), h, w, tokens, mask, g)
     assert dh.dtype == jnp.bfloat16 and dw.dtype == jnp.bfloat16
     np.testing.assert_allclose(lp, lp0, atol=3e-5, rtol=1e-6)
     np.testing.assert_allclose(ent, ent0, atol=3e-5, rtol=1e-6)
@@ -73,6 +83,7 @@ def test_fused_logprob_compiled_in_native_bf16():
                                    atol=1e-6, rtol=2**-7)
 
 
+@tpu_only
 @pytest.mark.parametrize("fmt", ["mxfp8", "mxfp4", "nvfp4"])
 @pytest.mark.parametrize("shape,axis", [((2560, 9728), 0), ((4096, 2560), 1), ((96, 200), 0)])
 def test_quantize_compiled_is_bit_equal(fmt, shape, axis):
@@ -91,6 +102,7 @@ def test_quantize_compiled_is_bit_equal(fmt, shape, axis):
                                   np.asarray(jax.jit(dequantize_reference)(q0)))
 
 
+@tpu_only
 @pytest.mark.parametrize("policy,atol", [("fp32", 1e-6), ("bf16", 2e-2)])
 @pytest.mark.parametrize("b,h,k,s,dh", [(8, 16, 8, 1024, 128), (4, 32, 8, 700, 128)])
 def test_decode_attention_compiled_matches_the_reference(policy, atol, b, h, k, s, dh):
@@ -106,20 +118,55 @@ def test_decode_attention_compiled_matches_the_reference(policy, atol, b, h, k, 
     k_pos = jnp.where(jnp.arange(s)[None] >= start[:, None], jnp.arange(s)[None] - start[:, None], -1)
     q_pos = jnp.full((b, 1), s - 1) - start[:, None]
     run = lambda pol: jax.jit(lambda *a: decode_attention(*a, pol))(q, kc, vc, q_pos, k_pos)
-    out, ref = run(f"{policy},k=on"), jax.jit(lambda *a: attention(*a, policy))(q, kc, vc, q_pos,
-                                                                                k_pos)
+    ref_policy = Policy.parse(policy)
+    out = run(Policy.parse(f"{policy},k=on"))
+    ref = jax.jit(lambda *a: attention(*a, ref_policy))(q, kc, vc, q_pos, k_pos)
     np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(ref, np.float32), atol=atol)
 
 
 @pytest.mark.parametrize("kind", ["dense", "looped_deferred"])
-def test_replay_equals_the_sampler_with_the_kernels_compiled(kind):
-    """The exactness cell on the device, native bf16, kernels on: replay == sampler bit for bit."""
-    from jaxrl_lp.bench.exactness import exactness_model, exactness_rollout, masked_max_abs_diff
-    from jaxrl_lp.rl.logprobs import learner_logprobs
+def test_replay_equals_the_sampler_with_the_platforms_kernels(kind):
+    """The exactness cell on the device, native bf16, the platform's kernels (`k=auto`: on TPU
+    the Mosaic kernels, on a GPU XLA's own): replay == sampler bit for bit, whole and halves."""
+    from jaxrl_lp.bench.exactness import exactness_model, exactness_rollout
+    from jaxrl_lp.rollout.generate import take_rows
+    from jaxrl_lp.rollout.replay import replay_logprobs
 
+    policy = Policy.parse("bf16,k=auto")
     cfg, params, loop = exactness_model(kind, loop_steps=4)
-    ro = exactness_rollout(params, cfg, Policy.parse("bf16,k=on"), loop, prompts=((1, 5, 7), (2, 9, 4, 11)),
+    ro = exactness_rollout(params, cfg, policy, loop, prompts=((1, 5, 7), (2, 9, 4, 11)),
                            num_samples=2, max_new_tokens=8)
-    replay, _ = jax.jit(lambda p: learner_logprobs(p, cfg, "bf16,k=on", ro, "replay",
-                                                   loop=loop))(params)
-    assert masked_max_abs_diff(replay, ro.logprobs, ro.completion_mask) == 0.0
+    mask = np.asarray(ro.completion_mask) > 0
+    halves = [replay_logprobs(params, cfg, policy, take_rows(ro, np.arange(i, i + 2)))
+              for i in (0, 2)]
+    for got in (replay_logprobs(params, cfg, policy, ro), jnp.concatenate(halves)):
+        np.testing.assert_array_equal(np.asarray(got)[mask], np.asarray(ro.logprobs)[mask])
+
+
+@pytest.mark.skipif(not ON_GPU, reason="the GPU's retired versions")
+@pytest.mark.parametrize("kernel", ["logprob", "quantize", "decode_attention"])
+def test_a_gpu_takes_the_reference_and_refuses_kernels_on(kernel):
+    """On a GPU `k=auto` runs the reference (bit-equal to `k=off`) and `k=on` is one clear
+    error naming the retirement, raised when the program is compiled."""
+    from jaxrl_lp.kernels import KernelUnavailableError
+
+    def call(mode):
+        pol = Policy.parse(f"bf16,k={mode}")
+        if kernel == "logprob":
+            h, w, tokens, mask, _ = _logprob_inputs(64, 256, 4096, jnp.bfloat16)
+            return jax.jit(lambda h, w: fused_logprobs(h, w, tokens, 0.7, pol, mask_T=mask))(h, w)
+        if kernel == "quantize":
+            x = jax.random.normal(jax.random.PRNGKey(1), (256, 512)).astype(jnp.bfloat16)
+            return jax.jit(lambda x: kq.quantize(x, "mxfp8", 0, kernels=mode).codes)(x)
+        ks = jax.random.split(jax.random.PRNGKey(2), 3)
+        q = jax.random.normal(ks[0], (4, 1, 8, 64)).astype(jnp.bfloat16)
+        kc = jax.random.normal(ks[1], (4, 4, 256, 64)).astype(jnp.bfloat16)
+        vc = jax.random.normal(ks[2], (4, 4, 256, 64)).astype(jnp.bfloat16)
+        k_pos = jnp.broadcast_to(jnp.arange(256), (4, 256))
+        return jax.jit(lambda *a: decode_attention(*a, pol))(q, kc, vc, jnp.full((4, 1), 255),
+                                                             k_pos)
+
+    for a, b in zip(jax.tree.leaves(call("auto")), jax.tree.leaves(call("off")), strict=True):
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+    with pytest.raises(KernelUnavailableError, match="retired"):
+        jax.block_until_ready(call("on"))

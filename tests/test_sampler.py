@@ -23,7 +23,7 @@ from jaxrl_lp.models import ExitSchedule, forward, get_preset, init_params, unst
 from jaxrl_lp.models.cache import init_cache
 from jaxrl_lp.numerics.policy import Policy
 from jaxrl_lp.rollout import LoopSpec, SamplingConfig, decode_step, generate, prefill
-from jaxrl_lp.rollout.generate import _generate, pad_prompts
+from jaxrl_lp.rollout.generate import pad_prompts, sampler_program
 
 TOL = 1e-5  # f32 sampler (cached, one token at a time) vs f32 full forward: log-probs, absolute
 N = 6  # new tokens
@@ -132,9 +132,9 @@ def test_dense_greedy_is_argmax_of_full_forward_and_logprobs_match():
     check_against_full(ro, logits, p, 1.0, greedy=True)
 
     # New prompt contents and lengths in the same bucket reuse the compiled program.
-    compiled = _generate._cache_size()
+    compiled = sampler_program._cache_size()
     generate(params, DENSE, [[1, 2, 3], [4, 5, 6, 7, 8, 9]], sampling=sampling, max_new_tokens=N)
-    assert _generate._cache_size() == compiled
+    assert sampler_program._cache_size() == compiled
 
 
 @pytest.mark.parametrize("rule", RULES)

@@ -58,16 +58,18 @@ def _generate_trace(cfg, policy, shapes):
     import jax.numpy as jnp
 
     from jaxrl_lp.models.model import init_params
-    from jaxrl_lp.rollout.generate import _generate
+    from jaxrl_lp.rollout.generate import Forced, sampler_program
     from jaxrl_lp.rollout.sampling import SamplingConfig
     from jaxrl_lp.rollout.step import LoopSpec
 
     params = jax.eval_shape(lambda: init_params(cfg, jax.random.PRNGKey(0)))
     ints = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)  # noqa: E731
     rows, prompt = shapes.rows, shapes.prompt_len
-    return lambda: _generate.trace(
-        params, ints(rows, prompt), ints(rows, prompt), ints(rows), jax.random.PRNGKey(0), 0,
-        cfg=cfg, policy=policy, loop=LoopSpec().resolve(cfg),
+    forced = Forced(ints(rows, shapes.max_new), ints(rows, shapes.max_new),
+                    jax.ShapeDtypeStruct((), jnp.bool_))
+    return lambda: sampler_program.trace(
+        params, ints(rows, prompt), ints(rows, prompt), ints(rows), jax.random.PRNGKey(0),
+        ints(), forced, cfg=cfg, policy=policy, loop=LoopSpec().resolve(cfg),
         sampling=SamplingConfig(temperature=1.0), max_new_tokens=shapes.max_new,
         eos_id=cfg.eos_token_id, pad_id=cfg.pad_token_id or 0)
 

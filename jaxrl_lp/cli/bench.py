@@ -16,8 +16,8 @@ import sys
 
 from jaxrl_lp.cli.help import show_defaults
 
-TARGETS = ("sampler", "exactness", "smoke", "learner", "iteration", "kernels", "speculative",
-           "lowering", "compile", "overlap", "lora")
+TARGETS = ("sampler", "exactness", "replay", "smoke", "learner", "iteration", "kernels",
+           "speculative", "lowering", "compile", "overlap", "lora")
 
 
 def _target_modules() -> dict:

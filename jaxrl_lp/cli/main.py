@@ -48,12 +48,14 @@ def main(argv: list[str] | None = None) -> int:
     if not getattr(args, "func", None):
         parser.print_help()
         return 2
+    from jaxrl_lp.train.behaviour import ReplayMismatchError
     from jaxrl_lp.train.checkpoint import CheckpointWriteError
     from jaxrl_lp.train.preemption import EXIT_PREEMPTED, Preempted
 
     try:
         return int(args.func(args) or 0)
-    except (UserError, ValueError, FileNotFoundError, CheckpointWriteError) as e:
+    except (UserError, ValueError, FileNotFoundError, CheckpointWriteError,
+            ReplayMismatchError) as e:  # the run's newest checkpoint stays as it was
         print(f"jaxrl-lp {args.command}: error: {e}", file=sys.stderr)
         return 2
     except Preempted as e:  # a checkpoint was saved: the same command resumes

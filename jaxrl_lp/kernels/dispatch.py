@@ -12,14 +12,20 @@ TPU compiles.
 
 | `Policy.kernels` | lowered for `cpu` | `cuda` | `tpu` |
 |---|---|---|---|
-| `auto` | reference | Triton kernel (1) | Mosaic TPU kernel (1) |
-| `on` | error | Triton kernel (2) | Mosaic TPU kernel (2) |
+| `auto` | reference | reference (3) | Mosaic TPU kernel (1) |
+| `on` | error | error (3) | Mosaic TPU kernel (2) |
 | `off` | reference | reference | reference |
 | `interpret` | GPU version, interpreted | same | same |
 | `interpret-tpu` | TPU version, interpreted | same | same |
 
 (1) or the reference where the kernel's tile does not fit; (2) an error where
-it does not fit.
+it does not fit. (3) The GPU versions (Pallas on its Triton backend) are
+retired from compiled use (`RETIRED`): the backend is deprecated in JAX 0.11,
+and compiled on an H200 the quantize kernels wrote wrong codes (NVFP4 at
+production shapes, every MX format at a ragged shape), so a GPU program takes
+the reference: XLA's own fusions, cuBLAS and cuDNN. The GPU versions stay
+for `interpret` (their maths checked on CPU) until a Mosaic GPU port replaces
+them (docs/design.md, "Kernels on GPU").
 (`rocm` and any other platform take the reference under `auto` and are an
 error under `on`: no version of ours is tested there.) The errors of `on` are
 raised when the program is lowered for that platform (or at once, when the
@@ -47,13 +53,20 @@ from jax.interpreters import ad, batching, mlir
 
 from jaxrl_lp.numerics.policy import KERNEL_MODES, Policy
 
-__all__ = ["KERNEL_PLATFORMS", "KernelUnavailableError", "Version", "by_platform", "interpreting",
+__all__ = ["KERNEL_PLATFORMS", "RETIRED", "KernelUnavailableError", "Version", "by_platform",
+           "interpreting",
            "kernel_backend", "once_per_shape", "per_shard", "pow2_misfit", "refuse", "shard_count"]
 
 T = TypeVar("T")
 
 # The platforms a kernel of ours has a compiled version for, and the Pallas backend of each.
-KERNEL_PLATFORMS: dict[str, str] = {"cuda": "triton", "tpu": "mosaic_tpu"}
+KERNEL_PLATFORMS: dict[str, str] = {"tpu": "mosaic_tpu"}
+# Platforms whose versions are not compiled any more (module table, (3)), and why.
+RETIRED: dict[str, str] = {
+    "cuda": "our GPU kernels are retired from compiled use (the Pallas Triton backend is "
+            "deprecated in JAX 0.11, and compiled on an H200 the quantize kernels wrote wrong "
+            "codes); a GPU program runs XLA's fusions, cuBLAS and cuDNN",
+}
 
 
 class KernelUnavailableError(ValueError):
@@ -119,16 +132,14 @@ def refuse(message: str, value: T) -> T:
 
 
 def kernel_backend() -> str | None:
-    """This host's own Pallas backend (`gpu`, `tpu`), or None on CPU.
+    """This host's own Pallas backend whose kernels are compiled (`tpu`), or None (CPU, and a
+    GPU, whose versions are `RETIRED`).
 
     For benchmarks and tests that *run* compiled kernels on this machine (and
     so must know whether it can); never for choosing an implementation inside
     a program, which `by_platform` resolves for the platform lowered for.
     """
-    backend = jax.default_backend()
-    if backend in ("gpu", "cuda", "rocm"):
-        return "gpu"
-    return "tpu" if backend == "tpu" else None
+    return "tpu" if jax.default_backend() == "tpu" else None
 
 
 # ----------------------------------------------------------------- the dispatch
@@ -177,11 +188,15 @@ def by_platform(name: str, policy: Policy | str, reference: Callable[[], T], *,
 
     def branch(platform: str):
         version = versions.get(platform)
-        if version is not None and version.misfit is None:
+        if version is not None and version.misfit is None and platform not in RETIRED:
             return lambda: version.run(False)
         if mode == "auto":
             return reference
-        if version is None:
+        if platform in RETIRED:
+            why = (f"kernel {name!r} (kernels=on) has no compiled version for {platform}: "
+                   f"{RETIRED[platform]}; use kernels=auto (the same reference, by name), or "
+                   "kernels=interpret to check our GPU version's maths on CPU")
+        elif version is None:
             why = (f"kernel {name!r} (kernels=on) has no version for {platform}: ours compile "
                    f"for {' and '.join(p for p, v in versions.items() if v is not None) or 'no platform'}"
                    " (Pallas on CPU only interprets); use kernels=auto to run the jnp reference "

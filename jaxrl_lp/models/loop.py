@@ -174,11 +174,17 @@ class ExitSchedule(NamedTuple):
     active_BxT: bool, False for tokens of sequences that have finished. In
       deferred mode such a token counts as exited before step 0: it is never
       computed and does not hold the batch's loop over steps.
+    forced_BxT: bool, where `depth_BxT` and `readout_BxT` apply; elsewhere the
+      exit rule decides as if they were not given. None: they apply to every
+      token. The sampler's program takes a recorded schedule this way, so
+      that sampling (False) and its replay (True) run one compiled program
+      (`rollout.replay`).
     """
 
     depth_BxT: jax.Array | None = None
     readout_BxT: jax.Array | None = None
     active_BxT: jax.Array | None = None
+    forced_BxT: jax.Array | None = None
 
 
 def exit_distribution(lambdas_RxBxT: jax.Array) -> jax.Array:

@@ -184,7 +184,7 @@ def looped_forward(
         """Exit decision at step r from the running exit distribution (reference order)."""
         p = jnp.where(r < R - 1, lam * remaining, remaining)
         cum = cum + p
-        if schedule.depth_BxT is not None:
+        if schedule.depth_BxT is not None and schedule.forced_BxT is None:
             now = r == schedule.depth_BxT
         elif exit_rule.kind == "full":
             now = jnp.full((b, t), r == R - 1)
@@ -192,6 +192,8 @@ def looped_forward(
             now = jnp.full((b, t), r == exit_rule.steps - 1)
         else:
             now = ((cum >= exit_rule.threshold) & (r + 1 >= exit_rule.min_loops)) | (r == R - 1)
+        if schedule.depth_BxT is not None and schedule.forced_BxT is not None:
+            now = jnp.where(schedule.forced_BxT, r == schedule.depth_BxT, now)
         return p, remaining * (1.0 - lam), cum, now
 
     def loop_step(r, c: _LoopCarry):
@@ -227,7 +229,10 @@ def looped_forward(
         lam = _gate(params, hn, policy)
         p, remaining, cum, now = decide(r, lam, c.remaining, c.cum)
         newly = now & ~c.exited
-        read_now = newly if schedule.readout_BxT is None else r == schedule.readout_BxT
+        read_now = newly
+        if schedule.readout_BxT is not None:
+            read_now = (r == schedule.readout_BxT if schedule.forced_BxT is None
+                        else jnp.where(schedule.forced_BxT, r == schedule.readout_BxT, newly))
         # The next step's input: the normed state (f32 carrier when the residual is f32);
         # a frozen (deferred, exited) token keeps its state.
         carry = _LoopCarry(

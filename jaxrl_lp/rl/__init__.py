@@ -16,6 +16,7 @@ from jaxrl_lp.rl.logprobs import (
     packed_rows_of,
     recorded_logprobs,
     replay_logprobs,
+    traced_replay_logprobs,
 )
 from jaxrl_lp.rl.loss import LossConfig, kl_penalty, loss_denominator, policy_loss, select_anchor
 from jaxrl_lp.rl.metrics import mismatch_metrics
@@ -43,5 +44,6 @@ __all__ = [
     "replay_logprobs",
     "select_anchor",
     "select_groups",
+    "traced_replay_logprobs",
     "zero_variance_groups",
 ]

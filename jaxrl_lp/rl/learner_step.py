@@ -62,6 +62,10 @@ class LearnerStep:
       rows_of: `rows_of(*batch) -> packed_rows` (host-side; a packed step, on
         one device or a mesh), or None.
       mesh, cfg, rules: run on `mesh`: parameter shardings of `cfg` by `rules`.
+      prepare: `prepare(args) -> args`, run on the host before each call
+        (not by `trace` or `lower`): what the update needs computed by other
+        compiled programs first (the hybrid GRPO step's replay value,
+        `make_grpo_step`), or None.
 
     Example:
       >>> step = make_grpo_step(cfg, policy, LossConfig(), optax.adam(1e-6))
@@ -71,7 +75,8 @@ class LearnerStep:
 
     def __init__(self, fn: Callable, kinds: tuple[str, ...], *,
                  rows_of: Callable[..., Any] | None = None, mesh: Mesh | None = None,
-                 cfg: ModelConfig | None = None, rules: ShardingRules = DEFAULT_RULES):
+                 cfg: ModelConfig | None = None, rules: ShardingRules = DEFAULT_RULES,
+                 prepare: Callable[[tuple], tuple] | None = None):
         if bad := [k for k in kinds if k not in KINDS]:
             raise ValueError(f"LearnerStep kinds must be among {KINDS}; got {bad}")
         if mesh is not None and cfg is None:
@@ -79,6 +84,7 @@ class LearnerStep:
                              "shardings)")
         self.fn, self.kinds, self.rows_of = fn, tuple(kinds), rows_of
         self.mesh, self.cfg, self.rules = mesh, cfg, rules
+        self.prepare = prepare
         # By which arguments are None: each pattern is a program of its own (on a mesh its
         # in-shardings differ; there also by row count). Values: (in-shardings or None, the
         # jitted function).
@@ -95,7 +101,7 @@ class LearnerStep:
         if not self.packs:
             raise ValueError("with_packed_rows: this step packs no rows")
         return LearnerStep(self.fn, self.kinds, rows_of=lambda *_: packed_rows, mesh=self.mesh,
-                           cfg=self.cfg, rules=self.rules)
+                           cfg=self.cfg, rules=self.rules, prepare=self.prepare)
 
     def shardings(self, *args):
         """The in-shardings of `args` (by kind) and the out-shardings of the step (mesh only)."""
@@ -150,6 +156,8 @@ class LearnerStep:
 
     def __call__(self, *args):
         """One update: `(params, opt_state, metrics)`, metrics a dict of f32 scalars."""
+        if self.prepare is not None:
+            args = self.prepare(args)
         ins, jitted, static = self._program(args)
         if ins is not None:
             # Inputs placed as the program expects (a no-op for those already there; rows

@@ -4,13 +4,20 @@
   applies the recorded looped schedule (deferred: token s presents its K/V at
   step min(d, e_s); every position reads out at its recorded exit step).
   Differentiable; differs from the sampler by kernel-shape rounding.
-- `replay`: the sampler's own `prefill` and `decode_step` run over the
-  recorded tokens and schedule (a `lax.scan` instead of the sampler's
-  `while_loop`), so with the same weights and policy its values are the
-  sampler's bit for bit.
+- `replay`: the sampler's computation over the recorded tokens and
+  schedule. At the host level it is the sampler's own compiled program rerun
+  with the tokens forced (`rollout.replay.replay_logprobs`; the
+  `jit_learner_logprobs` programs and the training program use it), so with
+  the same weights and policy its values are the sampler's bit for bit, for
+  the whole batch and any slice of it. Traced into another program (inside
+  `learner_logprobs`, a `LearnerStep` given no value) it is
+  `traced_replay_logprobs`: the sampler's `prefill` and `decode_step` under
+  a `lax.scan`, equal to the sampler only where the compiler compiles the
+  two programs alike (XLA:CPU at the sampler's batch shape; not a GPU).
 - `hybrid`: `stop_gradient(replay) + (dense - stop_gradient(dense))`. The
   bracket is exactly 0.0 in value, so the value is replay's bits; its gradient
-  is exactly the dense gradient.
+  is exactly the dense gradient. `make_grpo_step` computes the replay value
+  by `replay_logprobs` before its jitted update and passes it in.
 
 A rollout says how to read it: its `loop` (exit rule and compute mode) and
 `temperature` are what every function here computes with. A caller that
@@ -35,7 +42,7 @@ from jaxrl_lp.kernels.logprob import readout_logprobs
 from jaxrl_lp.models.blocks import lm_head, lm_logits, unstack_layers
 from jaxrl_lp.models.cache import init_cache, unstack_cache
 from jaxrl_lp.models.config import ModelConfig
-from jaxrl_lp.models.loop import MODEL_DEFAULT, ExitSchedule
+from jaxrl_lp.models.loop import ExitSchedule
 from jaxrl_lp.models.model import forward
 from jaxrl_lp.models.packing import gather_rows, make_packing, unpack
 from jaxrl_lp.models.recorded import Products, with_products
@@ -44,13 +51,14 @@ from jaxrl_lp.parallel.context import use_mesh
 from jaxrl_lp.parallel.rules import DEFAULT_RULES, ShardingRules
 from jaxrl_lp.rl.packed_rows import PACK_BUCKETS, pack_groups, packed_rows_for, packed_rows_of
 from jaxrl_lp.rollout.generate import Rollout, split_rows
+from jaxrl_lp.rollout.replay import ReplayProgram, replay_logprobs, rollout_loop
 from jaxrl_lp.rollout.speculative import replay_speculative
 from jaxrl_lp.rollout.step import LoopSpec, decode_step, fused_readout, prefill, step_logprobs
 
 __all__ = ["LogprobMethod", "LogprobProgram", "dense_logprobs", "forward_products",
            "jit_learner_logprobs", "learner_logprobs", "logprob_entropy", "pack_groups",
            "packed_logprobs", "packed_rows_for", "packed_rows_of", "prompt_positions",
-           "recorded_logprobs", "replay_logprobs", "rollout_loop"]
+           "recorded_logprobs", "replay_logprobs", "rollout_loop", "traced_replay_logprobs"]
 
 LogprobMethod = Literal["dense", "replay", "hybrid"]
 
@@ -60,34 +68,6 @@ def prompt_positions(prompt_BxP: jax.Array, lengths_B: jax.Array) -> jax.Array:
     p = prompt_BxP.shape[1]
     pos = jnp.arange(p, dtype=jnp.int32)[None] - (p - lengths_B[:, None])
     return jnp.where(pos >= 0, pos, -1).astype(jnp.int32)
-
-
-def rollout_loop(ro: Rollout, cfg: ModelConfig, loop: LoopSpec | None = None) -> LoopSpec:
-    """The loop spec to read `ro` with: its own, checked against `cfg` and an expected `loop`.
-
-    Raises:
-      ValueError: the rollout was sampled with another loop spec than `loop`
-        (resolved against `cfg`), or is not one `cfg`'s model can replay.
-    """
-    spec = LoopSpec.parse(ro.loop)
-    if spec.exit_rule == MODEL_DEFAULT:
-        raise ValueError(f"rollout records an unresolved loop spec {spec}; a rollout from "
-                         "`generate` records the rule it ran")
-    try:
-        own = spec.resolve(cfg)
-    except ValueError as e:
-        raise ValueError(f"rollout sampled with loop spec {spec} cannot be read by this "
-                         f"model: {e}") from None
-    if own != spec:
-        raise ValueError(f"rollout sampled with loop spec {spec} cannot be read by this "
-                         f"{'looped' if cfg.is_looped else 'dense'} model (it reads {own})")
-    if loop is not None and LoopSpec.parse(loop).resolve(cfg) != own:
-        raise ValueError(
-            f"rollout was sampled with loop spec {own} but the learner was asked to compute "
-            f"{LoopSpec.parse(loop).resolve(cfg)}; a rollout's log-probs are taken with the "
-            "schedule it was sampled with: pass loop=None to read it from the rollout, or "
-            "sample with the spec the learner expects")
-    return own
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
@@ -298,18 +278,22 @@ def packed_logprobs(params: dict, cfg: ModelConfig, policy: Policy, tokens_BxT: 
     return out(lp), out(ent)
 
 
-def replay_logprobs(params: dict, cfg: ModelConfig, policy: Policy, ro: Rollout, *,
-                    loop: LoopSpec | None = None) -> jax.Array:
-    """The sampler's computation replayed over the recorded tokens and schedule: [B, N].
+def traced_replay_logprobs(params: dict, cfg: ModelConfig, policy: Policy, ro: Rollout, *,
+                           loop: LoopSpec | None = None) -> jax.Array:
+    """The sampler's steps traced over the recorded tokens and schedule: [B, N].
+
+    The traceable replay, for use inside another program (a gradient through
+    it, the hybrid's value inside a step given none). It runs the sampler's
+    `prefill` and `decode_step` in a `lax.scan`: a program of its own, so
+    its values are the sampler's only where the compiler compiles both alike
+    (on XLA:CPU at the sampler's batch shape; on a GPU they differ by ~1e-6).
+    The exact replay is `replay_logprobs` (module docstring).
 
     A speculative rollout (`ro.verify_tokens > 0`) is replayed by
     `rollout.speculative.replay_speculative`: its recorded verification chunks,
     not one-token steps (not differentiable; use `hybrid` for gradients).
-    Bit-equal to `ro.logprobs` on the completion mask when `params` and
-    `policy` are the sampler's (under another policy it is the learner's own
-    decode computation, which is how an unmatched learner measures the
-    mismatch). Differentiable except in deferred mode (its early-stopping loop
-    is a `while_loop`); use `hybrid` for gradients there.
+    Differentiable except in deferred mode (its early-stopping loop is a
+    `while_loop`); use `hybrid` for gradients there.
     """
     loop = rollout_loop(ro, cfg, loop)
     if ro.verify_tokens:  # a speculative rollout: re-run its verification chunks
@@ -370,7 +354,7 @@ def learner_logprobs(params: dict, cfg: ModelConfig, policy: Policy, ro: Rollout
         raise ValueError("products (the sampler's weight products) stand for the forward of "
                          "the weights the sampler ran: pass them with its replay_BxN")
     if method == "replay":
-        return replay_logprobs(params, cfg, policy, ro), jnp.zeros(ro.logprobs.shape)
+        return traced_replay_logprobs(params, cfg, policy, ro), jnp.zeros(ro.logprobs.shape)
     if products is not None:
         dense, entropy = recorded_logprobs(params, cfg, policy, ro, products)
     else:
@@ -383,7 +367,7 @@ def learner_logprobs(params: dict, cfg: ModelConfig, policy: Policy, ro: Rollout
     if replay_BxN is None:
         # stop_gradient on the *input*: a JVP-traced replay compiles differently (1 ulp off
         # the sampler).
-        replay_BxN = replay_logprobs(jax.lax.stop_gradient(params), cfg, policy, ro)
+        replay_BxN = traced_replay_logprobs(jax.lax.stop_gradient(params), cfg, policy, ro)
     replay = jax.lax.stop_gradient(replay_BxN)
     return replay + (dense - jax.lax.stop_gradient(dense)), entropy
 
@@ -438,36 +422,40 @@ class LogprobProgram:
 def jit_learner_logprobs(cfg: ModelConfig, policy: Policy, method: LogprobMethod = "hybrid", *,
                          loop: LoopSpec | None = None, mesh: Mesh | None = None,
                          rules: ShardingRules = DEFAULT_RULES, micro_batches: int = 1,
-                         pack_buckets: int = PACK_BUCKETS) -> LogprobProgram:
-    """`fn(params, rollout) -> log-probs [B, N]`, jitted (no gradient; the learner's values).
+                         pack_buckets: int = PACK_BUCKETS) -> LogprobProgram | ReplayProgram:
+    """`fn(params, rollout) -> log-probs [B, N]`, the learner's values (no gradient).
 
-    `hybrid` computes its value alone: the replay (the dense part adds exactly
-    0.0 to it and only carries the gradient).
+    `replay` and `hybrid` (whose value is the replay's: the dense part adds
+    exactly 0.0 and only carries the gradient) return a `ReplayProgram`: the
+    sampler's own compiled program rerun with the rollout's tokens forced, at
+    the shape of the sampler's calls (`rollout.replay.replay_logprobs`), so
+    each row's values are the sampler's computation whatever rows the rollout
+    holds. `micro_batches` does not apply to it: it runs at the sampler's
+    shape and memory.
 
-    With `micro_batches` > 1 the rows are taken in that many slices one after
-    the other (`lax.map`), so the replay's KV cache and the logits exist for one
-    slice at a time; each row's values are the same as in one pass.
+    `dense` returns a `LogprobProgram` (jitted). With `micro_batches` > 1 the
+    rows are taken in that many slices one after the other (`lax.map`), so the
+    logits exist for one slice at a time. It skips the padding as the learner
+    step's dense forward does (`dense_logprobs`' `packed_rows`, one of
+    `pack_buckets` sizes per slice, read from the rollout's masks on the
+    host: a `LogprobProgram` that `packs`; 0 computes every slot). Its values
+    are then the learner step's forward's, up to the rounding of the step's
+    own program. The rollout's static fields (loop spec, policy, temperature)
+    are static for the jit, and so are a packed program's row counts.
 
-    `dense` skips the padding as the learner step's dense forward does
-    (`dense_logprobs`' `packed_rows`, one of `pack_buckets` sizes per slice,
-    read from the rollout's masks on the host: a `LogprobProgram` that
-    `packs`; 0 computes every slot). Its values are then the learner step's
-    forward's, up to the rounding of the step's own program.
-
-    The rollout's static fields (loop spec, policy, temperature) are static for
-    the jit, and so are a packed program's row counts. With `mesh` the function
-    is traced under `use_mesh`: the replay then runs the sampler's program with
-    the sampler's shardings, which keeps it bit-equal to a sampler on the same
-    mesh (the collectives sum in the same order), and a packed forward packs
-    each data shard's rows apart (`pack_groups`). Nothing is donated. Called by
-    the training program for the behaviour log-probs, and by the tests.
+    With `mesh` the programs run under `use_mesh`: the replay then runs the
+    sampler's program with the sampler's shardings (bit-equal to a sampler on
+    the same mesh), and a packed forward packs each data shard's rows apart
+    (`pack_groups`). Nothing is donated. Called by the training program for
+    the behaviour log-probs and its verifications, and by the tests.
     """
-
-    # Without a gradient the hybrid's value is the replay's bits: the dense forward is not run.
-    value = "replay" if method == "hybrid" else method
+    if method in ("replay", "hybrid"):
+        return ReplayProgram(cfg, policy, loop=loop, mesh=mesh, rules=rules)
+    if method != "dense":
+        raise ValueError(f"log-prob method must be 'dense', 'replay' or 'hybrid'; got {method!r}")
 
     def one(params, ro, rows):
-        return learner_logprobs(params, cfg, policy, ro, value, loop=loop, packed_rows=rows)[0]
+        return learner_logprobs(params, cfg, policy, ro, "dense", loop=loop, packed_rows=rows)[0]
 
     def fn(params, ro, packed_rows=None):
         with use_mesh(mesh, rules):
@@ -482,5 +470,4 @@ def jit_learner_logprobs(cfg: ModelConfig, policy: Policy, method: LogprobMethod
         return packed_rows_of(ro, micro_batches=micro_batches, buckets=pack_buckets,
                               groups=groups)
 
-    packs = pack_buckets > 0 and value == "dense"
-    return LogprobProgram(fn, rows_of if packs else None)
+    return LogprobProgram(fn, rows_of if pack_buckets > 0 else None)

@@ -42,6 +42,7 @@ from jaxrl_lp.rl.logprobs import (
     packed_logprobs,
     packed_rows_for,
     packed_rows_of,
+    replay_logprobs,
     rollout_loop,
 )
 from jaxrl_lp.rl.loss import LossConfig, loss_denominator, policy_loss, select_anchor
@@ -178,10 +179,16 @@ def make_grpo_step(cfg: ModelConfig, policy: Policy, loss_cfg: LossConfig,
     the served copy with a straight-through gradient to the master (Fair Cast):
     `w_used = sg(served) + (master - sg(master))`.
 
-    With `replay_BxN` (`hybrid` only) the hybrid's value is taken from it and
-    the replay is not run: the training program passes the rollout's own
-    log-probs where the update computes with the weights the sampler ran
-    (`rl.reuse`). A step called with and without it compiles two programs.
+    The hybrid's value is the replay's (`rollout.replay.replay_logprobs`, the
+    sampler's own program with the rollout's tokens forced): a `hybrid` step
+    called without `replay_BxN` computes it first, on the host, under the
+    weights the loss computes with (the served copy with `served`, else the
+    model's params of `params`: `weights.materialize`), on this step's mesh,
+    and passes it in; its jitted update never traces a replay. With
+    `replay_BxN` given it is taken as it is: the training program passes the
+    rollout's own log-probs where the update computes with the weights the
+    sampler ran (`rl.reuse`). (`trace` and `lower` without it trace the
+    replay into the update, `traced_replay_logprobs`: for cost estimates.)
     With `products` too (the sampler's weight products of the rollout,
     `generate(..., record_products=True)`), the dense gradient's forward reads
     them instead of computing its matmuls (`rl.logprobs.recorded_logprobs`;
@@ -282,8 +289,24 @@ def make_grpo_step(cfg: ModelConfig, policy: Policy, loss_cfg: LossConfig,
         return packed_rows_of(ro, micro_batches=micro_batches, buckets=pack_buckets,
                               groups=groups)
 
+    prepare = None
+    if method == "hybrid":
+        model_params = None if weights is None else jax.jit(weights.materialize)
+        replay_policy = Policy.parse(policy)
+
+        def prepare(args):
+            if len(args) > 7 and args[7] is not None:
+                return args
+            args = tuple(args) + (None,) * (8 - len(args))
+            params, ro, served = args[0], args[2], args[6]
+            if served is None:
+                served = params if model_params is None else model_params(params)
+            value = replay_logprobs(served, cfg, replay_policy, ro, loop=loop, mesh=mesh,
+                                    rules=rules)
+            return (*args[:7], value, *args[8:])
+
     return LearnerStep(step, kinds, rows_of=rows_of if packs else None, mesh=mesh, cfg=cfg,
-                       rules=rules)
+                       rules=rules, prepare=prepare)
 
 
 def make_sft_step(cfg: ModelConfig, policy: Policy, optimizer: optax.GradientTransformation,

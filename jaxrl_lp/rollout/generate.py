@@ -1,5 +1,12 @@
 """The sampler: prefill, then a jitted `lax.while_loop` decode over a preallocated KV cache.
 
+One compiled program samples and replays (`sampler_program`): it takes the
+tokens (and a looped model's exit steps) to force, and a flag. Sampling
+passes False and draws; the learner's replay (`rl.replay`) passes True and
+the recorded tokens, so the replay's log-probs are computed by the very
+executable that computed the sampler's, and the rollout records what that
+replay needs (`SamplerCall`, `Rollout.call_rows`, `Rollout.call_keys`).
+
 Prompts are left-padded to a bucketed length P (so new prompt lengths reuse
 compiled programs); pad slots hold position -1 and are never attended to. A
 sequence's tokens sit at positions 0..n-1 whatever its padding, so a prompt
@@ -34,7 +41,7 @@ from jaxrl_lp.parallel.context import use_mesh
 from jaxrl_lp.parallel.rules import DEFAULT_RULES, ShardingRules
 from jaxrl_lp.parallel.shard import batch_shardings, put_tree, replicated
 from jaxrl_lp.rollout.request import bucket_length, check_request, pad_prompts
-from jaxrl_lp.rollout.sampling import SamplingConfig, sample_tokens
+from jaxrl_lp.rollout.sampling import SamplingConfig, choose_tokens, token_logprobs
 from jaxrl_lp.rollout.step import (
     LoopSpec,
     decode_step,
@@ -44,8 +51,47 @@ from jaxrl_lp.rollout.step import (
 )
 from jaxrl_lp.rollout.step import decode_layout as decode_layout_for  # `generate` has the name
 
-__all__ = ["Rollout", "bucket_length", "concat_rollouts", "generate", "pad_prompts", "split_rows",
-           "take_rows"]
+__all__ = ["Forced", "Rollout", "SamplerCall", "bucket_length", "concat_rollouts", "generate",
+           "pad_prompts", "sampler_program", "split_rows", "take_rows"]
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplerCall:
+    """The static arguments of one call of the sampler's compiled program (`sampler_program`).
+
+    With the rollout's own static fields (policy, loop spec, decode layout)
+    and its width N (`max_new_tokens`), these name the executable that
+    sampled a rollout's rows, so that the replay (`rl.replay`) runs that
+    executable again.
+
+    Attributes:
+      rows: the program's batch, B (a mesh's padding rows included).
+      prompt_width: its prompt slots, P.
+      sampling: how it chose tokens.
+      eos_id: its end-of-sequence id, or None.
+      pad_id: its filler id.
+      record: whether it recorded the weight products (`record_products`).
+    """
+
+    rows: int
+    prompt_width: int
+    sampling: SamplingConfig
+    eos_id: int | None
+    pad_id: int
+    record: bool = False
+
+
+class Forced(NamedTuple):
+    """What the sampler's program takes instead of drawing, where `on` (the replay).
+
+    tokens_BxN: [B, N] int32 the tokens to take.
+    exit_steps_BxN: [B, N] int32 a looped model's exit steps to take (unused for a dense one).
+    on: [] bool, True to take them (the replay), False to draw (sampling).
+    """
+
+    tokens_BxN: jax.Array
+    exit_steps_BxN: jax.Array
+    on: jax.Array
 
 
 @jax.tree_util.register_dataclass
@@ -85,6 +131,13 @@ class Rollout:
       decode_layout: how the sampler's decode copy of the weights was laid
         out (static; `rollout.step.decode_layout`): the replay unstacks the
         learner's weights the same way, so its sums are the sampler's.
+      calls: the sampler calls the rows came from (static; `SamplerCall`),
+        one for a rollout of `generate`, several for a concatenation; () for
+        a rollout built otherwise.
+      call_rows: [B, 2] int32 (call, row within that call) of each row, or
+        None (no calls): slices and concatenations keep it, so that any
+        row is replayed where the sampler computed it.
+      call_keys: [C, ...] the sampling key of each call, or None.
     """
 
     prompt_tokens: jax.Array
@@ -104,9 +157,12 @@ class Rollout:
     weights_digest: jax.Array | None = None
     products: Products | None = None
     decode_layout: str = dataclasses.field(default="as_stored", metadata={"static": True})
+    calls: tuple[SamplerCall, ...] = dataclasses.field(default=(), metadata={"static": True})
+    call_rows: jax.Array | None = None
+    call_keys: jax.Array | None = None
 
     # Not per row: replicated where the rows are laid over a mesh (`parallel.batch_shardings`).
-    replicated_fields: ClassVar[tuple[str, ...]] = ("weights_digest",)
+    replicated_fields: ClassVar[tuple[str, ...]] = ("weights_digest", "call_keys")
 
 
 _ROW_FIELDS = ("prompt_tokens", "prompt_lengths", "completion_tokens", "completion_mask",
@@ -114,8 +170,10 @@ _ROW_FIELDS = ("prompt_tokens", "prompt_lengths", "completion_tokens", "completi
 
 
 def _row_fields(ro: Rollout) -> tuple[str, ...]:
-    """The per-row fields of `ro` (a speculative rollout also has its verification counts)."""
-    return _ROW_FIELDS + (() if ro.verify_counts is None else ("verify_counts",))
+    """The per-row fields of `ro` (a speculative rollout also has its verification counts, a
+    sampled one the rows' places in their sampler calls)."""
+    return (_ROW_FIELDS + (() if ro.verify_counts is None else ("verify_counts",))
+            + (() if ro.call_rows is None else ("call_rows",)))
 
 
 def split_rows(ro: Rollout, m: int) -> Rollout:
@@ -124,12 +182,12 @@ def split_rows(ro: Rollout, m: int) -> Rollout:
     if b % m:
         raise ValueError(f"batch of {b} sequences does not split into {m} micro-batches")
     rows = {f: getattr(ro, f).reshape(m, b // m, *getattr(ro, f).shape[1:]) for f in _row_fields(ro)}
-    digest = None if ro.weights_digest is None else jnp.broadcast_to(
-        ro.weights_digest, (m, *ro.weights_digest.shape))
+    each = lambda x: None if x is None else jnp.broadcast_to(x, (m, *x.shape))
     products = None if ro.products is None else split_products(ro.products, m)
-    return dataclasses.replace(ro, **rows, loop_evals=jnp.broadcast_to(ro.loop_evals, (m,)),
-                               weights_version=jnp.broadcast_to(ro.weights_version, (m,)),
-                               weights_digest=digest, products=products)
+    return dataclasses.replace(ro, **rows, loop_evals=each(ro.loop_evals),
+                               weights_version=each(ro.weights_version),
+                               weights_digest=each(ro.weights_digest),
+                               call_keys=each(ro.call_keys), products=products)
 
 
 def take_rows(ro: Rollout, idx) -> Rollout:
@@ -148,8 +206,10 @@ def concat_rollouts(rollouts: Sequence[Rollout], pad_id: int) -> Rollout:
     Prompts of different bucketed widths are left-padded to the widest with
     `pad_id` (pad slots are never attended to, and positions come from
     `prompt_lengths`). `loop_evals` are summed. The recorded log-probs are the
-    sampler's, each row as its own call computed it. Recorded weight products
-    are dropped (their grids differ; the learner then computes its forward).
+    sampler's, each row as its own call computed it, and the rows keep their
+    calls (`Rollout.calls`; dropped where one part has none). Recorded weight
+    products are dropped (their grids differ; the learner then computes its
+    forward).
 
     Raises:
       ValueError: no rollouts, or rollouts that disagree on a shared field.
@@ -186,9 +246,17 @@ def concat_rollouts(rollouts: Sequence[Rollout], pad_id: int) -> Rollout:
         return ro.prompt_tokens if not extra else jnp.pad(
             ro.prompt_tokens, ((0, 0), (extra, 0)), constant_values=pad_id)
 
+    fields = _ROW_FIELDS + (() if head.verify_counts is None else ("verify_counts",))
     rows = {f: jnp.concatenate([prompts(ro) if f == "prompt_tokens" else getattr(ro, f)
-                                for ro in rollouts]) for f in _row_fields(head)}
-    return dataclasses.replace(head, **rows, products=None,
+                                for ro in rollouts]) for f in fields}
+    calls = dict(calls=(), call_rows=None, call_keys=None)
+    if all(ro.call_rows is not None for ro in rollouts):
+        offsets = np.cumsum([0] + [len(ro.calls) for ro in rollouts])
+        calls = dict(calls=sum((ro.calls for ro in rollouts), ()),
+                     call_rows=jnp.concatenate([ro.call_rows + jnp.asarray([o, 0], jnp.int32)
+                                                for ro, o in zip(rollouts, offsets, strict=False)]),
+                     call_keys=jnp.concatenate([ro.call_keys for ro in rollouts]))
+    return dataclasses.replace(head, **rows, **calls, products=None,
                                loop_evals=sum(ro.loop_evals for ro in rollouts))
 
 
@@ -211,25 +279,37 @@ class _DecodeState(NamedTuple):
 @functools.partial(jax.jit, static_argnames=("cfg", "policy", "loop", "sampling",
                                              "max_new_tokens", "eos_id", "pad_id", "mesh",
                                              "rules", "record", "layout"))
-def _generate(params, prompt_BxP, positions_BxP, lengths_B, key, version, *, cfg, policy, loop,
-              sampling, max_new_tokens, eos_id, pad_id, mesh=None, rules=DEFAULT_RULES,
-              record=False, layout="as_stored"):
-    """The jitted sampler. Static (a new value compiles anew): `cfg`, `policy`, `loop`,
-    `sampling`, `max_new_tokens`, `eos_id`, `pad_id`, `mesh`, `rules`, `record`, `layout`
-    (the decode layout, `rollout.step.decode_layout`), and the shapes
-    of the prompt arrays (bucketed by `pad_prompts`). Nothing is donated; inputs
-    keep the shardings they come with (params by the rules, rows over the data
-    shards), and activations and the KV cache are constrained to the rules under
-    `mesh`. Traced by `generate` only."""
+def sampler_program(params, prompt_BxP, positions_BxP, lengths_B, key, version,
+                    forced: Forced | None,
+                    *, cfg, policy, loop, sampling, max_new_tokens, eos_id, pad_id, mesh=None,
+                    rules=DEFAULT_RULES, record=False, layout="as_stored") -> Rollout:
+    """The sampler's compiled program: samples (`forced.on` False) or replays (True).
+
+    Jitted. Static (a new value compiles anew): `cfg`, `policy`, `loop`,
+    `sampling`, `max_new_tokens`, `eos_id`, `pad_id`, `mesh`, `rules`,
+    `record`, `layout` (the decode layout, `rollout.step.decode_layout`), and
+    the shapes of the prompt arrays (bucketed by `pad_prompts`). `version` is
+    an int32 scalar array. Nothing is donated; inputs keep the shardings they
+    come with (params by the rules, rows over the data shards), and
+    activations and the KV cache are constrained to the rules under `mesh`.
+
+    `forced.on` is traced, not static: sampling and replaying are one
+    executable, so the replay's log-probs are the sampler's bits wherever the
+    weights, policy and rows are the sampler's. `forced=None` compiles the
+    sampler without that input (it draws, and a looped model's rule exits):
+    the program before the replay shared it, which `bench replay` times
+    against. Called by `generate`, `rollout.replay` and `bench replay`.
+    """
     with use_mesh(mesh, rules):
-        return _sample(params, prompt_BxP, positions_BxP, lengths_B, key, version, cfg=cfg,
-                       policy=policy, loop=loop, sampling=sampling,
+        return _sample(params, prompt_BxP, positions_BxP, lengths_B, key, version, forced,
+                       cfg=cfg, policy=policy, loop=loop, sampling=sampling,
                        max_new_tokens=max_new_tokens, eos_id=eos_id, pad_id=pad_id,
                        record=record, layout=layout)
 
 
-def _sample(params, prompt_BxP, positions_BxP, lengths_B, key, version, *, cfg, policy, loop,
-            sampling, max_new_tokens, eos_id, pad_id, record, layout):
+def _sample(params, prompt_BxP, positions_BxP, lengths_B, key, version, forced: Forced | None,
+            *, cfg,
+            policy, loop, sampling, max_new_tokens, eos_id, pad_id, record, layout):
     b, p = prompt_BxP.shape
     n = max_new_tokens
     # Sliced once, here: inside the loop a scan over stacked weights copies them every step
@@ -240,9 +320,18 @@ def _sample(params, prompt_BxP, positions_BxP, lengths_B, key, version, *, cfg, 
     # logits, and its log-prob is theirs (`token_logprobs`, what `step_logprobs` replays).
     fused = fused_readout(policy)
 
-    def pick(out, key):
+    # A looped model's recorded exit steps are taken where the tokens are (`ExitSchedule`).
+    takes = forced is not None and cfg.is_looped
+    force_B = jnp.broadcast_to(forced.on, (b,)) if takes else None
+    exits_at = lambda i: forced.exit_steps_BxN[:, i] if takes else None
+
+    def pick(out, key, i):
+        # The token drawn or forced; its log-prob computed alike either way.
         logits = step_logits(params, cfg, policy, out)
-        return (*sample_tokens(logits, key, sampling), logits)
+        tok = choose_tokens(logits, key, sampling)
+        if forced is not None:
+            tok = jnp.where(forced.on, forced.tokens_BxN[:, i], tok)
+        return tok, token_logprobs(logits, tok, sampling.temperature), logits
 
     def taped(products, tape, logits, slot, i):
         # The step's products at grid slot `slot` on, its logits at completion token `i`.
@@ -257,9 +346,9 @@ def _sample(params, prompt_BxP, positions_BxP, lengths_B, key, version, *, cfg, 
 
     tape = {} if record else None
     out, cache, exit0, _ = prefill(params, cfg, policy, loop, prompt_BxP, positions_BxP, cache,
-                                   hidden=fused, tape=tape)
+                                   exits_at(0), forced_B=force_B, hidden=fused, tape=tape)
     key, sub = jax.random.split(key)
-    tok, lp, logits0 = pick(out, sub)
+    tok, lp, logits0 = pick(out, sub, 0)
     products = None
     if record:
         widths = {k: v.shape[-1] for k, v in tape.items()}
@@ -273,10 +362,10 @@ def _sample(params, prompt_BxP, positions_BxP, lengths_B, key, version, *, cfg, 
         pos = lengths_B + s.i - 1
         tape = {} if record else None
         out, cache, exits, ev = decode_step(params, cfg, policy, loop, s.token, pos, s.cache,
-                                            p + s.i - 1, active_B=~s.done, hidden=fused,
-                                            tape=tape)
+                                            p + s.i - 1, exits_at(s.i), active_B=~s.done,
+                                            forced_B=force_B, hidden=fused, tape=tape)
         key, sub = jax.random.split(s.key)
-        new, lp, logits = pick(out, sub)
+        new, lp, logits = pick(out, sub, s.i)
         new = jnp.where(s.done, pad_id, new)
         live = (~s.done).astype(jnp.float32)
         done = s.done if eos_id is None else s.done | (new == eos_id)
@@ -302,6 +391,8 @@ def _sample(params, prompt_BxP, positions_BxP, lengths_B, key, version, *, cfg, 
         loop_evals=s.loop_evals, weights_version=jnp.asarray(version, jnp.int32),
         policy=str(policy), loop=loop, temperature=sampling.temperature, products=s.products,
         decode_layout=layout,
+        calls=(SamplerCall(b, p, sampling, eos_id, pad_id, record),),
+        call_rows=jnp.stack([jnp.zeros((b,), jnp.int32), jnp.arange(b, dtype=jnp.int32)], 1),
     )
 
 
@@ -388,20 +479,42 @@ def generate(
                          "device; drop it for a looped model or a mesh")
     key = req.key
     rows = req.tokens_BxP.shape[0]
-    host = (req.tokens_BxP, req.positions_BxP, req.lengths_B)
-    if mesh is None:
-        arrays = tuple(jnp.asarray(a) for a in host)
-    else:
+    if mesh is not None:  # rows to fill the data shards (dropped from the rollout)
         shards = mesh.shape["data"] * mesh.shape["fsdp"]
         fill = -rows % shards
-        host = tuple(np.concatenate([a, np.repeat(a[-1:], fill, axis=0)]) for a in host)
-        arrays = put_tree(host, batch_shardings(host, mesh, rules))
-        key = put_tree(key, replicated(mesh))
+        req = req._replace(**{f: np.concatenate([a, np.repeat(a[-1:], fill, axis=0)])
+                              for f, a in zip(req._fields[:3], req[:3], strict=False)})
+    zeros = np.zeros((req.tokens_BxP.shape[0], max_new_tokens), np.int32)
     layout = decode_layout_for(params, policy, mesh, decode_layout)
-    ro = _generate(params, *arrays, key, weights_version, cfg=cfg, policy=policy, loop=loop,
-                   sampling=sampling, max_new_tokens=max_new_tokens, eos_id=eos_id,
-                   pad_id=pad_id, mesh=mesh, rules=rules, record=record_products, layout=layout)
+    ro = sampler_program(params, *call_inputs(req.tokens_BxP, req.positions_BxP, req.lengths_B,
+                                              key, weights_version, zeros, zeros, False, mesh,
+                                              rules),
+                         cfg=cfg, policy=policy, loop=loop, sampling=sampling,
+                         max_new_tokens=max_new_tokens, eos_id=eos_id, pad_id=pad_id, mesh=mesh,
+                         rules=rules, record=record_products, layout=layout)
     if ro.prompt_tokens.shape[0] != rows:  # the padding rows
         ro = jax.tree.map(lambda x: x[:rows] if np.ndim(x) else x, ro)
-    # What the learner compares its weights with (`Rollout.weights_digest`).
-    return dataclasses.replace(ro, weights_digest=tree_fingerprint(params))
+    # What the learner compares its weights with (`Rollout.weights_digest`), and the key
+    # the replay calls the program with.
+    return dataclasses.replace(ro, weights_digest=tree_fingerprint(params),
+                               call_keys=jnp.expand_dims(key, 0))
+
+
+def call_inputs(prompt_BxP, positions_BxP, lengths_B, key, version, forced_BxN, exits_BxN,
+                on: bool, mesh: Mesh | None = None, rules: ShardingRules = DEFAULT_RULES):
+    """The arguments of `sampler_program` after `params`, placed as the program takes them.
+
+    One placement for `generate` and the replay (`rl.replay`), so that both
+    call one executable: rows over the data shards under `mesh` (else on the
+    default device), the key replicated, `version` an int32 scalar and `on`
+    a bool scalar, both placed with the key.
+    """
+    rows = (prompt_BxP, positions_BxP, lengths_B, forced_BxN, exits_BxN)
+    scalars = (jnp.asarray(version, jnp.int32), jnp.asarray(on))
+    if mesh is None:
+        rows = tuple(jnp.asarray(a) for a in rows)
+    else:
+        rows = put_tree(rows, batch_shardings(rows, mesh, rules))
+        key, scalars = put_tree((key, scalars), replicated(mesh))
+    prompts, positions, lengths, forced, exits = rows
+    return prompts, positions, lengths, key, scalars[0], Forced(forced, exits, scalars[1])

@@ -10,8 +10,8 @@ import jax.numpy as jnp
 
 from jaxrl_lp.rollout.noise import gumbel
 
-__all__ = ["DRAWS", "SamplingConfig", "draw_categorical", "first_argmax", "gumbel_max",
-           "sample_tokens", "token_logprobs"]
+__all__ = ["DRAWS", "SamplingConfig", "choose_tokens", "draw_categorical", "first_argmax",
+           "gumbel_max", "sample_tokens", "token_logprobs"]
 
 # How a token is drawn from the filtered, tempered distribution (`draw_categorical`).
 DRAWS = ("gumbel", "inverse_cdf")
@@ -164,12 +164,16 @@ def draw_categorical(key: jax.Array, scaled_BxV: jax.Array, draw: str = "gumbel"
     raise ValueError(f"draw must be one of {', '.join(DRAWS)}; got {draw!r}")
 
 
-def sample_tokens(logits_BxV: jax.Array, key: jax.Array, cfg: SamplingConfig):
-    """Chooses one token per row; returns (tokens [B] int32, log-probs [B] f32)."""
+def choose_tokens(logits_BxV: jax.Array, key: jax.Array, cfg: SamplingConfig) -> jax.Array:
+    """Chooses one token per row by `cfg` (greedy, or drawn after temperature, top-k, top-p):
+    [B] int32."""
     logits = logits_BxV.astype(jnp.float32)
     if cfg.greedy:
-        tokens = first_argmax(logits, axis=-1)
-    else:
-        scaled = _filter(logits / cfg.temperature, cfg)
-        tokens = draw_categorical(key, scaled, cfg.draw)
-    return tokens, token_logprobs(logits, tokens, cfg.temperature)
+        return first_argmax(logits, axis=-1)
+    return draw_categorical(key, _filter(logits / cfg.temperature, cfg), cfg.draw)
+
+
+def sample_tokens(logits_BxV: jax.Array, key: jax.Array, cfg: SamplingConfig):
+    """Chooses one token per row; returns (tokens [B] int32, log-probs [B] f32)."""
+    tokens = choose_tokens(logits_BxV, key, cfg)
+    return tokens, token_logprobs(logits_BxV, tokens, cfg.temperature)

@@ -108,11 +108,13 @@ def step_logprobs(params, cfg: ModelConfig, policy: Policy, out_BxX, tokens_B,
 
 
 def prefill(params, cfg: ModelConfig, policy: Policy, loop: LoopSpec, prompt_BxP, positions_BxP,
-            cache, readout_steps_B=None, *, hidden: bool = False, tape: dict | None = None):
+            cache, readout_steps_B=None, *, forced_B=None, hidden: bool = False,
+            tape: dict | None = None):
     """Runs the (left-padded) prompts through the model at full depth, writing slots [0, P).
 
     Returns (logits [B, V] at the last slot, cache, exit step [B] of the last
-    slot, loop evaluations). `readout_steps_B` replays a recorded read-out step.
+    slot, loop evaluations). `readout_steps_B` replays a recorded read-out step
+    (with `forced_B`, bool [B]: on those rows only; the rule reads out the others).
     With `hidden` the first output is the final hidden state [B, D] instead.
     `tape` receives a dense model's weight products (`models.dense_forward`).
     """
@@ -123,25 +125,29 @@ def prefill(params, cfg: ModelConfig, policy: Policy, loop: LoopSpec, prompt_BxP
     if tape is not None:
         raise ValueError("prefill: tape (recorded weight products) is for dense models")
     schedule = None
+    grid = lambda x_B: None if x_B is None else jnp.broadcast_to(x_B[:, None], prompt_BxP.shape)
     if readout_steps_B is not None:
-        schedule = ExitSchedule(readout_BxT=jnp.broadcast_to(readout_steps_B[:, None],
-                                                             prompt_BxP.shape))
+        schedule = ExitSchedule(readout_BxT=grid(readout_steps_B), forced_BxT=grid(forced_B))
     # A prompt runs at full depth in either compute mode; the rule picks its read-out.
     logits, cache, out = forward(params, cfg, policy, prompt_BxP, positions_BxP, cache, 0,
                                  loop=LoopSpec(loop.exit_rule, "dense"), schedule=schedule,
                                  hidden=hidden)
-    exits = out.exit_steps[:, -1] if readout_steps_B is None else readout_steps_B
+    exits = out.exit_steps[:, -1]
+    if readout_steps_B is not None:
+        exits = readout_steps_B if forced_B is None else jnp.where(forced_B, readout_steps_B,
+                                                                   exits)
     return logits[:, -1], cache, exits, out.loop_evals
 
 
 def decode_step(params, cfg: ModelConfig, policy: Policy, loop: LoopSpec, tokens_B, positions_B,
-                cache, index, exit_steps_B=None, active_B=None, *, hidden: bool = False,
-                tape: dict | None = None):
+                cache, index, exit_steps_B=None, active_B=None, *, forced_B=None,
+                hidden: bool = False, tape: dict | None = None):
     """One token per sequence at cache slot `index`.
 
     Returns (logits [B, V] or, with `hidden`, the final hidden state [B, D],
     cache, exit step [B], loop evaluations). With
-    `exit_steps_B` the recorded schedule is replayed instead of the exit rule.
+    `exit_steps_B` the recorded schedule is replayed instead of the exit rule
+    (with `forced_B`, bool [B]: on those rows only).
     `active_B` (bool) marks the sequences still generating: in deferred mode
     the others are not computed (their outputs are meaningless) and do not
     keep the loop over steps running. `tape` receives a dense model's weight
@@ -153,9 +159,9 @@ def decode_step(params, cfg: ModelConfig, policy: Policy, loop: LoopSpec, tokens
         return logits[:, 0], cache, jnp.zeros(tokens_B.shape, jnp.int32), jnp.int32(1)
     if tape is not None:
         raise ValueError("decode_step: tape (recorded weight products) is for dense models")
-    schedule = ExitSchedule(
-        depth_BxT=None if exit_steps_B is None else exit_steps_B[:, None],
-        active_BxT=None if active_B is None else active_B[:, None])
+    column = lambda x_B: None if x_B is None else x_B[:, None]
+    schedule = ExitSchedule(depth_BxT=column(exit_steps_B), active_BxT=column(active_B),
+                            forced_BxT=None if exit_steps_B is None else column(forced_B))
     logits, cache, out = forward(params, cfg, policy, tokens_B[:, None], positions_B[:, None],
                                  cache, index, loop=loop, schedule=schedule,
                                  early_stop=loop.compute_mode == "deferred", hidden=hidden)

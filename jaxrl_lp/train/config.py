@@ -128,6 +128,11 @@ class GRPOConfig:
       verify_every: every this many GRPO steps (from the first) the batch is replayed
         anyway and must equal the sampler's recorded bits where `auto` would take them
         (else the run stops with `ReplayMismatchError`); 0: never.
+      start_probe: before anything is written, where the run takes the sampler's
+        recorded log-probs as the replay's (`replay=auto`, hybrid, matched
+        policies), sample a batch at the run's shapes on its devices and replay
+        it whole and in the run's minibatch and micro-batch slices; a bit that
+        differs stops the run with one line (`train.probe`). false: skip it.
       reuse_products: the sampler also keeps its weight products and logits
         (`models.recorded`), and an update that computes with the weights the sampler
         ran (where `replay=auto` takes the recorded log-probs) reads them instead of
@@ -203,6 +208,7 @@ class GRPOConfig:
     logprobs: Literal["dense", "hybrid"] = "hybrid"
     replay: Literal["auto", "always"] = "auto"
     verify_every: int = 10
+    start_probe: bool = True
     reuse_products: bool = False
     learner_policy: str = "fp32"
     sampler_policy: str = "fp32"
@@ -254,6 +260,7 @@ class GRPOConfig:
         check_choice("grpo.logprobs", self.logprobs, ("dense", "hybrid"))
         check_choice("grpo.replay", self.replay, ("auto", "always"))
         check_int("grpo.verify_every", self.verify_every, minimum=0, why=" (0: never)")
+        check_bool("grpo.start_probe", self.start_probe)
         check_bool("grpo.reuse_products", self.reuse_products)
         if self.reuse_products and (self.logprobs, self.replay) != ("hybrid", "auto"):
             raise ValueError(

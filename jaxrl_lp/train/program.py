@@ -44,6 +44,7 @@ from jaxrl_lp.train.grpo_iteration import (
 from jaxrl_lp.train.logger import MetricsLogger, plot_metrics
 from jaxrl_lp.train.lora_run import LoraCheckpoints, begin_lora
 from jaxrl_lp.train.preemption import Preempted, SignalGuard
+from jaxrl_lp.train.probe import probe_exactness
 from jaxrl_lp.train.progress import PhaseProgress
 from jaxrl_lp.train.resume import restore_newest_intact
 from jaxrl_lp.train.rollout_queue import RolloutQueue, weights_key
@@ -226,10 +227,21 @@ def _complete(run_dir: Path, ckpt: Checkpointer, total: int) -> dict | None:
     return json.loads(summary.read_text())
 
 
+def _complete_on_disk(run_dir: Path, cfg: TrainConfig) -> dict | None:
+    """A complete run's summary in `run_dir` (read only), else None."""
+    summary = run_dir / "summary.json"
+    if not summary.is_file():
+        return None
+    done = json.loads(summary.read_text())
+    return done if done.get("steps") == cfg.sft.steps + cfg.grpo.steps else None
+
+
 def run_train(cfg: TrainConfig, *, stop_after: int | None = None, refresh: bool = False) -> dict:
     """Runs (or resumes) a training run; returns the summary dict (also in summary.json).
 
-    Everything is validated before the run directory is touched (`validate`).
+    Everything is validated before the run directory is touched (`validate`),
+    and a run that takes the sampler's log-probs as its own first checks that
+    the replay is the sampler's bits here (`train.probe`).
     The run directory is then locked for the whole run (`RunLock`: a second
     process on it fails at once, and changes nothing). A run resumes from its
     newest intact checkpoint, setting damaged ones aside (`restore_newest_intact`),
@@ -248,6 +260,8 @@ def run_train(cfg: TrainConfig, *, stop_after: int | None = None, refresh: bool 
     initialize(cfg.distributed)  # the processes join before the mesh is laid over them
     plan = validate(cfg)  # every setting, before anything is built or written
     run_dir = Path(cfg.run.out_dir)
+    if _complete_on_disk(run_dir, cfg) is None:  # replay == sampler here, before any write
+        probe_exactness(cfg, plan)
     run_dir.mkdir(parents=True, exist_ok=True)
     # One lock per run: process 0 holds it for all the run's processes. SIGTERM and SIGINT
     # stop the run after the step they arrive in, with a checkpoint (`train.preemption`).

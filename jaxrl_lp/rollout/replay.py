@@ -1,0 +1,229 @@
+"""The exact replay: a rollout's log-probs recomputed by the executable that sampled it.
+
+The learner needs the sampler's log-probs of the sampled tokens under weights
+it names: the sampler's own weights (to verify a rollout, or to take its
+recorded values), or later ones (each further update of a batch). A replay
+that re-traces the sampler's steps into another program (a `lax.scan`
+instead of the sampler's `while_loop`, other fusions, other batch shapes)
+computes the same mathematics with other roundings: on a GPU such a replay
+differs from the sampler by ~1e-6, and on any platform a slice of rows is a
+program of another shape.
+
+`replay_logprobs` does not re-trace anything. It calls `sampler_program`,
+the jitted program `generate` ran, with the rollout's recorded tokens (and
+a looped model's exit steps) forced, at the shape of the call that sampled
+them, each row in the place it had in that call:
+
+- the whole batch: the sampler's executable on the sampler's inputs; the
+  log-probs are its bits by construction (with its weights and policy);
+- a slice of rows (minibatches, micro-batches, a filtered refill), or rows
+  gathered from several calls (`concat_rollouts`): per call, the missing
+  rows are filled with a copy of a present one and the call's executable
+  runs at its own shape. A row's values then depend on its own inputs alone,
+  which holds for every operation the model runs (matmuls, norms,
+  attention and the read-out reduce within a row; nothing reduces across
+  rows); the tests check it against the whole batch bit for bit.
+
+A rollout records what that needs (`Rollout.calls`, `call_rows`,
+`call_keys`; `generate` writes them); a rollout built by hand is replayed as
+one call of its own shape. Speculative rollouts replay their verification
+chunks (`rollout.speculative.replay_speculative`, jitted here): not yet one
+executable with their sampler.
+
+The replay is a host-level call (it runs compiled programs, one per sampler
+call); inside a traced function use `rl.logprobs.traced_replay_logprobs`,
+the same steps traced into that program.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh
+
+from jaxrl_lp.models.config import ModelConfig
+from jaxrl_lp.models.loop import MODEL_DEFAULT
+from jaxrl_lp.numerics.policy import Policy
+from jaxrl_lp.parallel.rules import DEFAULT_RULES, ShardingRules
+from jaxrl_lp.parallel.shard import to_host
+from jaxrl_lp.rollout.generate import (
+    Forced,
+    Rollout,
+    SamplerCall,
+    call_inputs,
+    sampler_program,
+)
+from jaxrl_lp.rollout.sampling import SamplingConfig
+from jaxrl_lp.rollout.speculative import replay_speculative
+from jaxrl_lp.rollout.step import LoopSpec
+
+__all__ = ["ReplayProgram", "replay_logprobs", "rollout_loop"]
+
+
+def rollout_loop(ro: Rollout, cfg: ModelConfig, loop: LoopSpec | None = None) -> LoopSpec:
+    """The loop spec to read `ro` with: its own, checked against `cfg` and an expected `loop`.
+
+    Raises:
+      ValueError: the rollout was sampled with another loop spec than `loop`
+        (resolved against `cfg`), or is not one `cfg`'s model can replay.
+    """
+    spec = LoopSpec.parse(ro.loop)
+    if spec.exit_rule == MODEL_DEFAULT:
+        raise ValueError(f"rollout records an unresolved loop spec {spec}; a rollout from "
+                         "`generate` records the rule it ran")
+    try:
+        own = spec.resolve(cfg)
+    except ValueError as e:
+        raise ValueError(f"rollout sampled with loop spec {spec} cannot be read by this "
+                         f"model: {e}") from None
+    if own != spec:
+        raise ValueError(f"rollout sampled with loop spec {spec} cannot be read by this "
+                         f"{'looped' if cfg.is_looped else 'dense'} model (it reads {own})")
+    if loop is not None and LoopSpec.parse(loop).resolve(cfg) != own:
+        raise ValueError(
+            f"rollout was sampled with loop spec {own} but the learner was asked to compute "
+            f"{LoopSpec.parse(loop).resolve(cfg)}; a rollout's log-probs are taken with the "
+            "schedule it was sampled with: pass loop=None to read it from the rollout, or "
+            "sample with the spec the learner expects")
+    return own
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2, 4))
+def _speculative(params, cfg, policy, ro, loop):
+    return replay_speculative(params, cfg, policy, ro, loop)
+
+
+def _calls(ro: Rollout):
+    """(calls, [B, 2] host (call, row) of each row, [C, ...] keys) of `ro`; a rollout without
+    recorded calls is one call of its own shape (no EOS: every slot is decoded)."""
+    if ro.call_rows is not None:
+        return ro.calls, np.asarray(to_host(ro.call_rows)), ro.call_keys
+    b, p = ro.prompt_tokens.shape
+    call = SamplerCall(b, p, SamplingConfig(temperature=ro.temperature), None, 0)
+    rows = np.stack([np.zeros(b, np.int32), np.arange(b, dtype=np.int32)], 1)
+    return (call,), rows, jax.random.PRNGKey(0)[None]
+
+
+def _refuse_traced(*trees) -> None:
+    if any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(trees)):
+        raise ValueError(
+            "replay_logprobs reruns the sampler's compiled program and cannot be traced inside "
+            "another jit: call it outside, or use rl.logprobs.traced_replay_logprobs (the same "
+            "steps traced into your program; the sampler's bits only where the compiler "
+            "compiles them alike)")
+
+
+def replay_logprobs(params: dict, cfg: ModelConfig, policy: Policy, ro: Rollout, *,
+                    loop: LoopSpec | None = None, mesh: Mesh | None = None,
+                    rules: ShardingRules = DEFAULT_RULES) -> jax.Array:
+    """Log-probs [B, N] of the rollout's tokens under `params`, by the sampler's own program.
+
+    Runs `sampler_program` with the recorded tokens and exit steps forced,
+    once per sampler call the rows came from, at that call's shape, each row
+    in its place (module docstring). With the sampler's weights and policy
+    (and mesh) the values are `ro.logprobs` bit for bit, for the whole batch
+    and for any slice of it; under other weights or another policy they are
+    the sampler's computation of those (the learner's replay under its
+    weights, the mismatch under its policy). 0 off the completion mask (as
+    the sampler records). Not differentiable and not traceable: it calls
+    compiled programs (`traced_replay_logprobs` is the traceable form).
+
+    Args:
+      params: the weights to replay under, as the sampler takes them (stacked
+        or unstacked in the rollout's decode layout).
+      cfg, policy: the model and the numerics to replay with.
+      ro: the rollout (`generate`'s, sliced, or concatenated).
+      loop: the loop spec the caller expects the rollout to have, or None.
+      mesh, rules: replay on this mesh (the sampler's, for its bits).
+
+    Raises:
+      ValueError: inside a trace, or a rollout of another loop spec than `loop`.
+
+    Example:
+      >>> ro = generate(params, cfg, prompts, key=key, sampling=SamplingConfig())
+      >>> lp = replay_logprobs(params, cfg, policy, take_rows(ro, np.arange(2)))
+    """
+    _refuse_traced(params, ro)
+    loop = rollout_loop(ro, cfg, loop)
+    if ro.verify_tokens:  # a speculative rollout: its verification chunks, re-traced
+        return _speculative(params, cfg, policy, ro, loop)
+    b, n = ro.completion_tokens.shape
+    calls, where, keys = _calls(ro)
+    host = {f: np.asarray(to_host(getattr(ro, f))) for f in
+            ("prompt_tokens", "prompt_lengths", "completion_tokens", "exit_steps")}
+    version = int(np.asarray(to_host(ro.weights_version)).reshape(-1)[0])
+    out = None
+    for c, call in enumerate(calls):
+        mine = np.flatnonzero(where[:, 0] == c)
+        if not mine.size:
+            continue
+        at = where[mine, 1]
+        src = np.full(call.rows, mine[0])  # rows of the call not in `ro`: a copy of one that is
+        src[at] = mine
+        prompts = host["prompt_tokens"][src][:, host["prompt_tokens"].shape[1] - call.prompt_width:]
+        lengths = host["prompt_lengths"][src]
+        positions = np.arange(call.prompt_width, dtype=np.int32)[None] - (
+            call.prompt_width - lengths[:, None])
+        positions = np.where(positions >= 0, positions, -1).astype(np.int32)
+        args = call_inputs(prompts, positions, lengths, keys[c], version,
+                           host["completion_tokens"][src], host["exit_steps"][src], True, mesh,
+                           rules)
+        lp = sampler_program(params, *args, cfg=cfg, policy=policy, loop=loop,
+                             sampling=call.sampling, max_new_tokens=n, eos_id=call.eos_id,
+                             pad_id=call.pad_id, mesh=mesh, rules=rules, record=call.record,
+                             layout=ro.decode_layout).logprobs
+        if len(calls) == 1 and call.rows == b and (at == np.arange(b)).all():
+            return lp  # the whole call, in its order
+        out = jnp.zeros((b, n), jnp.float32) if out is None else out
+        out = out.at[mine].set(lp[at])
+    return out
+
+
+class ReplayProgram:
+    """`fn(params, rollout) -> log-probs [B, N]`: `replay_logprobs` with fixed model and numerics.
+
+    What `rl.logprobs.jit_learner_logprobs` returns for `replay` and `hybrid`
+    (the hybrid's value is the replay's). Not jitted itself: each call runs
+    the sampler's compiled program (`replay_logprobs`). `lower` lowers that
+    program for one call of the rollout's shape (abstract rollouts too), for
+    the planner and the lowering checks.
+    """
+
+    packs = False
+
+    def __init__(self, cfg: ModelConfig, policy: Policy, *, loop: LoopSpec | None = None,
+                 mesh: Mesh | None = None, rules: ShardingRules = DEFAULT_RULES):
+        self.cfg, self.policy, self.loop, self.mesh, self.rules = cfg, policy, loop, mesh, rules
+
+    def __call__(self, params, ro: Rollout) -> jax.Array:
+        return replay_logprobs(params, self.cfg, self.policy, ro, loop=self.loop, mesh=self.mesh,
+                               rules=self.rules)
+
+    def _abstract_args(self, ro: Rollout):
+        b, p = ro.prompt_tokens.shape
+        n = ro.completion_tokens.shape[1]
+        call = ro.calls[0] if ro.calls else SamplerCall(b, p, SamplingConfig(
+            temperature=ro.temperature), None, 0)
+        i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)
+        key = jax.eval_shape(lambda: jax.random.PRNGKey(0))
+        args = (i32(call.rows, call.prompt_width), i32(call.rows, call.prompt_width),
+                i32(call.rows), key, i32(),
+                Forced(i32(call.rows, n), i32(call.rows, n), jax.ShapeDtypeStruct((), bool)))
+        statics = dict(cfg=self.cfg, policy=self.policy,
+                       loop=rollout_loop(ro, self.cfg, self.loop), sampling=call.sampling,
+                       max_new_tokens=n, eos_id=call.eos_id, pad_id=call.pad_id, mesh=self.mesh,
+                       rules=self.rules, record=call.record, layout=ro.decode_layout)
+        return args, statics
+
+    def trace(self, params, ro: Rollout):
+        """`sampler_program.trace` for one call of `ro`'s shape (arrays or abstract)."""
+        args, statics = self._abstract_args(ro)
+        return sampler_program.trace(params, *args, **statics)
+
+    def lower(self, params, ro: Rollout):
+        """`sampler_program.lower` for one call of `ro`'s shape (arrays or abstract)."""
+        args, statics = self._abstract_args(ro)
+        return sampler_program.lower(params, *args, **statics)

@@ -1,0 +1,90 @@
+"""The start probe: a run checks replay == sampler on its own platform before it writes anything.
+
+A run with `grpo.replay=auto`, hybrid log-probs and matched policies takes
+the sampler's recorded log-probs as the learner's values, which is right
+only where the replay of a batch is the sampler's bits. The replay is built
+to be (`rollout.replay`: the sampler's own executable, each row in its
+place), but that rests on the platform keeping a row's values independent
+of the other rows; a platform, a JAX version or a kernel that breaks it
+would make every update silently wrong. So before the run directory is
+created, `probe_exactness` samples one batch at the run's shapes (its
+prompts per step and group size, its completion budget, policy, loop spec
+and temperature, on its mesh), replays it whole and in the slices the run
+replays (a minibatch, a micro-batch), and compares the bits. The sampler's
+program it compiles is the one the run then uses.
+"""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+
+from jaxrl_lp.models.model import init_params
+from jaxrl_lp.parallel.shard import to_host
+from jaxrl_lp.rollout.generate import generate, take_rows
+from jaxrl_lp.rollout.replay import replay_logprobs
+from jaxrl_lp.rollout.sampling import SamplingConfig
+
+__all__ = ["ExactnessProbeError", "probe_exactness"]
+
+
+class ExactnessProbeError(ValueError):
+    """The start probe found a replay that differs from the sampler (one line: what, and the
+    settings that run anyway)."""
+
+
+def _slices(rows: int, minibatches: int, micro_batches: int) -> list[int]:
+    """The row counts the run replays apart from the whole batch: a minibatch, a micro-batch."""
+    sizes = {rows // minibatches, rows // (minibatches * micro_batches)}
+    return sorted((s for s in sizes if 0 < s < rows), reverse=True)
+
+
+def probe_exactness(cfg, plan) -> dict | None:
+    """Samples and replays one batch at the run's shapes; raises where a bit differs.
+
+    Returns None where the run does not take recorded log-probs as the
+    replay's (`grpo.replay=always`, dense log-probs, unmatched policies, a
+    speculative sampler, whose replay is its own) or `grpo.start_probe` is
+    false; else what was checked: `{"rows": B, "slices": [...], "tokens": n}`.
+
+    Raises:
+      ExactnessProbeError: the replay of the whole batch or of a slice differs
+        from the sampler's recorded log-probs.
+    """
+    g = cfg.grpo
+    relies = (g.replay == "auto" and g.logprobs == "hybrid"
+              and str(plan.learner_policy) == str(plan.sampler_policy) and not g.speculative)
+    if not (g.start_probe and relies):
+        return None
+    task, tok = plan.task, plan.task.tokenizer
+    mesh = plan.mesh if plan.sampler is None else None
+    params = init_params(plan.model, jax.random.PRNGKey(cfg.run.seed))
+    prompts = [task.prompt_ids(task.train[i % len(task.train)])
+               for i in range(g.prompts_per_step)]
+    ro = generate(params, plan.model, prompts, policy=plan.sampler_policy,
+                  sampling=SamplingConfig(temperature=g.temperature, draw=g.draw),
+                  max_new_tokens=plan.max_new_tokens, num_samples=g.group_size,
+                  eos_id=tok.eos_id, pad_id=tok.pad_id, loop=plan.loop,
+                  key=jax.random.PRNGKey(cfg.run.seed), mesh=mesh)
+    want = np.asarray(to_host(ro.logprobs), np.float32)
+    mask = np.asarray(to_host(ro.completion_mask)) > 0
+    rows = want.shape[0]
+    replay = lambda r: np.asarray(to_host(replay_logprobs(params, plan.model, plan.learner_policy,
+                                                          r, mesh=mesh)), np.float32)
+    slices = _slices(rows, g.minibatches, g.micro_batches)
+    for size in [rows, *slices]:
+        got = np.concatenate([replay(ro if size == rows else
+                                     take_rows(ro, np.arange(i, i + size)))
+                              for i in range(0, rows, size)])
+        differ = mask & (got.view(np.uint32) != want.view(np.uint32))
+        if differ.any():
+            worst = float(np.max(np.abs(np.where(differ, got - want, 0.0))))
+            shape = "the whole batch" if size == rows else f"slices of {size} rows"
+            raise ExactnessProbeError(
+                f"grpo.start_probe: on {jax.default_backend()} the learner's replay of "
+                f"{shape} differs from the sampler on {int(differ.sum())} of {int(mask.sum())} "
+                f"tokens (max |dlogp| {worst:.3g}), so the sampler's log-probs cannot stand for "
+                "the learner's; nothing was written. Set grpo.replay=always (every update "
+                "replays; the mismatch metrics measure it), or grpo.logprobs=dense, or "
+                "grpo.start_probe=false to run as configured")
+    return {"rows": rows, "slices": slices, "tokens": int(mask.sum())}
