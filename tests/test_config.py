@@ -68,6 +68,7 @@ BAD = {
     "grpo.logprobs": ["abc"],
     "grpo.replay": ["sometimes"],
     "grpo.verify_every": ["-1", "abc"],
+    "grpo.start_probe": ["abc"],
     # k=on: compiled kernels, which a CPU host has none of (a run executes here).
     "grpo.learner_policy": ["abc", *(["bf16,k=on"] if kernel_backend() is None else [])],
     "grpo.sampler_policy": ["p=f99", *(["fp32,k=on"] if kernel_backend() is None else [])],

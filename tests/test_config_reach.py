@@ -84,8 +84,10 @@ RUNS = {
         "sync.exporter=bf16:nearest", "sync.bf16_start=true", "grpo.sampler_policy=bf16",
         "grpo.learner_policy=bf16", "loss.correction=seq_mis",
     ],
-    # Low-bit training: binary codes with error diffusion from the warm-start on.
-    "low_bit": ["sft.optimizer=error_diffusion:binary:k=4", "sync.exporter=fmt:binary"],
+    # Low-bit training: binary codes with error diffusion from the warm-start on; no start
+    # probe.
+    "low_bit": ["sft.optimizer=error_diffusion:binary:k=4", "sync.exporter=fmt:binary",
+                "grpo.start_probe=false"],
     # Dynamic sampling with overlong shaping, mu=2 passes over 2 minibatches of 2 micro-
     # batches, rematerialized; no save on a signal.
     "dynamic": [

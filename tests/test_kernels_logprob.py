@@ -125,13 +125,13 @@ def _loss(policy, **tiles):
 
 
 def test_one_traced_program_carries_each_platforms_kernels():
-    """`auto`: the reference on cpu, the Triton kernels on cuda, the Mosaic kernels on tpu
-    (forward and both backward kernels), from one trace at Qwen3-0.6B's read-out shape."""
+    """`auto`: the reference on cpu and on cuda (our GPU versions are retired,
+    `kernels.dispatch.RETIRED`), the Mosaic kernels on tpu (forward and both backward kernels),
+    from one trace at Qwen3-0.6B's read-out shape."""
     traced = trace_for(_loss("fp32"), _abstract(4096, 1024, 151936, jnp.bfloat16))
     assert kernel_calls(lower_for(traced, "cpu"), "cuda") == []
     assert "pallas" not in lower_for(traced, "cpu")
-    assert sorted(kernel_calls(lower_for(traced, "cuda"), "cuda")) == [
-        "logprob_dh_gpu", "logprob_dw_gpu", "logprob_fwd_gpu"]
+    assert kernel_calls(lower_for(traced, "cuda"), "cuda") == []
     assert sorted(kernel_calls(lower_for(traced, "tpu", "tpu-v5p"), "tpu")) == [
         "logprob_dh_tpu", "logprob_dw_tpu", "logprob_fwd_tpu"]
 
@@ -145,8 +145,9 @@ def test_kernels_on_where_the_platform_has_no_kernel_is_an_error():
     traced = trace_for(_loss("fp32,k=on"), _abstract(64, 128, 1024, jnp.float32))
     with pytest.raises(KernelUnavailableError, match="has no version for cpu"):
         lower_for(traced, "cpu")
-    # ... while the same trace lowers for the platforms that have it.
-    assert len(kernel_calls(lower_for(traced, "cuda"), "cuda")) == 3
+    # ... and for cuda, whose version is retired, while the same trace lowers for tpu.
+    with pytest.raises(KernelUnavailableError, match="no compiled version for cuda: .*retired"):
+        lower_for(traced, "cuda")
     assert len(kernel_calls(lower_for(traced, "tpu"), "tpu")) == 3
     assert fused_readout("bf16,k=on") and fused_readout("fp32") and fused_readout("fp32,k=interpret")
     assert not fused_readout("fp32,k=off")
@@ -171,26 +172,10 @@ def test_tiles_that_do_not_fit_are_one_clear_error():
     assert check_gpu_tiles(1024, 151936, GpuTiles(16, 256, 64)) is None  # Qwen3's vocab: fits
 
 
-def test_a_tile_over_the_shared_memory_is_an_error_under_on_and_replanned_under_auto():
-    """block_t 64, block_v 512, block_d 128 in f32 needs about 1 MiB of shared memory: over
-    H100's 227 KiB. `on` names the tile, the need and the limit when lowered for cuda (the trace
-    still lowers for tpu); `auto` re-plans it to a tile that fits and keeps the kernel."""
-    args = _abstract(256, 1024, 4096, jnp.float32)
-    big = dict(block_t=64, block_v=512, block_d=128)
-    traced = trace_for(_loss("fp32,k=on", **big), args, targets=["h100"])
-    with pytest.raises(KernelUnavailableError,
-                       match=r"does not fit cuda: the tile \(block_t=64, block_v=512, block_d=128\)"
-                             r".*needs 1.*MiB of shared memory .*over h100's limit of 227.0 KiB"):
-        lower_for(traced, "cuda")
-    assert len(kernel_calls(lower_for(traced, "tpu"), "tpu")) == 3
-    replanned = lower_for(trace_for(_loss("fp32", **big), args, targets=["h100"]), "cuda")
-    assert len(kernel_calls(replanned, "cuda")) == 3
-
-
 def test_a_tpu_tile_over_the_vmem_is_an_error_under_on():
     """512 x 1024 tiles at D 2560 in f32 need far more than v5p's 16 MiB of scoped VMEM: under
-    `on` lowering for tpu names the kernel, the tile, the need and the limit, while the same trace
-    lowers for cuda; under `auto` the tpu branch runs the reference."""
+    `on` lowering for tpu names the kernel, the tile, the need and the limit (cuda: the
+    retirement); under `auto` the tpu branch runs the reference."""
     from jaxrl_lp.kernels.logprob_tpu import TpuLogprobTiles, TpuTiles
 
     big = TpuLogprobTiles(*[TpuTiles(512, 1024)] * 3)
@@ -201,7 +186,8 @@ def test_a_tpu_tile_over_the_vmem_is_an_error_under_on():
                              r"1024 at D=2560 needs .* MiB of VMEM .*over tpu-v5p's limit of "
                              r"16.0 MiB"):
         lower_for(traced, "tpu", "tpu-v5p")
-    assert len(kernel_calls(lower_for(traced, "cuda"), "cuda")) == 3
+    with pytest.raises(KernelUnavailableError, match="retired"):
+        lower_for(traced, "cuda")
     auto = lower_for(trace_for(_loss("fp32", tpu_tiles=big), args, targets=["tpu-v5p"]), "tpu")
     assert kernel_calls(auto, "tpu") == []
 

@@ -5,7 +5,8 @@ What a GPU or TPU compiler would be handed is checked here, on abstract inputs
 in native bf16 and under the MXFP8 and NVFP4 policies, with JAX's defaults
 (`jaxrl_lp.bench.lowering`, `jaxrl-lp bench lowering`): each cell must lower and
 carry the Pallas kernel families its program should (`expected_kernels`:
-Triton custom calls for `cuda`, Mosaic ones for `tpu`). One traced program
+Mosaic custom calls for `tpu`; none for `cuda`, whose versions are retired,
+`kernels.dispatch.RETIRED`). One traced program
 lowers for every platform; lowered for `cpu` under `kernels=auto` it carries no
 kernel (the references). The device compilers' own passes are not run here
 (`kernels.lowering`'s docstring); `tests/test_kernels_compiled.py` runs the
@@ -16,7 +17,7 @@ import json
 
 import pytest
 
-from jaxrl_lp.bench.lowering import KERNEL_CASES, report
+from jaxrl_lp.bench.lowering import KERNEL_CASES, kernel_family, report
 from jaxrl_lp.cli.main import main
 from jaxrl_lp.models.config import get_preset
 from jaxrl_lp.plan.programs import PROGRAMS
@@ -64,11 +65,13 @@ def test_every_program_lowers_for_cuda_and_tpu_with_its_kernels(preset, policy, 
     _assert_cells(row)
     # The kernels a program carries are the ones its policy asks for: no fused log-prob under
     # a quantized matmul format (the lm head's matmul stays on the plain path), the block
-    # quantizer wherever a forward runs under MXFP8 / NVFP4.
-    fams = {prog: {k.split("_")[0] for k in cell["cuda"]["kernels"]} for prog, cell in row.items()}
+    # quantizer wherever a forward runs under MXFP8 / NVFP4. On cuda none: our GPU versions
+    # are retired (`kernels.dispatch.RETIRED`), XLA's own run there.
+    fams = {prog: {kernel_family(k) for k in cell["tpu"]["kernels"]} for prog, cell in row.items()}
     assert ("logprob" in fams["grpo_step_hybrid"]) == (policy == "bf16")
     assert "logprob" not in fams["sampler_decode"]  # it samples from the logits it has
-    assert ("mxfp8" in fams["grpo_step_hybrid"]) == (policy == "mxfp8")
+    assert ("quantize" in fams["grpo_step_hybrid"]) == (policy in ("mxfp8", "nvfp4"))
+    assert not any(cell["cuda"]["kernels"] for cell in row.values())
     assert out["summary"]["lowered"] == out["summary"]["cells"] == 2 * len(PROGRAMS)
 
 
@@ -78,18 +81,19 @@ def test_the_cpu_lowering_of_the_same_trace_carries_no_kernel():
                  layers=SHALLOW)
     for prog, cell in out["programs"]["qwen3-0.6b"]["bf16"].items():
         assert cell["cpu"]["lowers"] and not cell["cpu"]["expected_families"], prog
-        assert cell["cuda"]["kernels"] and cell["tpu"]["kernels"], prog
+        assert cell["tpu"]["kernels"] and not cell["cuda"]["kernels"], prog  # cuda: retired
 
 
 def test_the_kernels_alone_lower_under_kernels_on():
-    """The rows of the issue's table: each kernel alone, `kernels=on` (no fallback)."""
+    """The rows of the issue's table: each kernel alone, `kernels=on` (no fallback): lowered
+    for tpu, refused for cuda with the retirement (`kernels.dispatch.RETIRED`)."""
     out = report([], [], ("cuda", "tpu"))
     assert set(out["kernels"]) == set(KERNEL_CASES)
     for case, cells in out["kernels"].items():
-        for p in ("cuda", "tpu"):
-            assert cells[p]["lowers"], (case, p, cells[p].get("error"))
-            assert cells[p]["kernels"] and not cells[p]["missing_families"], (case, p)
-    assert len(out["kernels"]["logprob_gradient"]["cuda"]["kernels"]) == 3  # fwd, d/dh, d/dW
+        assert cells["tpu"]["lowers"], (case, cells["tpu"].get("error"))
+        assert cells["tpu"]["kernels"] and not cells["tpu"]["missing_families"], case
+        assert not cells["cuda"]["lowers"] and cells["cuda"]["retired"], (case, cells["cuda"])
+    assert out["summary"]["with_expected_kernels"] == out["summary"]["cells"]
 
 
 def test_bench_lowering_prints_the_table(capsys, tmp_path):
@@ -99,12 +103,15 @@ def test_bench_lowering_prints_the_table(capsys, tmp_path):
     out = json.loads(capsys.readouterr().out)
     assert json.loads(path.read_text()) == out
     assert out["summary"]["cells"] == 2 * (2 + len(KERNEL_CASES))
-    assert out["summary"]["lowered"] == out["summary"]["cells"]
+    # Every cell but the kernels alone on cuda (retired: they refuse) lowers.
+    assert out["summary"]["lowered"] == out["summary"]["cells"] - len(KERNEL_CASES)
+    assert out["summary"]["with_expected_kernels"] == out["summary"]["cells"]
     table = out["table"].splitlines()
     assert table[0] == "| program | CUDA | TPU |"
-    assert "| sampler_decode ouro-1.4b bf16 | lowers (decode_attention) |" in out["table"]
-    assert any(line.startswith("| kernel mxfp8_quantize (k=on) | lowers (quantize)")
-               for line in table)
+    assert "| sampler_decode ouro-1.4b bf16 | lowers (no kernel) | lowers (decode_attention) |" \
+        in out["table"]
+    assert any(line.startswith("| kernel mxfp8_quantize (k=on) | retired |")
+               and line.endswith("| lowers (quantize) |") for line in table)
     assert main(["bench", "lowering", "--presets", "ouro-1.4b", "--policies", "bf16",
                  "--programs", "exporter", "--no-kernel-rows", "--markdown"]) == 0
     assert capsys.readouterr().out.splitlines()[2] == \

@@ -43,9 +43,11 @@ def probe_exactness(cfg, plan) -> dict | None:
     """Samples and replays one batch at the run's shapes; raises where a bit differs.
 
     Returns None where the run does not take recorded log-probs as the
-    replay's (`grpo.replay=always`, dense log-probs, unmatched policies, a
-    speculative sampler, whose replay is its own) or `grpo.start_probe` is
-    false; else what was checked: `{"rows": B, "slices": [...], "tokens": n}`.
+    replay's (`grpo.replay=always`, dense log-probs, unmatched policies) or
+    `grpo.start_probe` is false; else what was checked: `{"rows": B,
+    "slices": [...], "tokens": n}`. A speculative sampler's batch is checked
+    whole (its replay re-traces the verification chunks, `rollout.replay`: the
+    slices of a later update are not the sampler's program).
 
     Raises:
       ExactnessProbeError: the replay of the whole batch or of a slice differs
@@ -53,7 +55,7 @@ def probe_exactness(cfg, plan) -> dict | None:
     """
     g = cfg.grpo
     relies = (g.replay == "auto" and g.logprobs == "hybrid"
-              and str(plan.learner_policy) == str(plan.sampler_policy) and not g.speculative)
+              and str(plan.learner_policy) == str(plan.sampler_policy))
     if not (g.start_probe and relies):
         return None
     task, tok = plan.task, plan.task.tokenizer
@@ -61,17 +63,22 @@ def probe_exactness(cfg, plan) -> dict | None:
     params = init_params(plan.model, jax.random.PRNGKey(cfg.run.seed))
     prompts = [task.prompt_ids(task.train[i % len(task.train)])
                for i in range(g.prompts_per_step)]
-    ro = generate(params, plan.model, prompts, policy=plan.sampler_policy,
-                  sampling=SamplingConfig(temperature=g.temperature, draw=g.draw),
-                  max_new_tokens=plan.max_new_tokens, num_samples=g.group_size,
-                  eos_id=tok.eos_id, pad_id=tok.pad_id, loop=plan.loop,
-                  key=jax.random.PRNGKey(cfg.run.seed), mesh=mesh)
+    kw = dict(policy=plan.sampler_policy,
+              sampling=SamplingConfig(temperature=g.temperature, draw=g.draw),
+              max_new_tokens=plan.max_new_tokens, num_samples=g.group_size, eos_id=tok.eos_id,
+              pad_id=tok.pad_id, loop=plan.loop, key=jax.random.PRNGKey(cfg.run.seed), mesh=mesh)
+    if g.speculative:
+        from jaxrl_lp.rollout.speculative import speculative_generate
+
+        ro = speculative_generate(params, plan.model, prompts, g.speculative, **kw)
+    else:
+        ro = generate(params, plan.model, prompts, **kw)
     want = np.asarray(to_host(ro.logprobs), np.float32)
     mask = np.asarray(to_host(ro.completion_mask)) > 0
     rows = want.shape[0]
     replay = lambda r: np.asarray(to_host(replay_logprobs(params, plan.model, plan.learner_policy,
                                                           r, mesh=mesh)), np.float32)
-    slices = _slices(rows, g.minibatches, g.micro_batches)
+    slices = [] if g.speculative else _slices(rows, g.minibatches, g.micro_batches)
     for size in [rows, *slices]:
         got = np.concatenate([replay(ro if size == rows else
                                      take_rows(ro, np.arange(i, i + size)))

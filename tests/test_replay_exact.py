@@ -1,0 +1,135 @@
+"""The exact replay (`rollout.replay`): the sampler's own executable, rows in their places.
+
+What a run relies on, checked on CPU in the default suite: one compiled program
+samples and replays (no compilation for the replay), the recorded exit steps
+are taken under other weights, rows of several sampler calls replay each in its
+call, a hand-built rollout replays as one call, a traced caller gets one clear
+error, the hybrid step's value is computed by that program for any minibatch,
+and the start probe stops a run with one line before it writes anything. The
+slices of every model kind and policy are in tests/test_logprobs.py; the GPU
+cells in tests/test_gpu.py.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from jaxrl_lp.bench.exactness import exactness_model, exactness_rollout
+from jaxrl_lp.numerics.policy import Policy
+from jaxrl_lp.rl.logprobs import traced_replay_logprobs
+from jaxrl_lp.rollout.generate import Rollout, concat_rollouts, sampler_program, take_rows
+from jaxrl_lp.rollout.replay import replay_logprobs
+
+PROMPTS = ((1, 5, 7), (2, 9, 4, 11, 3, 8), (6,), (12, 13))
+FP32 = Policy.parse("fp32")
+
+
+def _case(kind, seed=1, prompts=PROMPTS):
+    cfg, params, loop = exactness_model(kind, loop_steps=3)
+    ro = exactness_rollout(params, cfg, FP32, loop, prompts=prompts, num_samples=2,
+                           max_new_tokens=8, seed=seed)
+    return cfg, params, loop, ro
+
+
+def _bits_equal(got, ro: Rollout):
+    mask = np.asarray(ro.completion_mask) > 0
+    np.testing.assert_array_equal(np.asarray(got)[mask], np.asarray(ro.logprobs)[mask])
+
+
+def test_one_executable_samples_and_replays():
+    """A replay of the whole batch or of any rows compiles nothing: it is the sampler's
+    program, called with the recorded tokens forced."""
+    cfg, params, _, ro = _case("looped_deferred")
+    compiled = sampler_program._cache_size()
+    _bits_equal(replay_logprobs(params, cfg, FP32, ro), ro)
+    rows = np.array([6, 1, 3])
+    _bits_equal(replay_logprobs(params, cfg, FP32, take_rows(ro, rows)), take_rows(ro, rows))
+    assert sampler_program._cache_size() == compiled
+
+
+def test_the_recorded_exits_are_taken_under_other_weights():
+    """Under weights whose exit rule decides otherwise, the replay still runs the recorded
+    schedule: it agrees with the traced replay of that schedule (1e-5), where a replay by the
+    rule would not."""
+    cfg, params, _, ro = _case("looped_deferred")
+    other = dict(params, exit_gate={"kernel": -params["exit_gate"]["kernel"],
+                                    "bias": params["exit_gate"]["bias"]})
+    mask = np.asarray(ro.completion_mask) > 0
+    exact = np.asarray(replay_logprobs(other, cfg, FP32, ro))
+    traced = np.asarray(jax.jit(traced_replay_logprobs, static_argnums=(1, 2))(other, cfg, FP32,
+                                                                               ro))
+    np.testing.assert_allclose(exact[mask], traced[mask], atol=1e-5)
+    # The other weights' rule exits elsewhere: a fresh sample's exit steps differ.
+    fresh = exactness_rollout(other, cfg, FP32, ro.loop, prompts=PROMPTS, num_samples=2,
+                              max_new_tokens=8, seed=1)
+    assert (np.asarray(fresh.exit_steps)[:, 0] != np.asarray(ro.exit_steps)[:, 0]).any()
+
+
+def test_rows_of_several_calls_replay_each_in_its_call():
+    """A refilled batch: rows kept from one call (wider prompts) and a whole second call."""
+    cfg, params, loop, ro = _case("dense")
+    second = exactness_rollout(params, cfg, FP32, loop, prompts=((3, 4),), num_samples=2,
+                               max_new_tokens=8, seed=5)
+    both = concat_rollouts([take_rows(ro, np.array([7, 2])), second], pad_id=0)
+    assert len(both.calls) == 2 and both.prompt_tokens.shape[1] == ro.prompt_tokens.shape[1]
+    _bits_equal(replay_logprobs(params, cfg, FP32, both), both)
+
+
+def test_a_hand_built_rollout_replays_as_one_call():
+    """A rollout without recorded calls (built by hand) is one call of its own shape."""
+    cfg, params, _, ro = _case("dense")
+    bare = Rollout(prompt_tokens=ro.prompt_tokens, prompt_lengths=ro.prompt_lengths,
+                   completion_tokens=ro.completion_tokens, completion_mask=ro.completion_mask,
+                   logprobs=ro.logprobs, exit_steps=ro.exit_steps, loop_evals=ro.loop_evals,
+                   weights_version=ro.weights_version, policy=ro.policy, loop=ro.loop,
+                   temperature=ro.temperature)
+    got = np.asarray(replay_logprobs(params, cfg, FP32, bare))
+    mask = np.asarray(ro.completion_mask) > 0
+    np.testing.assert_allclose(got[mask], np.asarray(ro.logprobs)[mask], atol=1e-5)
+
+
+def test_a_traced_caller_gets_one_clear_error():
+    cfg, params, _, ro = _case("dense")
+    with pytest.raises(ValueError, match="cannot be traced.*traced_replay_logprobs"):
+        jax.jit(lambda p: replay_logprobs(p, cfg, FP32, ro))(params)
+
+
+@pytest.mark.parametrize("kind", ["dense", "looped_deferred"])
+def test_the_hybrid_step_takes_each_minibatchs_value_from_the_samplers_program(kind):
+    """A hybrid GRPO step given no value replays its rows first (`make_grpo_step`): at the
+    sampler's weights the ratio is exactly 1 on every 2-row minibatch (before, the value was
+    traced into the step at the minibatch's shape, and rounded otherwise on XLA:CPU)."""
+    from jaxrl_lp.rl.loss import LossConfig
+    from jaxrl_lp.rl.train_step import make_grpo_step
+
+    cfg, params, loop, ro = _case(kind)
+    step = make_grpo_step(cfg, FP32, LossConfig(), optax.sgd(0.0), loop=loop, micro_batches=2)
+    adv = jnp.asarray([1.0, -1.0])
+    for i in range(0, 8, 2):
+        rows = take_rows(ro, np.arange(i, i + 2))
+        copy = jax.tree.map(jnp.copy, params)
+        _, _, m = step(copy, optax.sgd(0.0).init(copy), rows, adv, rows.logprobs)
+        assert float(m["ratio_mean"]) == 1.0, (i, float(m["ratio_mean"]))
+
+
+def test_the_start_probe_stops_a_planted_mismatch_with_one_line(tmp_path, monkeypatch, capsys):
+    """A replay one ulp off the sampler: `jaxrl-lp train` exits 2 with one line naming the
+    probe and the settings that run anyway, and nothing is written."""
+    from helpers import TINY_MODEL, sets
+
+    import jaxrl_lp.train.probe as probe
+    from jaxrl_lp.cli.main import main
+
+    real = probe.replay_logprobs
+    monkeypatch.setattr(probe, "replay_logprobs",
+                        lambda *a, **k: jnp.nextafter(real(*a, **k), 0.0))
+    out = tmp_path / "run"
+    assert main(["train", *sets(*TINY_MODEL, "grpo.prompts_per_step=4", "grpo.group_size=2",
+                                f"run.out_dir={out}")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1, err
+    assert "grpo.start_probe" in err and "grpo.replay=always" in err and "nothing was written" \
+        in err, err
+    assert not out.exists()
