@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# The sampler, learner-step and kernel benchmarks and the compiled kernel tests on one accelerator
-# (a GPU: benchmarks/gpu.sh; a TPU chip: benchmarks/tpu.sh), with native bf16, offline, in under
+# The sampler, learner-step and kernel benchmarks and the compiled kernel tests on one TPU chip
+# (benchmarks/tpu.sh; a GPU has its own, benchmarks/gpu.sh), with native bf16, offline, in under
 # 9 minutes (each step under its own `timeout`, so one hang does not eat the rest). Writes into
 # DIR (default $OUT/bench where OUT is set, else runs/bench-gpu or runs/bench-tpu):
 #

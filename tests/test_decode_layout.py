@@ -121,7 +121,7 @@ def test_the_rollout_records_its_layout_and_the_replay_follows_it(layout):
                   max_new_tokens=12, num_samples=2, key=jax.random.PRNGKey(1),
                   decode_layout=layout)
     assert ro.decode_layout == layout
-    replay = jax.jit(lambda p, ro: replay_logprobs(p, CFG, F32, ro))(params, ro)
+    replay = replay_logprobs(params, CFG, F32, ro)  # the sampler's program, tokens forced
     mask = np.asarray(ro.completion_mask) > 0
     assert (np.asarray(replay)[mask].view(np.uint32)
             == np.asarray(ro.logprobs)[mask].view(np.uint32)).all()

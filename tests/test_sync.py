@@ -380,7 +380,7 @@ def test_replay_logprobs_equal_sampler_after_export(master):
     ro = generate(held, CFG, [[1, 2, 3], [4, 5]], policy=policy, max_new_tokens=6,
                   weights_version=VERSION)
     used = straight_through_served(master, served_params_for_forward(served))
-    replay = jax.jit(replay_logprobs, static_argnums=(1, 2))
+    replay = replay_logprobs  # the sampler's program, tokens forced
     lp = replay(used, CFG, policy, ro)
     mask = np.asarray(ro.completion_mask) > 0
     assert np.asarray(lp)[mask].tobytes() == np.asarray(ro.logprobs)[mask].tobytes()

@@ -39,8 +39,7 @@ from jax.sharding import Mesh
 
 from jaxrl_lp.kernels.dispatch import per_shard
 from jaxrl_lp.kernels.logprob import readout_logprobs
-from jaxrl_lp.models.blocks import lm_head, lm_logits, unstack_layers
-from jaxrl_lp.models.cache import init_cache, unstack_cache
+from jaxrl_lp.models.blocks import lm_head, lm_logits
 from jaxrl_lp.models.config import ModelConfig
 from jaxrl_lp.models.loop import ExitSchedule
 from jaxrl_lp.models.model import forward
@@ -51,9 +50,14 @@ from jaxrl_lp.parallel.context import use_mesh
 from jaxrl_lp.parallel.rules import DEFAULT_RULES, ShardingRules
 from jaxrl_lp.rl.packed_rows import PACK_BUCKETS, pack_groups, packed_rows_for, packed_rows_of
 from jaxrl_lp.rollout.generate import Rollout, split_rows
-from jaxrl_lp.rollout.replay import ReplayProgram, replay_logprobs, rollout_loop
-from jaxrl_lp.rollout.speculative import replay_speculative
-from jaxrl_lp.rollout.step import LoopSpec, decode_step, fused_readout, prefill, step_logprobs
+from jaxrl_lp.rollout.replay import (
+    ReplayProgram,
+    prompt_positions,
+    replay_logprobs,
+    rollout_loop,
+    traced_replay_logprobs,
+)
+from jaxrl_lp.rollout.step import LoopSpec, fused_readout
 
 __all__ = ["LogprobMethod", "LogprobProgram", "dense_logprobs", "forward_products",
            "jit_learner_logprobs", "learner_logprobs", "logprob_entropy", "pack_groups",
@@ -61,13 +65,6 @@ __all__ = ["LogprobMethod", "LogprobProgram", "dense_logprobs", "forward_product
            "recorded_logprobs", "replay_logprobs", "rollout_loop", "traced_replay_logprobs"]
 
 LogprobMethod = Literal["dense", "replay", "hybrid"]
-
-
-def prompt_positions(prompt_BxP: jax.Array, lengths_B: jax.Array) -> jax.Array:
-    """Positions of left-padded prompts: -1 on padding, 0..n-1 on the n real tokens."""
-    p = prompt_BxP.shape[1]
-    pos = jnp.arange(p, dtype=jnp.int32)[None] - (p - lengths_B[:, None])
-    return jnp.where(pos >= 0, pos, -1).astype(jnp.int32)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
@@ -276,51 +273,6 @@ def packed_logprobs(params: dict, cfg: ModelConfig, policy: Policy, tokens_BxT: 
     grid = lambda x: unpack(x.reshape(groups, head_rows), head, b, n)
     out = lambda x: jnp.where(ok, jnp.where(done, grid(x), 0.0), jnp.nan)
     return out(lp), out(ent)
-
-
-def traced_replay_logprobs(params: dict, cfg: ModelConfig, policy: Policy, ro: Rollout, *,
-                           loop: LoopSpec | None = None) -> jax.Array:
-    """The sampler's steps traced over the recorded tokens and schedule: [B, N].
-
-    The traceable replay, for use inside another program (a gradient through
-    it, the hybrid's value inside a step given none). It runs the sampler's
-    `prefill` and `decode_step` in a `lax.scan`: a program of its own, so
-    its values are the sampler's only where the compiler compiles both alike
-    (on XLA:CPU at the sampler's batch shape; on a GPU they differ by ~1e-6).
-    The exact replay is `replay_logprobs` (module docstring).
-
-    A speculative rollout (`ro.verify_tokens > 0`) is replayed by
-    `rollout.speculative.replay_speculative`: its recorded verification chunks,
-    not one-token steps (not differentiable; use `hybrid` for gradients).
-    Differentiable except in deferred mode (its early-stopping loop is a
-    `while_loop`); use `hybrid` for gradients there.
-    """
-    loop = rollout_loop(ro, cfg, loop)
-    if ro.verify_tokens:  # a speculative rollout: re-run its verification chunks
-        return replay_speculative(params, cfg, policy, ro, loop)
-    b, p = ro.prompt_tokens.shape
-    n = ro.completion_tokens.shape[1]
-    # As the sampler (`generate`) decoded: the same copy of the weights, in its layout.
-    params = unstack_layers(params, transpose=ro.decode_layout == "transposed")
-    cache = unstack_cache(init_cache(cfg, policy, b, p + n), cfg)
-    positions = prompt_positions(ro.prompt_tokens, ro.prompt_lengths)
-    fused = fused_readout(policy)  # the steps return what the sampler's did
-    out, cache, _, _ = prefill(params, cfg, policy, loop, ro.prompt_tokens, positions, cache,
-                               readout_steps_B=ro.exit_steps[:, 0] if cfg.is_looped else None,
-                               hidden=fused)
-    lp0 = step_logprobs(params, cfg, policy, out, ro.completion_tokens[:, 0], ro.temperature)
-
-    def body(cache, j):
-        out, cache, _, _ = decode_step(
-            params, cfg, policy, loop, ro.completion_tokens[:, j - 1],
-            ro.prompt_lengths + j - 1, cache, p + j - 1,
-            exit_steps_B=ro.exit_steps[:, j] if cfg.is_looped else None,
-            active_B=ro.completion_mask[:, j] > 0, hidden=fused)  # as the sampler ran it
-        return cache, step_logprobs(params, cfg, policy, out, ro.completion_tokens[:, j],
-                                    ro.temperature)
-
-    _, rest = jax.lax.scan(body, cache, jnp.arange(1, n, dtype=jnp.int32))
-    return jnp.concatenate([lp0[:, None], rest.T], axis=1)
 
 
 def learner_logprobs(params: dict, cfg: ModelConfig, policy: Policy, ro: Rollout,

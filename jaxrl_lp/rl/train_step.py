@@ -295,8 +295,8 @@ def make_grpo_step(cfg: ModelConfig, policy: Policy, loss_cfg: LossConfig,
         replay_policy = Policy.parse(policy)
 
         def prepare(args):
-            if len(args) > 7 and args[7] is not None:
-                return args
+            if (len(args) > 7 and args[7] is not None) or (len(args) > 8 and args[8] is not None):
+                return args  # a value given; products without one are refused by the step
             args = tuple(args) + (None,) * (8 - len(args))
             params, ro, served = args[0], args[2], args[6]
             if served is None:

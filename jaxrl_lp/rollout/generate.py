@@ -515,6 +515,7 @@ def call_inputs(prompt_BxP, positions_BxP, lengths_B, key, version, forced_BxN, 
         rows = tuple(jnp.asarray(a) for a in rows)
     else:
         rows = put_tree(rows, batch_shardings(rows, mesh, rules))
-        key, scalars = put_tree((key, scalars), replicated(mesh))
+        key, scalars = (put_tree(x, jax.tree.map(lambda _: replicated(mesh), x))
+                        for x in (key, scalars))
     prompts, positions, lengths, forced, exits = rows
     return prompts, positions, lengths, key, scalars[0], Forced(forced, exits, scalars[1])

@@ -31,8 +31,9 @@ chunks (`rollout.speculative.replay_speculative`, jitted here): not yet one
 executable with their sampler.
 
 The replay is a host-level call (it runs compiled programs, one per sampler
-call); inside a traced function use `rl.logprobs.traced_replay_logprobs`,
-the same steps traced into that program.
+call); inside a traced function use `traced_replay_logprobs`, the same steps
+traced into that program (the former construction: the sampler's bits only
+where the compiler compiles the two programs alike).
 """
 
 from __future__ import annotations
@@ -44,13 +45,15 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
+from jaxrl_lp.models.blocks import unstack_layers
+from jaxrl_lp.models.cache import init_cache, unstack_cache
 from jaxrl_lp.models.config import ModelConfig
 from jaxrl_lp.models.loop import MODEL_DEFAULT
 from jaxrl_lp.numerics.policy import Policy
+from jaxrl_lp.parallel.context import use_mesh
 from jaxrl_lp.parallel.rules import DEFAULT_RULES, ShardingRules
 from jaxrl_lp.parallel.shard import to_host
 from jaxrl_lp.rollout.generate import (
-    Forced,
     Rollout,
     SamplerCall,
     call_inputs,
@@ -58,9 +61,10 @@ from jaxrl_lp.rollout.generate import (
 )
 from jaxrl_lp.rollout.sampling import SamplingConfig
 from jaxrl_lp.rollout.speculative import replay_speculative
-from jaxrl_lp.rollout.step import LoopSpec
+from jaxrl_lp.rollout.step import LoopSpec, decode_step, fused_readout, prefill, step_logprobs
 
-__all__ = ["ReplayProgram", "replay_logprobs", "rollout_loop"]
+__all__ = ["ReplayProgram", "prompt_positions", "replay_logprobs", "rollout_loop",
+           "traced_replay_logprobs"]
 
 
 def rollout_loop(ro: Rollout, cfg: ModelConfig, loop: LoopSpec | None = None) -> LoopSpec:
@@ -91,6 +95,58 @@ def rollout_loop(ro: Rollout, cfg: ModelConfig, loop: LoopSpec | None = None) ->
     return own
 
 
+def prompt_positions(prompt_BxP: jax.Array, lengths_B: jax.Array) -> jax.Array:
+    """Positions of left-padded prompts: -1 on padding, 0..n-1 on the n real tokens."""
+    p = prompt_BxP.shape[1]
+    pos = jnp.arange(p, dtype=jnp.int32)[None] - (p - lengths_B[:, None])
+    return jnp.where(pos >= 0, pos, -1).astype(jnp.int32)
+
+
+def traced_replay_logprobs(params: dict, cfg: ModelConfig, policy: Policy, ro: Rollout, *,
+                           loop: LoopSpec | None = None) -> jax.Array:
+    """The sampler's steps traced over the recorded tokens and schedule: [B, N].
+
+    The traceable replay, for use inside another program (a gradient through
+    it, the hybrid's value inside a step given none). It runs the sampler's
+    `prefill` and `decode_step` in a `lax.scan`: a program of its own, so
+    its values are the sampler's only where the compiler compiles both alike
+    (on XLA:CPU at the sampler's batch shape; on a GPU they differ by ~1e-6).
+    The exact replay is `replay_logprobs` (module docstring).
+
+    A speculative rollout (`ro.verify_tokens > 0`) is replayed by
+    `rollout.speculative.replay_speculative`: its recorded verification chunks,
+    not one-token steps (not differentiable; use `hybrid` for gradients).
+    Differentiable except in deferred mode (its early-stopping loop is a
+    `while_loop`); use `hybrid` for gradients there.
+    """
+    loop = rollout_loop(ro, cfg, loop)
+    if ro.verify_tokens:  # a speculative rollout: re-run its verification chunks
+        return replay_speculative(params, cfg, policy, ro, loop)
+    b, p = ro.prompt_tokens.shape
+    n = ro.completion_tokens.shape[1]
+    # As the sampler (`generate`) decoded: the same copy of the weights, in its layout.
+    params = unstack_layers(params, transpose=ro.decode_layout == "transposed")
+    cache = unstack_cache(init_cache(cfg, policy, b, p + n), cfg)
+    positions = prompt_positions(ro.prompt_tokens, ro.prompt_lengths)
+    fused = fused_readout(policy)  # the steps return what the sampler's did
+    out, cache, _, _ = prefill(params, cfg, policy, loop, ro.prompt_tokens, positions, cache,
+                               readout_steps_B=ro.exit_steps[:, 0] if cfg.is_looped else None,
+                               hidden=fused)
+    lp0 = step_logprobs(params, cfg, policy, out, ro.completion_tokens[:, 0], ro.temperature)
+
+    def body(cache, j):
+        out, cache, _, _ = decode_step(
+            params, cfg, policy, loop, ro.completion_tokens[:, j - 1],
+            ro.prompt_lengths + j - 1, cache, p + j - 1,
+            exit_steps_B=ro.exit_steps[:, j] if cfg.is_looped else None,
+            active_B=ro.completion_mask[:, j] > 0, hidden=fused)  # as the sampler ran it
+        return cache, step_logprobs(params, cfg, policy, out, ro.completion_tokens[:, j],
+                                    ro.temperature)
+
+    _, rest = jax.lax.scan(body, cache, jnp.arange(1, n, dtype=jnp.int32))
+    return jnp.concatenate([lp0[:, None], rest.T], axis=1)
+
+
 @functools.partial(jax.jit, static_argnums=(1, 2, 4))
 def _speculative(params, cfg, policy, ro, loop):
     return replay_speculative(params, cfg, policy, ro, loop)
@@ -111,9 +167,9 @@ def _refuse_traced(*trees) -> None:
     if any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(trees)):
         raise ValueError(
             "replay_logprobs reruns the sampler's compiled program and cannot be traced inside "
-            "another jit: call it outside, or use rl.logprobs.traced_replay_logprobs (the same "
-            "steps traced into your program; the sampler's bits only where the compiler "
-            "compiles them alike)")
+            "another jit: call it outside, or use traced_replay_logprobs (the same steps traced "
+            "into your program; the sampler's bits only where the compiler compiles them "
+            "alike)")
 
 
 def replay_logprobs(params: dict, cfg: ModelConfig, policy: Policy, ro: Rollout, *,
@@ -187,9 +243,9 @@ class ReplayProgram:
 
     What `rl.logprobs.jit_learner_logprobs` returns for `replay` and `hybrid`
     (the hybrid's value is the replay's). Not jitted itself: each call runs
-    the sampler's compiled program (`replay_logprobs`). `lower` lowers that
-    program for one call of the rollout's shape (abstract rollouts too), for
-    the planner and the lowering checks.
+    the sampler's compiled program (`replay_logprobs`). `trace` and `lower`
+    give the traced replay of the same steps at the rollout's shape (abstract
+    rollouts too): the planner's cost model and the lowering checks.
     """
 
     packs = False
@@ -202,28 +258,18 @@ class ReplayProgram:
         return replay_logprobs(params, self.cfg, self.policy, ro, loop=self.loop, mesh=self.mesh,
                                rules=self.rules)
 
-    def _abstract_args(self, ro: Rollout):
-        b, p = ro.prompt_tokens.shape
-        n = ro.completion_tokens.shape[1]
-        call = ro.calls[0] if ro.calls else SamplerCall(b, p, SamplingConfig(
-            temperature=ro.temperature), None, 0)
-        i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)
-        key = jax.eval_shape(lambda: jax.random.PRNGKey(0))
-        args = (i32(call.rows, call.prompt_width), i32(call.rows, call.prompt_width),
-                i32(call.rows), key, i32(),
-                Forced(i32(call.rows, n), i32(call.rows, n), jax.ShapeDtypeStruct((), bool)))
-        statics = dict(cfg=self.cfg, policy=self.policy,
-                       loop=rollout_loop(ro, self.cfg, self.loop), sampling=call.sampling,
-                       max_new_tokens=n, eos_id=call.eos_id, pad_id=call.pad_id, mesh=self.mesh,
-                       rules=self.rules, record=call.record, layout=ro.decode_layout)
-        return args, statics
+    def _traced(self):
+        def fn(params, ro):
+            with use_mesh(self.mesh, self.rules):
+                return traced_replay_logprobs(params, self.cfg, self.policy, ro, loop=self.loop)
+        return jax.jit(fn)
 
     def trace(self, params, ro: Rollout):
-        """`sampler_program.trace` for one call of `ro`'s shape (arrays or abstract)."""
-        args, statics = self._abstract_args(ro)
-        return sampler_program.trace(params, *args, **statics)
+        """`jax.jit(...).trace` of the traced replay at `ro`'s shape (arrays or abstract): the
+        same steps as the sampler's program with known trip counts, for the planner's cost
+        walk and the lowering checks. A call runs the sampler's program itself."""
+        return self._traced().trace(params, ro)
 
     def lower(self, params, ro: Rollout):
-        """`sampler_program.lower` for one call of `ro`'s shape (arrays or abstract)."""
-        args, statics = self._abstract_args(ro)
-        return sampler_program.lower(params, *args, **statics)
+        """`jax.jit(...).lower` of the traced replay at `ro`'s shape (`trace`)."""
+        return self._traced().lower(params, ro)

@@ -76,8 +76,8 @@ class IterationPrograms(NamedTuple):
     grpo_step: Any                   # `make_grpo_step(...)`: one optimizer update
     behaviour_logprobs: Any          # `jit_learner_logprobs(...)`: the old log-probs
     rule: ReplayRule                 # when the recorded log-probs are the replay's
-    verify_logprobs: Any = None      # the replay of the whole batch in one pass, as the
-                                     # sampler ran it (`grpo.verify_every`); None: behaviour's
+    verify_logprobs: Any = None      # the replay a verification runs (`grpo.verify_every`);
+                                     # None: behaviour's (hybrid: the sampler's own program)
     reference: Reference | None = None
     model_params: Any = None         # train tree -> model params (`optim.weights`), or None
 

@@ -349,19 +349,15 @@ def _train(cfg: TrainConfig, plan: RunPlan, run_dir: Path, ckpt: Checkpointer, t
         model_params = grpo_weights.materialize
     else:
         model_params = jax.jit(grpo_weights.materialize)
-    # The behaviour log-probs of the whole batch, one micro-batch's rows at a time (and the
-    # KL reference's, with its params: the same program).
+    # The behaviour log-probs of the whole batch (and the KL reference's, with its params: the
+    # same program): hybrid, the replay by the sampler's own program at its calls' shapes,
+    # which also verifies (`rollout.replay`); dense, one micro-batch's rows at a time.
     old_logp_fn = jit_learner_logprobs(mcfg, lpol, g.logprobs, loop=loop, mesh=mesh,
                                        micro_batches=g.minibatches * g.micro_batches)
-    # A verification replays the batch as the sampler ran it, in one pass: on XLA:CPU a
-    # replay in row slices rounds otherwise than the sampler's whole batch (docs/design.md).
-    slices = g.minibatches * g.micro_batches
-    verify_fn = None if slices == 1 else jit_learner_logprobs(mcfg, lpol, g.logprobs, loop=loop,
-                                                              mesh=mesh)
     programs = IterationPrograms(
         grpo_step=grpo_step, behaviour_logprobs=old_logp_fn,
         rule=ReplayRule(g.replay, g.logprobs, matched=str(lpol) == str(spol)),
-        verify_logprobs=verify_fn, model_params=None if grpo_weights is None else model_params)
+        model_params=None if grpo_weights is None else model_params)
     if cfg.loss.kl_beta > 0 and progress.initial_accuracy is not None:  # resumed inside GRPO
         programs = programs._replace(reference=Reference(
             _reference_params(cfg, plan, run_dir, None), old_logp_fn))
