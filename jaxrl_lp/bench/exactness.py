@@ -8,17 +8,18 @@ recomputes the log-probs of the sampled tokens with the sampler's weights and
 policy. Per entry:
 
 - `max_abs_diff_replay`: max |replay - sampler| over the completion mask, the
-  standalone replay program (`learner_logprobs(method="replay")`). SPEC
-  section 6 says 0.0: the same step functions on the same shapes.
+  replay (`rollout.replay.replay_logprobs`: the sampler's own compiled program
+  with the tokens forced). 0.0 by construction.
 - `max_abs_diff_dense`: max |dense - sampler|, the dense log-probs as the
   dense learner step computes them (one parallel teacher-forced forward:
   small, nonzero kernel-shape rounding).
 - `max_abs_diff_hybrid`: the same for the hybrid log-probs as the hybrid
-  learner step computes them (its value is replay's bits: 0.0).
-- `hybrid_over_dense_time`: seconds of one learner step (value and gradient
-  of a GRPO-like loss, `grpo_like_loss`) with hybrid log-probs over the same
-  with dense ones: the median of `repeats` timed calls each, after a warm-up
-  call, in one process. Compile times are not included.
+  learner step computes them (its value is the replay's, passed in as
+  `make_grpo_step` passes it: 0.0).
+- `hybrid_over_dense_time`: seconds of one hybrid learner step (value and
+  gradient of a GRPO-like loss, `grpo_like_loss`) plus its replay, over the
+  same step with dense log-probs: the median of `repeats` timed calls each,
+  after a warm-up call, in one process. Compile times are not included.
 - `completion_lengths`, `exit_step_counts`, `decode_loop_evals`: evidence that
   the rollouts are not trivial (the random head makes EOS likely enough that
   some sequences end early; the random exit gate is set so the rule exits at
@@ -74,9 +75,6 @@ TEMPERATURE = 0.8
 LOG_RATIO_CLIP = 20.0
 # Ragged prompts (bucketed to P = 8), each sampled G times.
 PROMPTS: tuple[tuple[int, ...], ...] = ((1, 5, 7), (2, 9, 4, 11, 3, 8), (6,), (12, 13, 14, 15))
-
-# Jitted once per (cfg, policy) and rollout statics (its loop spec): those are static.
-_jit_replay = jax.jit(replay_logprobs, static_argnums=(1, 2))
 
 
 def exactness_model(kind: str, *, loop_steps: int = 4, seed: int = 0, gate_scale: float = 20.0,
@@ -139,10 +137,13 @@ def grpo_like_loss(logp_BxN: jax.Array, ro: Rollout, adv_B: jax.Array, eps: floa
 
 
 def learner_step(cfg: ModelConfig, policy: Policy, loop: LoopSpec, method: str):
-    """A jitted `(params, ro, adv_B) -> ((loss, logp_BxN), grads)` with `method` log-probs."""
+    """A jitted `(params, ro, adv_B, replay_BxN=None) -> ((loss, logp_BxN), grads)` with
+    `method` log-probs; `replay_BxN` is a hybrid's value (`replay_logprobs`), computed outside
+    as the training program does (None: traced into the step)."""
 
-    def loss_fn(params, ro, adv_B):
-        logp, _ = learner_logprobs(params, cfg, policy, ro, method, loop=loop)
+    def loss_fn(params, ro, adv_B, replay_BxN=None):
+        logp, _ = learner_logprobs(params, cfg, policy, ro, method, loop=loop,
+                                   replay_BxN=replay_BxN)
         return grpo_like_loss(logp, ro, adv_B), logp
 
     return jax.jit(jax.value_and_grad(loss_fn, has_aux=True))
@@ -166,20 +167,24 @@ def _prepare(pol: str, kind: str, *, loop_steps: int, max_new_tokens: int, num_s
     ro = exactness_rollout(params, cfg, policy, loop, max_new_tokens=max_new_tokens,
                            num_samples=num_samples, seed=seed + 1)
     adv = jax.random.normal(jax.random.PRNGKey(seed + 2), ro.logprobs.shape[:1])
-    # Compiled ahead of time: the static arguments are bound, calls take the rest.
-    replay = _jit_replay.lower(params, cfg, policy, ro).compile()
-    steps = {m: learner_step(cfg, policy, loop, m).lower(params, ro, adv).compile()
-             for m in ("hybrid", "dense")}
+    # Compiled ahead of time: the static arguments are bound, calls take the rest. The
+    # replay is the sampler's program (compiled by the sampling above).
+    replay = functools.partial(replay_logprobs, cfg=cfg, policy=policy)
+    value = replay(params, ro=ro)
+    steps = {"hybrid": learner_step(cfg, policy, loop, "hybrid").lower(params, ro, adv,
+                                                                       value).compile(),
+             "dense": learner_step(cfg, policy, loop, "dense").lower(params, ro, adv).compile()}
     return {"cfg": cfg, "params": params, "ro": ro, "adv": adv, "replay": replay, "steps": steps}
 
 
 def _measure(e: dict, repeats: int) -> dict:
     params, ro, adv = e["params"], e["ro"], e["adv"]
     mask = ro.completion_mask
-    replay = e["replay"](params, ro)
-    (_, hybrid), _ = e["steps"]["hybrid"](params, ro, adv)
+    replay = e["replay"](params, ro=ro)
+    (_, hybrid), _ = e["steps"]["hybrid"](params, ro, adv, replay)
     (_, dense), _ = e["steps"]["dense"](params, ro, adv)
-    t_hybrid = _median_seconds(e["steps"]["hybrid"], params, ro, adv, repeats=repeats)
+    t_hybrid = _median_seconds(lambda *a: e["steps"]["hybrid"](*a, e["replay"](a[0], ro=ro)),
+                               params, ro, adv, repeats=repeats)
     t_dense = _median_seconds(e["steps"]["dense"], params, ro, adv, repeats=repeats)
     m = np.asarray(mask) > 0
     return {
