@@ -32,3 +32,18 @@ def test_bench_exactness_replay_and_hybrid_are_the_samplers_bits(tmp_path):
     for kind, r in json.loads(out.read_text())["results"]["fp32"].items():
         assert r["max_abs_diff_replay"] == 0.0 and r["max_abs_diff_hybrid"] == 0.0, kind
         assert r["max_abs_diff_dense"] > 0.0, kind  # the dense forward rounds otherwise
+
+
+def test_bench_speculative_runs_both_drafters(tmp_path):
+    """`jaxrl-lp bench speculative` end to end (it once stopped at a missing argument): both
+    drafters race plain decoding and commit at least one token per target forward."""
+    out = tmp_path / "speculative.json"
+    assert main(["bench", "speculative", "--sft-steps", "2", "--prompts", "1",
+                 "--new-tokens", "6", "--past-eos", "--repeats", "1", "--min-time", "0",
+                 "--out", str(out)]) == 0
+    got = json.loads(out.read_text())
+    for drafter in ("self", "dense"):
+        r = got[drafter]
+        assert 0.0 <= r["acceptance_rate"] <= 1.0, drafter
+        assert r["target_forwards"] > 0 and r["tokens_per_target_forward"] >= 1.0, (drafter, r)
+        assert r["speculative_s"] > 0 and r["plain_s"] > 0, drafter

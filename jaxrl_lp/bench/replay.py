@@ -167,10 +167,13 @@ def replay_cell(preset: str, policy: Policy, *, prompts: int, samples: int, prom
 def run_replay(*, presets, policies, prompts: int, samples: int, prompt_len: int,
                new_tokens: int, seed: int = 0, traced: bool = False, cost: bool = False,
                repeats: int = 3, progress=None) -> dict:
-    """Every (preset, policy) cell; `{"config": ..., "results": {preset: {policy: cell}}}`."""
+    """Every (preset, policy) cell, each printed by `progress` as it ends; `{"config": ...,
+    "results": {preset: {policy: cell}}}`."""
     results: dict = {}
-    for preset in presets:
-        for pol in policies:
+    # Policies outermost: every preset's first policy (bf16 by default) before the next, so a
+    # caller's time limit that ends in a slow cell (fp32 at model size) leaves the others.
+    for pol in policies:
+        for preset in presets:
             first = preset == presets[0] and pol == policies[0]
             cell = replay_cell(preset, Policy.parse(pol), prompts=prompts, samples=samples,
                                prompt_len=prompt_len, new_tokens=new_tokens, seed=seed,

@@ -2,7 +2,7 @@
 
 One compiled program samples and replays (`sampler_program`): it takes the
 tokens (and a looped model's exit steps) to force, and a flag. Sampling
-passes False and draws; the learner's replay (`rl.replay`) passes True and
+passes False and draws; the learner's replay (`rollout.replay`) passes True and
 the recorded tokens, so the replay's log-probs are computed by the very
 executable that computed the sampler's, and the rollout records what that
 replay needs (`SamplerCall`, `Rollout.call_rows`, `Rollout.call_keys`).
@@ -51,8 +51,8 @@ from jaxrl_lp.rollout.step import (
 )
 from jaxrl_lp.rollout.step import decode_layout as decode_layout_for  # `generate` has the name
 
-__all__ = ["Forced", "Rollout", "SamplerCall", "bucket_length", "concat_rollouts", "generate",
-           "pad_prompts", "sampler_program", "split_rows", "take_rows"]
+__all__ = ["Forced", "Rollout", "SamplerCall", "bucket_length", "call_inputs", "concat_rollouts",
+           "generate", "pad_prompts", "sampler_program", "split_rows", "take_rows"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,7 +61,7 @@ class SamplerCall:
 
     With the rollout's own static fields (policy, loop spec, decode layout)
     and its width N (`max_new_tokens`), these name the executable that
-    sampled a rollout's rows, so that the replay (`rl.replay`) runs that
+    sampled a rollout's rows, so that the replay (`rollout.replay`) runs that
     executable again.
 
     Attributes:
@@ -254,7 +254,8 @@ def concat_rollouts(rollouts: Sequence[Rollout], pad_id: int) -> Rollout:
         offsets = np.cumsum([0] + [len(ro.calls) for ro in rollouts])
         calls = dict(calls=sum((ro.calls for ro in rollouts), ()),
                      call_rows=jnp.concatenate([ro.call_rows + jnp.asarray([o, 0], jnp.int32)
-                                                for ro, o in zip(rollouts, offsets, strict=False)]),
+                                                for ro, o in zip(rollouts, offsets[:-1],
+                                                                 strict=True)]),
                      call_keys=jnp.concatenate([ro.call_keys for ro in rollouts]))
     return dataclasses.replace(head, **rows, **calls, products=None,
                                loop_evals=sum(ro.loop_evals for ro in rollouts))
@@ -308,8 +309,7 @@ def sampler_program(params, prompt_BxP, positions_BxP, lengths_B, key, version,
 
 
 def _sample(params, prompt_BxP, positions_BxP, lengths_B, key, version, forced: Forced | None,
-            *, cfg,
-            policy, loop, sampling, max_new_tokens, eos_id, pad_id, record, layout):
+            *, cfg, policy, loop, sampling, max_new_tokens, eos_id, pad_id, record, layout):
     b, p = prompt_BxP.shape
     n = max_new_tokens
     # Sliced once, here: inside the loop a scan over stacked weights copies them every step
@@ -483,7 +483,7 @@ def generate(
         shards = mesh.shape["data"] * mesh.shape["fsdp"]
         fill = -rows % shards
         req = req._replace(**{f: np.concatenate([a, np.repeat(a[-1:], fill, axis=0)])
-                              for f, a in zip(req._fields[:3], req[:3], strict=False)})
+                              for f, a in zip(req._fields[:3], req[:3], strict=True)})
     zeros = np.zeros((req.tokens_BxP.shape[0], max_new_tokens), np.int32)
     layout = decode_layout_for(params, policy, mesh, decode_layout)
     ro = sampler_program(params, *call_inputs(req.tokens_BxP, req.positions_BxP, req.lengths_B,
@@ -504,7 +504,7 @@ def call_inputs(prompt_BxP, positions_BxP, lengths_B, key, version, forced_BxN, 
                 on: bool, mesh: Mesh | None = None, rules: ShardingRules = DEFAULT_RULES):
     """The arguments of `sampler_program` after `params`, placed as the program takes them.
 
-    One placement for `generate` and the replay (`rl.replay`), so that both
+    One placement for `generate` and the replay (`rollout.replay`), so that both
     call one executable: rows over the data shards under `mesh` (else on the
     default device), the key replicated, `version` an int32 scalar and `on`
     a bool scalar, both placed with the key.

@@ -86,8 +86,10 @@ print(f"loaded: {cfg.family}, {cfg.num_layers} layers, hidden {cfg.hidden_size},
 # The sampler (`generate`) records the log-prob of every token it draws. We
 # sample under two precision policies: `fp32`, and `bf16` (bf16 compute with f32
 # accumulation; on CPU the bf16 values are carried in f32 arrays, with every
-# rounding site of a GPU run). The learner's functions are jitted once per
-# policy.
+# rounding site of a GPU run). The dense log-probs are one jitted forward; the
+# replay is the sampler's own compiled program run again with the recorded tokens
+# forced (`replay_logprobs`: nothing is compiled for it); the hybrid's value is
+# that replay, passed in as the GRPO step passes it.
 
 # %%
 rng = np.random.default_rng(0)
@@ -99,8 +101,9 @@ def logprobs_three_ways(name):
     ro = generate(params, cfg, prompts, policy=policy, sampling=SamplingConfig(temperature=1.0),
                   max_new_tokens=NEW_TOKENS, num_samples=SAMPLES, key=jax.random.PRNGKey(1))
     dense = jax.jit(lambda p, r: dense_logprobs(p, cfg, policy, r)[0])(params, ro)
-    replay = jax.jit(lambda p, r: replay_logprobs(p, cfg, policy, r))(params, ro)
-    hybrid = jax.jit(lambda p, r: learner_logprobs(p, cfg, policy, r, "hybrid")[0])(params, ro)
+    replay = replay_logprobs(params, cfg, policy, ro)
+    hybrid = jax.jit(lambda p, r, v: learner_logprobs(p, cfg, policy, r, "hybrid",
+                                                      replay_BxN=v)[0])(params, ro, replay)
     return ro, {"dense": dense, "replay": replay, "hybrid": hybrid}
 
 
@@ -120,9 +123,12 @@ for policy, (ro, lps) in results.items():
 
 # %% [markdown]
 # `replay` and `hybrid` give the sampler's values bit for bit, under both
-# policies, at any batch size: `import jaxrl_lp` asks XLA to round where the
-# program rounds (`--xla_allow_excess_precision=false`; with XLA's default a
-# fusion may skip a bf16 round trip, and 64-row bf16 batches differed by
+# policies, by construction: the executable that sampled computes them again
+# from the same inputs, and a slice of rows is replayed with each row in its
+# place in the sampler's batch, so minibatches are exact too (on a GPU as well:
+# `docs/bench/replay-h200.json`). `import jaxrl_lp` also asks XLA to round where
+# the program rounds (`--xla_allow_excess_precision=false`; with XLA's default
+# a fusion may skip a bf16 round trip, and 64-row bf16 batches differed by
 # about 6e-3 nats). `dense` is off by rounding: its sums over the whole
 # sequence round apart from the sampler's one-token steps, at fp32 in the last
 # bits and at bf16 by a bf16 step wherever a product lands on the other side of

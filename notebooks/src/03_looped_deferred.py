@@ -135,14 +135,14 @@ plt.show()
 #
 # A deferred rollout records, for every completion token, the exit step of the
 # forward that produced it (`Rollout.exit_steps`) and its loop spec. The
-# learner's `replay` runs the sampler's program over that schedule and gets the
-# sampler's log-probs bit for bit; `dense` applies the same schedule in one
+# learner's `replay` runs the sampler's own compiled program with those tokens
+# and exit steps forced and gets the sampler's log-probs bit for bit; `dense` applies the same schedule in one
 # parallel forward. Reading a deferred rollout as if it were dense would be
 # silently wrong, so it is refused.
 
 # %%
 ro = timing[8, "deferred"][2]
-replay = jax.jit(lambda p, r: replay_logprobs(p, cfg, policy, r))(params, ro)
+replay = replay_logprobs(params, cfg, policy, ro)  # the sampler's program, tokens forced
 dense = jax.jit(lambda p, r: dense_logprobs(p, cfg, policy, r)[0])(params, ro)
 mask = np.asarray(ro.completion_mask) > 0
 print("replay == sampler, bit for bit:", np.array_equal(np.asarray(replay)[mask], np.asarray(ro.logprobs)[mask]))
