@@ -47,6 +47,7 @@ from jaxrl_lp.rollout.generate import (
     Rollout,
     call_inputs,
     generate,
+    one_device,
     pad_prompts,
     sampler_program,
     take_rows,
@@ -144,7 +145,7 @@ def replay_cell(preset: str, policy: Policy, *, prompts: int, samples: int, prom
         zeros = np.zeros((b, new_tokens), np.int32)
         toks, pos, lens = pad_prompts(batch, 0)
         toks, pos, lens = (np.repeat(a, samples, axis=0) for a in (toks, pos, lens))
-        args = call_inputs(toks, pos, lens, key, 0, zeros, zeros, False)
+        args = call_inputs(toks, pos, lens, key, 0, zeros, zeros, False, device=one_device(params))
         statics = dict(cfg=cfg, policy=policy, loop=ro.loop, sampling=sampling,
                        max_new_tokens=new_tokens, eos_id=eos, pad_id=0,
                        layout=ro.decode_layout)

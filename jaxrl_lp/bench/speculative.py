@@ -53,7 +53,7 @@ from jaxrl_lp.models.config import ModelConfig
 from jaxrl_lp.models.model import init_params
 from jaxrl_lp.numerics.policy import Policy
 from jaxrl_lp.rollout import LoopSpec, SamplingConfig
-from jaxrl_lp.rollout.generate import call_inputs, pad_prompts, sampler_program
+from jaxrl_lp.rollout.generate import call_inputs, one_device, pad_prompts, sampler_program
 from jaxrl_lp.rollout.rows import cache_bytes
 from jaxrl_lp.rollout.speculative import SpecConfig, _speculate, drafter_cache_bytes
 from jaxrl_lp.rollout.step import decode_layout
@@ -129,7 +129,7 @@ def _arm(params, cfg, batches, spec, drafter, args, new_tokens, eos_id, pad_id):
     def plain_call(n):
         def one(x):
             zeros = np.zeros((x[0].shape[0], n), np.int32)
-            args = call_inputs(*x, key, 0, zeros, zeros, False)
+            args = call_inputs(*x, key, 0, zeros, zeros, False, device=one_device(params))
             return sampler_program(params, *args, max_new_tokens=n, **kw)
         return lambda: [jax.block_until_ready(one(x)) for x in inputs]
 

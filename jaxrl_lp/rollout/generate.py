@@ -52,7 +52,8 @@ from jaxrl_lp.rollout.step import (
 from jaxrl_lp.rollout.step import decode_layout as decode_layout_for  # `generate` has the name
 
 __all__ = ["Forced", "Rollout", "SamplerCall", "bucket_length", "call_inputs", "concat_rollouts",
-           "generate", "pad_prompts", "sampler_program", "split_rows", "take_rows"]
+           "generate", "one_device", "pad_prompts", "sampler_program", "split_rows",
+           "take_rows"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,6 +72,9 @@ class SamplerCall:
       eos_id: its end-of-sequence id, or None.
       pad_id: its filler id.
       record: whether it recorded the weight products (`record_products`).
+      mesh: the device mesh it ran on, or None (one device): the replay runs
+        there, with the weights placed as the sampler held them.
+      device: without a mesh, the one device it ran on (None: the default).
     """
 
     rows: int
@@ -79,6 +83,8 @@ class SamplerCall:
     eos_id: int | None
     pad_id: int
     record: bool = False
+    mesh: Mesh | None = None
+    device: jax.Device | None = None
 
 
 class Forced(NamedTuple):
@@ -305,11 +311,12 @@ def sampler_program(params, prompt_BxP, positions_BxP, lengths_B, key, version,
         return _sample(params, prompt_BxP, positions_BxP, lengths_B, key, version, forced,
                        cfg=cfg, policy=policy, loop=loop, sampling=sampling,
                        max_new_tokens=max_new_tokens, eos_id=eos_id, pad_id=pad_id,
-                       record=record, layout=layout)
+                       record=record, layout=layout, mesh=mesh)
 
 
 def _sample(params, prompt_BxP, positions_BxP, lengths_B, key, version, forced: Forced | None,
-            *, cfg, policy, loop, sampling, max_new_tokens, eos_id, pad_id, record, layout):
+            *, cfg, policy, loop, sampling, max_new_tokens, eos_id, pad_id, record, layout,
+            mesh):
     b, p = prompt_BxP.shape
     n = max_new_tokens
     # Sliced once, here: inside the loop a scan over stacked weights copies them every step
@@ -391,7 +398,7 @@ def _sample(params, prompt_BxP, positions_BxP, lengths_B, key, version, forced: 
         loop_evals=s.loop_evals, weights_version=jnp.asarray(version, jnp.int32),
         policy=str(policy), loop=loop, temperature=sampling.temperature, products=s.products,
         decode_layout=layout,
-        calls=(SamplerCall(b, p, sampling, eos_id, pad_id, record),),
+        calls=(SamplerCall(b, p, sampling, eos_id, pad_id, record, mesh),),
         call_rows=jnp.stack([jnp.zeros((b,), jnp.int32), jnp.arange(b, dtype=jnp.int32)], 1),
     )
 
@@ -486,9 +493,10 @@ def generate(
                               for f, a in zip(req._fields[:3], req[:3], strict=True)})
     zeros = np.zeros((req.tokens_BxP.shape[0], max_new_tokens), np.int32)
     layout = decode_layout_for(params, policy, mesh, decode_layout)
+    device = None if mesh is not None else one_device(params)
     ro = sampler_program(params, *call_inputs(req.tokens_BxP, req.positions_BxP, req.lengths_B,
                                               key, weights_version, zeros, zeros, False, mesh,
-                                              rules),
+                                              rules, device),
                          cfg=cfg, policy=policy, loop=loop, sampling=sampling,
                          max_new_tokens=max_new_tokens, eos_id=eos_id, pad_id=pad_id, mesh=mesh,
                          rules=rules, record=record_products, layout=layout)
@@ -497,22 +505,36 @@ def generate(
     # What the learner compares its weights with (`Rollout.weights_digest`), and the key
     # the replay calls the program with.
     return dataclasses.replace(ro, weights_digest=tree_fingerprint(params),
-                               call_keys=jnp.expand_dims(key, 0))
+                               call_keys=jnp.expand_dims(key, 0),
+                               calls=tuple(dataclasses.replace(c, device=device)
+                                           for c in ro.calls))
+
+
+def one_device(tree) -> jax.Device | None:
+    """The one device `tree`'s arrays are on (the default device where they are on none), or
+    None where they span several (a program without a mesh then follows their shardings)."""
+    devices = {d for x in jax.tree.leaves(tree) if isinstance(x, jax.Array) for d in x.devices()}
+    return None if len(devices) > 1 else next(iter(devices), jax.devices()[0])
 
 
 def call_inputs(prompt_BxP, positions_BxP, lengths_B, key, version, forced_BxN, exits_BxN,
-                on: bool, mesh: Mesh | None = None, rules: ShardingRules = DEFAULT_RULES):
+                on: bool, mesh: Mesh | None = None, rules: ShardingRules = DEFAULT_RULES,
+                device: jax.Device | None = None):
     """The arguments of `sampler_program` after `params`, placed as the program takes them.
 
     One placement for `generate` and the replay (`rollout.replay`), so that both
-    call one executable: rows over the data shards under `mesh` (else on the
-    default device), the key replicated, `version` an int32 scalar and `on`
-    a bool scalar, both placed with the key.
+    call one executable (the same shapes, dtypes and shardings): rows over the
+    data shards under `mesh`, the key and the scalars (`version` int32, `on`
+    bool) replicated; without a mesh every input on `device` (the weights'; None:
+    uncommitted, for weights that span several devices).
     """
     rows = (prompt_BxP, positions_BxP, lengths_B, forced_BxN, exits_BxN)
     scalars = (jnp.asarray(version, jnp.int32), jnp.asarray(on))
-    if mesh is None:
+    if mesh is None and device is None:
         rows = tuple(jnp.asarray(a) for a in rows)
+    elif mesh is None:
+        rows, key, scalars = jax.device_put((tuple(np.asarray(a) for a in rows), key, scalars),
+                                            device)
     else:
         rows = put_tree(rows, batch_shardings(rows, mesh, rules))
         key, scalars = (put_tree(x, jax.tree.map(lambda _: replicated(mesh), x))

@@ -51,12 +51,13 @@ from jaxrl_lp.models.config import ModelConfig
 from jaxrl_lp.models.loop import MODEL_DEFAULT
 from jaxrl_lp.numerics.policy import Policy
 from jaxrl_lp.parallel.context import use_mesh
-from jaxrl_lp.parallel.rules import DEFAULT_RULES, ShardingRules
-from jaxrl_lp.parallel.shard import to_host
+from jaxrl_lp.parallel.rules import DEFAULT_RULES, ShardingRules, param_shardings
+from jaxrl_lp.parallel.shard import put_tree, to_host
 from jaxrl_lp.rollout.generate import (
     Rollout,
     SamplerCall,
     call_inputs,
+    one_device,
     sampler_program,
 )
 from jaxrl_lp.rollout.sampling import SamplingConfig
@@ -152,15 +153,28 @@ def _speculative(params, cfg, policy, ro, loop):
     return replay_speculative(params, cfg, policy, ro, loop)
 
 
-def _calls(ro: Rollout):
+def _calls(ro: Rollout, mesh: Mesh | None):
     """(calls, [B, 2] host (call, row) of each row, [C, ...] keys) of `ro`; a rollout without
-    recorded calls is one call of its own shape (no EOS: every slot is decoded)."""
+    recorded calls is one call of its own shape on `mesh` (no EOS: every slot is decoded)."""
     if ro.call_rows is not None:
         return ro.calls, np.asarray(to_host(ro.call_rows)), ro.call_keys
     b, p = ro.prompt_tokens.shape
-    call = SamplerCall(b, p, SamplingConfig(temperature=ro.temperature), None, 0)
+    call = SamplerCall(b, p, SamplingConfig(temperature=ro.temperature), None, 0, mesh=mesh)
     rows = np.stack([np.zeros(b, np.int32), np.arange(b, dtype=np.int32)], 1)
     return (call,), rows, jax.random.PRNGKey(0)[None]
+
+
+def _placed(params, cfg: ModelConfig, call: SamplerCall, rules: ShardingRules):
+    """`params` where `call` held its weights: sharded by the rules on its mesh, whole on its
+    one device without one (a data-only sampler's replica; the learner may shard them)."""
+    if call.mesh is None:
+        devices = {d for x in jax.tree.leaves(params) if isinstance(x, jax.Array)
+                   for d in x.devices()}
+        want = call.device or next(iter(devices), jax.devices()[0])
+        return params if devices <= {want} else jax.device_put(params, want)
+    if isinstance(params.get("layers"), tuple):  # unstacked by the caller: as they come
+        return params
+    return put_tree(params, param_shardings(params, cfg, call.mesh, rules))
 
 
 def _refuse_traced(*trees) -> None:
@@ -187,13 +201,19 @@ def replay_logprobs(params: dict, cfg: ModelConfig, policy: Policy, ro: Rollout,
     the sampler records). Not differentiable and not traceable: it calls
     compiled programs (`traced_replay_logprobs` is the traceable form).
 
+    Each call replays on the mesh it ran on (`SamplerCall.mesh`), the
+    weights placed there as the sampler held them (a no-op where the sampler
+    shares the learner's mesh; a copy to one device for a data-only sampler's
+    replicas).
+
     Args:
       params: the weights to replay under, as the sampler takes them (stacked
         or unstacked in the rollout's decode layout).
       cfg, policy: the model and the numerics to replay with.
       ro: the rollout (`generate`'s, sliced, or concatenated).
       loop: the loop spec the caller expects the rollout to have, or None.
-      mesh, rules: replay on this mesh (the sampler's, for its bits).
+      mesh: the mesh of a rollout that records no calls (built by hand).
+      rules: the sharding rules the calls ran under.
 
     Raises:
       ValueError: inside a trace, or a rollout of another loop spec than `loop`.
@@ -207,7 +227,7 @@ def replay_logprobs(params: dict, cfg: ModelConfig, policy: Policy, ro: Rollout,
     if ro.verify_tokens:  # a speculative rollout: its verification chunks, re-traced
         return _speculative(params, cfg, policy, ro, loop)
     b, n = ro.completion_tokens.shape
-    calls, where, keys = _calls(ro)
+    calls, where, keys = _calls(ro, mesh)
     host = {f: np.asarray(to_host(getattr(ro, f))) for f in
             ("prompt_tokens", "prompt_lengths", "completion_tokens", "exit_steps")}
     version = int(np.asarray(to_host(ro.weights_version)).reshape(-1)[0])
@@ -224,13 +244,14 @@ def replay_logprobs(params: dict, cfg: ModelConfig, policy: Policy, ro: Rollout,
         positions = np.arange(call.prompt_width, dtype=np.int32)[None] - (
             call.prompt_width - lengths[:, None])
         positions = np.where(positions >= 0, positions, -1).astype(np.int32)
+        held = _placed(params, cfg, call, rules)
         args = call_inputs(prompts, positions, lengths, keys[c], version,
-                           host["completion_tokens"][src], host["exit_steps"][src], True, mesh,
-                           rules)
-        lp = sampler_program(params, *args, cfg=cfg, policy=policy, loop=loop,
-                             sampling=call.sampling, max_new_tokens=n, eos_id=call.eos_id,
-                             pad_id=call.pad_id, mesh=mesh, rules=rules, record=call.record,
-                             layout=ro.decode_layout).logprobs
+                           host["completion_tokens"][src], host["exit_steps"][src], True,
+                           call.mesh, rules, None if call.mesh else one_device(held))
+        lp = sampler_program(held, *args, cfg=cfg,
+                             policy=policy, loop=loop, sampling=call.sampling, max_new_tokens=n,
+                             eos_id=call.eos_id, pad_id=call.pad_id, mesh=call.mesh, rules=rules,
+                             record=call.record, layout=ro.decode_layout).logprobs
         if len(calls) == 1 and call.rows == b and (at == np.arange(b)).all():
             return lp  # the whole call, in its order
         out = jnp.zeros((b, n), jnp.float32) if out is None else out

@@ -9,8 +9,9 @@ of the other rows; a platform, a JAX version or a kernel that breaks it
 would make every update silently wrong. So before the run directory is
 created, `probe_exactness` samples one batch at the run's shapes (its
 prompts per step and group size, its completion budget, policy, loop spec
-and temperature, on its mesh), replays it whole and in the slices the run
-replays (a minibatch, a micro-batch), and compares the bits. The sampler's
+and temperature) where the run's sampler runs (its mesh, or its replicas),
+replays it on the learner's side whole and in the slices the run replays (a
+minibatch, a micro-batch), and compares the bits. The sampler's
 program it compiles is the one the run then uses.
 """
 
@@ -21,9 +22,10 @@ import numpy as np
 
 from jaxrl_lp.models.model import init_params
 from jaxrl_lp.parallel.shard import to_host
-from jaxrl_lp.rollout.generate import generate, take_rows
+from jaxrl_lp.rollout.generate import take_rows
 from jaxrl_lp.rollout.replay import replay_logprobs
 from jaxrl_lp.rollout.sampling import SamplingConfig
+from jaxrl_lp.train.grpo_iteration import sampler_side
 
 __all__ = ["ExactnessProbeError", "probe_exactness"]
 
@@ -59,20 +61,22 @@ def probe_exactness(cfg, plan) -> dict | None:
     if not (g.start_probe and relies):
         return None
     task, tok = plan.task, plan.task.tokenizer
-    mesh = plan.mesh if plan.sampler is None else None
+    side = sampler_side(plan)  # where the run's sampler runs, as it holds its weights
     params = init_params(plan.model, jax.random.PRNGKey(cfg.run.seed))
     prompts = [task.prompt_ids(task.train[i % len(task.train)])
                for i in range(g.prompts_per_step)]
     kw = dict(policy=plan.sampler_policy,
               sampling=SamplingConfig(temperature=g.temperature, draw=g.draw),
               max_new_tokens=plan.max_new_tokens, num_samples=g.group_size, eos_id=tok.eos_id,
-              pad_id=tok.pad_id, loop=plan.loop, key=jax.random.PRNGKey(cfg.run.seed), mesh=mesh)
+              pad_id=tok.pad_id, loop=plan.loop, key=jax.random.PRNGKey(cfg.run.seed))
     if g.speculative:
         from jaxrl_lp.rollout.speculative import speculative_generate
 
         ro = speculative_generate(params, plan.model, prompts, g.speculative, **kw)
     else:
-        ro = generate(params, plan.model, prompts, **kw)
+        ro = side.to_learner(jax.block_until_ready(side.generate(side.hold(params, copy=False),
+                                                                 prompts, **kw)))
+    mesh = plan.mesh  # the learner's: a rollout's calls replay where they ran
     want = np.asarray(to_host(ro.logprobs), np.float32)
     mask = np.asarray(to_host(ro.completion_mask)) > 0
     rows = want.shape[0]
