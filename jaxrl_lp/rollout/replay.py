@@ -254,9 +254,10 @@ def replay_logprobs(params: dict, cfg: ModelConfig, policy: Policy, ro: Rollout,
                              record=call.record, layout=ro.decode_layout).logprobs
         if len(calls) == 1 and call.rows == b and (at == np.arange(b)).all():
             return lp  # the whole call, in its order
-        out = jnp.zeros((b, n), jnp.float32) if out is None else out
-        out = out.at[mine].set(lp[at])
-    return out
+        # Calls may have run on other devices (a sampler's replicas): rows gathered on the host.
+        out = np.zeros((b, n), np.float32) if out is None else out
+        out[mine] = np.asarray(to_host(lp))[at]
+    return jnp.asarray(out)
 
 
 class ReplayProgram:
