@@ -510,6 +510,14 @@ def generate(
                                            for c in ro.calls))
 
 
+def _uncommitted(key: jax.Array) -> jax.Array:
+    """`key` rebuilt from its host value on the default device (raw or typed), uncommitted."""
+    if jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key):
+        return jax.random.wrap_key_data(np.asarray(jax.random.key_data(key)),
+                                        impl=jax.random.key_impl(key))
+    return jnp.asarray(np.asarray(key))
+
+
 def one_device(tree) -> jax.Device | None:
     """The one device `tree`'s arrays are on (the default device where they are on none), or
     None where they span several (a program without a mesh then follows their shardings)."""
@@ -525,16 +533,20 @@ def call_inputs(prompt_BxP, positions_BxP, lengths_B, key, version, forced_BxN, 
     One placement for `generate` and the replay (`rollout.replay`), so that both
     call one executable (the same shapes, dtypes and shardings): rows over the
     data shards under `mesh`, the key and the scalars (`version` int32, `on`
-    bool) replicated; without a mesh every input on `device` (the weights'; None:
-    uncommitted, for weights that span several devices).
+    bool) replicated; without a mesh every input on `device` (the weights'),
+    uncommitted (None: where `jnp.asarray` puts them, for weights that span
+    several devices).
     """
     rows = (prompt_BxP, positions_BxP, lengths_B, forced_BxN, exits_BxN)
     scalars = (jnp.asarray(version, jnp.int32), jnp.asarray(on))
     if mesh is None and device is None:
         rows = tuple(jnp.asarray(a) for a in rows)
-    elif mesh is None:
-        rows, key, scalars = jax.device_put((tuple(np.asarray(a) for a in rows), key, scalars),
-                                            device)
+    elif mesh is None:  # on `device`, uncommitted (as `jnp.asarray` makes them): a rollout's
+        # arrays then go wherever its consumer computes, and both callers place alike
+        with jax.default_device(device):
+            rows = tuple(jnp.asarray(np.asarray(a)) for a in rows)
+            scalars = tuple(jnp.asarray(np.asarray(x)) for x in scalars)
+            key = _uncommitted(key)
     else:
         rows = put_tree(rows, batch_shardings(rows, mesh, rules))
         key, scalars = (put_tree(x, jax.tree.map(lambda _: replicated(mesh), x))
