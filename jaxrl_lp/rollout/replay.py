@@ -253,7 +253,10 @@ def replay_logprobs(params: dict, cfg: ModelConfig, policy: Policy, ro: Rollout,
                              eos_id=call.eos_id, pad_id=call.pad_id, mesh=call.mesh, rules=rules,
                              record=call.record, layout=ro.decode_layout).logprobs
         if len(calls) == 1 and call.rows == b and (at == np.arange(b)).all():
-            return lp  # the whole call, in its order
+            # The whole call, in its order, placed as the rollout's rows are (a sampler of its
+            # own ran it on its devices).
+            want = getattr(ro.logprobs, "sharding", None)
+            return lp if want is None or lp.sharding == want else jax.device_put(lp, want)
         # Calls may have run on other devices (a sampler's replicas): rows gathered on the host.
         out = np.zeros((b, n), np.float32) if out is None else out
         out[mine] = np.asarray(to_host(lp))[at]
