@@ -19,10 +19,12 @@ them, each row in the place it had in that call:
 - a slice of rows (minibatches, micro-batches, a filtered refill), or rows
   gathered from several calls (`concat_rollouts`): per call, the missing
   rows are filled with a copy of a present one and the call's executable
-  runs at its own shape. A row's values then depend on its own inputs alone,
-  which holds for every operation the model runs (matmuls, norms,
-  attention and the read-out reduce within a row; nothing reduces across
-  rows); the tests check it against the whole batch bit for bit.
+  runs at its own shape. A row's values then depend on its own inputs
+  alone, given that no operation reduces across rows (matmuls, norms,
+  attention and the read-out reduce within a row; in deferred mode a row
+  that has exited is frozen whatever the others do): the one assumption
+  left, which the tests check against the whole batch bit for bit, the GPU
+  tier on a GPU, and every run at its own shapes (`train.probe`).
 
 A rollout records what that needs (`Rollout.calls`, `call_rows`,
 `call_keys`; `generate` writes them); a rollout built by hand is replayed as
