@@ -5,7 +5,8 @@ tokens (and a looped model's exit steps) to force, and a flag. Sampling
 passes False and draws; the learner's replay (`rollout.replay`) passes True and
 the recorded tokens, so the replay's log-probs are computed by the very
 executable that computed the sampler's, and the rollout records what that
-replay needs (`SamplerCall`, `Rollout.call_rows`, `Rollout.call_keys`).
+replay needs (`rollout.rollout`: `SamplerCall`, `Rollout.call_rows`,
+`Rollout.call_keys`).
 
 Prompts are left-padded to a bucketed length P (so new prompt lengths reuse
 compiled programs); pad slots hold position -1 and are never attended to. A
@@ -19,7 +20,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Sequence
-from typing import ClassVar, NamedTuple
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -32,8 +33,6 @@ from jaxrl_lp.models.config import ModelConfig
 from jaxrl_lp.models.recorded import (
     Products,
     empty_products,
-    split_products,
-    take_product_rows,
 )
 from jaxrl_lp.numerics.fingerprint import tree_fingerprint
 from jaxrl_lp.numerics.policy import Policy
@@ -41,6 +40,13 @@ from jaxrl_lp.parallel.context import use_mesh
 from jaxrl_lp.parallel.rules import DEFAULT_RULES, ShardingRules
 from jaxrl_lp.parallel.shard import batch_shardings, put_tree, replicated
 from jaxrl_lp.rollout.request import bucket_length, check_request, pad_prompts
+from jaxrl_lp.rollout.rollout import (  # re-exported: `Rollout` was long defined here
+    Rollout,
+    SamplerCall,
+    concat_rollouts,
+    split_rows,
+    take_rows,
+)
 from jaxrl_lp.rollout.sampling import SamplingConfig, choose_tokens, token_logprobs
 from jaxrl_lp.rollout.step import (
     LoopSpec,
@@ -53,38 +59,7 @@ from jaxrl_lp.rollout.step import decode_layout as decode_layout_for  # `generat
 
 __all__ = ["Forced", "Rollout", "SamplerCall", "bucket_length", "call_inputs", "concat_rollouts",
            "generate", "one_device", "pad_prompts", "sampler_program", "split_rows",
-           "take_rows"]
-
-
-@dataclasses.dataclass(frozen=True)
-class SamplerCall:
-    """The static arguments of one call of the sampler's compiled program (`sampler_program`).
-
-    With the rollout's own static fields (policy, loop spec, decode layout)
-    and its width N (`max_new_tokens`), these name the executable that
-    sampled a rollout's rows, so that the replay (`rollout.replay`) runs that
-    executable again.
-
-    Attributes:
-      rows: the program's batch, B (a mesh's padding rows included).
-      prompt_width: its prompt slots, P.
-      sampling: how it chose tokens.
-      eos_id: its end-of-sequence id, or None.
-      pad_id: its filler id.
-      record: whether it recorded the weight products (`record_products`).
-      mesh: the device mesh it ran on, or None (one device): the replay runs
-        there, with the weights placed as the sampler held them.
-      device: without a mesh, the one device it ran on (None: the default).
-    """
-
-    rows: int
-    prompt_width: int
-    sampling: SamplingConfig
-    eos_id: int | None
-    pad_id: int
-    record: bool = False
-    mesh: Mesh | None = None
-    device: jax.Device | None = None
+           "take_rows", "tree_devices"]
 
 
 class Forced(NamedTuple):
@@ -98,173 +73,6 @@ class Forced(NamedTuple):
     tokens_BxN: jax.Array
     exit_steps_BxN: jax.Array
     on: jax.Array
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class Rollout:
-    """A batch of sampled completions, everything the learner needs to replay them.
-
-    Attributes:
-      prompt_tokens: [B, P] int32, left-padded with `pad_id`.
-      prompt_lengths: [B] int32, real prompt lengths.
-      completion_tokens: [B, N] int32; `pad_id` after a sequence has ended.
-      completion_mask: [B, N] f32, 1 for generated tokens (up to and including EOS).
-      logprobs: [B, N] f32 sampler log-probs of the sampled tokens, after temperature.
-      exit_steps: [B, N] int32 0-based loop step at which the forward that
-        produced completion token j read out (and, in deferred mode, where its
-        input token stopped computing); 0 for dense models.
-      loop_evals: [] int32 loop-step evaluations of the decode steps (counted).
-      weights_version: [] int32 learner step whose weights sampled this.
-      policy: the sampler's precision policy string (static).
-      loop: the `LoopSpec` the rollout was sampled with, resolved (static):
-        the learner replays `exit_steps` with it and refuses another.
-      temperature: the temperature the log-probs were taken at (static).
-      verify_counts: [B, N] int32, speculative rollouts only (else None):
-        tokens row b committed at verification i (`rollout.speculative`).
-      verify_tokens: tokens per verification chunk, k + 1 (static); 0 for a
-        plain rollout (one-token decode steps). The learner's replay re-runs
-        these chunks.
-      weights_digest: [2] uint32 `numerics.fingerprint.tree_fingerprint` of the
-        weights the sampler ran on (`generate` and `speculative_generate` record
-        it), or None (unknown). The training program compares it with the
-        weights an update computes with: equal, with matched policies, the
-        recorded log-probs are the replay's values (`rl.reuse`).
-      products: the sampler's weight products and logits
-        (`generate(..., record_products=True)`, `models.recorded`), or None.
-        The training program hands them to the update that computes with the
-        weights that made them, and to no other.
-      decode_layout: how the sampler's decode copy of the weights was laid
-        out (static; `rollout.step.decode_layout`): the replay unstacks the
-        learner's weights the same way, so its sums are the sampler's.
-      calls: the sampler calls the rows came from (static; `SamplerCall`),
-        one for a rollout of `generate`, several for a concatenation; () for
-        a rollout built otherwise.
-      call_rows: [B, 2] int32 (call, row within that call) of each row, or
-        None (no calls): slices and concatenations keep it, so that any
-        row is replayed where the sampler computed it.
-      call_keys: [C, ...] the sampling key of each call, or None.
-    """
-
-    prompt_tokens: jax.Array
-    prompt_lengths: jax.Array
-    completion_tokens: jax.Array
-    completion_mask: jax.Array
-    logprobs: jax.Array
-    exit_steps: jax.Array
-    loop_evals: jax.Array
-    weights_version: jax.Array
-    policy: str = dataclasses.field(default="fp32", metadata={"static": True})
-    loop: LoopSpec = dataclasses.field(default=LoopSpec("full", "dense"),
-                                       metadata={"static": True})
-    temperature: float = dataclasses.field(default=1.0, metadata={"static": True})
-    verify_counts: jax.Array | None = None
-    verify_tokens: int = dataclasses.field(default=0, metadata={"static": True})
-    weights_digest: jax.Array | None = None
-    products: Products | None = None
-    decode_layout: str = dataclasses.field(default="as_stored", metadata={"static": True})
-    calls: tuple[SamplerCall, ...] = dataclasses.field(default=(), metadata={"static": True})
-    call_rows: jax.Array | None = None
-    call_keys: jax.Array | None = None
-
-    # Not per row: replicated where the rows are laid over a mesh (`parallel.batch_shardings`).
-    replicated_fields: ClassVar[tuple[str, ...]] = ("weights_digest", "call_keys")
-
-
-_ROW_FIELDS = ("prompt_tokens", "prompt_lengths", "completion_tokens", "completion_mask",
-               "logprobs", "exit_steps")
-
-
-def _row_fields(ro: Rollout) -> tuple[str, ...]:
-    """The per-row fields of `ro` (a speculative rollout also has its verification counts, a
-    sampled one the rows' places in their sampler calls)."""
-    return (_ROW_FIELDS + (() if ro.verify_counts is None else ("verify_counts",))
-            + (() if ro.call_rows is None else ("call_rows",)))
-
-
-def split_rows(ro: Rollout, m: int) -> Rollout:
-    """A rollout with a leading micro-batch axis [M, B/M, ...] (scalars broadcast to [M])."""
-    b = ro.prompt_tokens.shape[0]
-    if b % m:
-        raise ValueError(f"batch of {b} sequences does not split into {m} micro-batches")
-    rows = {f: getattr(ro, f).reshape(m, b // m, *getattr(ro, f).shape[1:]) for f in _row_fields(ro)}
-    each = lambda x: None if x is None else jnp.broadcast_to(x, (m, *x.shape))
-    products = None if ro.products is None else split_products(ro.products, m)
-    return dataclasses.replace(ro, **rows, loop_evals=each(ro.loop_evals),
-                               weights_version=each(ro.weights_version),
-                               weights_digest=each(ro.weights_digest),
-                               call_keys=each(ro.call_keys), products=products)
-
-
-def take_rows(ro: Rollout, idx) -> Rollout:
-    """The rollout restricted to rows `idx` (a minibatch)."""
-    products = None if ro.products is None else take_product_rows(ro.products, idx)
-    return dataclasses.replace(ro, **{f: getattr(ro, f)[idx] for f in _row_fields(ro)},
-                               products=products)
-
-
-def concat_rollouts(rollouts: Sequence[Rollout], pad_id: int) -> Rollout:
-    """The rows of several rollouts of the same weights as one rollout (dynamic sampling's refill).
-
-    The rollouts must agree on everything that is not per row: the policy,
-    loop spec, temperature, verification chunk, decode layout, weights version and weights
-    digest (one sampler, one set of weights), and the completion width N.
-    Prompts of different bucketed widths are left-padded to the widest with
-    `pad_id` (pad slots are never attended to, and positions come from
-    `prompt_lengths`). `loop_evals` are summed. The recorded log-probs are the
-    sampler's, each row as its own call computed it, and the rows keep their
-    calls (`Rollout.calls`; dropped where one part has none). Recorded weight
-    products are dropped (their grids differ; the learner then computes its
-    forward).
-
-    Raises:
-      ValueError: no rollouts, or rollouts that disagree on a shared field.
-    """
-    if not rollouts:
-        raise ValueError("concat_rollouts: no rollouts given")
-    head = rollouts[0]
-    if len(rollouts) == 1:
-        return head
-    for ro in rollouts[1:]:
-        for f in ("policy", "loop", "temperature", "verify_tokens", "decode_layout"):
-            if getattr(ro, f) != getattr(head, f):
-                raise ValueError(f"concat_rollouts: rollouts with different {f} "
-                                 f"({getattr(head, f)!r} and {getattr(ro, f)!r})")
-        if ro.completion_tokens.shape[1] != head.completion_tokens.shape[1]:
-            raise ValueError("concat_rollouts: rollouts of different completion widths "
-                             f"({head.completion_tokens.shape[1]} and "
-                             f"{ro.completion_tokens.shape[1]})")
-        if (ro.verify_counts is None) != (head.verify_counts is None):
-            raise ValueError("concat_rollouts: a speculative and a plain rollout")
-        if int(ro.weights_version) != int(head.weights_version):
-            raise ValueError("concat_rollouts: rollouts of different weights versions "
-                             f"({int(head.weights_version)} and {int(ro.weights_version)})")
-        same = (ro.weights_digest is None and head.weights_digest is None) or (
-            ro.weights_digest is not None and head.weights_digest is not None
-            and np.array_equal(np.asarray(ro.weights_digest), np.asarray(head.weights_digest)))
-        if not same:
-            raise ValueError("concat_rollouts: rollouts sampled on different weights "
-                             "(their weights_digest differ)")
-    width = max(ro.prompt_tokens.shape[1] for ro in rollouts)
-
-    def prompts(ro):
-        extra = width - ro.prompt_tokens.shape[1]
-        return ro.prompt_tokens if not extra else jnp.pad(
-            ro.prompt_tokens, ((0, 0), (extra, 0)), constant_values=pad_id)
-
-    fields = _ROW_FIELDS + (() if head.verify_counts is None else ("verify_counts",))
-    rows = {f: jnp.concatenate([prompts(ro) if f == "prompt_tokens" else getattr(ro, f)
-                                for ro in rollouts]) for f in fields}
-    calls = dict(calls=(), call_rows=None, call_keys=None)
-    if all(ro.call_rows is not None for ro in rollouts):
-        offsets = np.cumsum([0] + [len(ro.calls) for ro in rollouts])
-        calls = dict(calls=sum((ro.calls for ro in rollouts), ()),
-                     call_rows=jnp.concatenate([ro.call_rows + jnp.asarray([o, 0], jnp.int32)
-                                                for ro, o in zip(rollouts, offsets[:-1],
-                                                                 strict=True)]),
-                     call_keys=jnp.concatenate([ro.call_keys for ro in rollouts]))
-    return dataclasses.replace(head, **rows, **calls, products=None,
-                               loop_evals=sum(ro.loop_evals for ro in rollouts))
 
 
 class _DecodeState(NamedTuple):
@@ -311,12 +119,11 @@ def sampler_program(params, prompt_BxP, positions_BxP, lengths_B, key, version,
         return _sample(params, prompt_BxP, positions_BxP, lengths_B, key, version, forced,
                        cfg=cfg, policy=policy, loop=loop, sampling=sampling,
                        max_new_tokens=max_new_tokens, eos_id=eos_id, pad_id=pad_id,
-                       record=record, layout=layout, mesh=mesh)
+                       record=record, layout=layout)
 
 
 def _sample(params, prompt_BxP, positions_BxP, lengths_B, key, version, forced: Forced | None,
-            *, cfg, policy, loop, sampling, max_new_tokens, eos_id, pad_id, record, layout,
-            mesh):
+            *, cfg, policy, loop, sampling, max_new_tokens, eos_id, pad_id, record, layout):
     b, p = prompt_BxP.shape
     n = max_new_tokens
     # Sliced once, here: inside the loop a scan over stacked weights copies them every step
@@ -398,7 +205,6 @@ def _sample(params, prompt_BxP, positions_BxP, lengths_B, key, version, forced: 
         loop_evals=s.loop_evals, weights_version=jnp.asarray(version, jnp.int32),
         policy=str(policy), loop=loop, temperature=sampling.temperature, products=s.products,
         decode_layout=layout,
-        calls=(SamplerCall(b, p, sampling, eos_id, pad_id, record, mesh),),
         call_rows=jnp.stack([jnp.zeros((b,), jnp.int32), jnp.arange(b, dtype=jnp.int32)], 1),
     )
 
@@ -504,10 +310,10 @@ def generate(
         ro = jax.tree.map(lambda x: x[:rows] if np.ndim(x) else x, ro)
     # What the learner compares its weights with (`Rollout.weights_digest`), and the key
     # the replay calls the program with.
-    return dataclasses.replace(ro, weights_digest=tree_fingerprint(params),
-                               call_keys=jnp.expand_dims(key, 0),
-                               calls=tuple(dataclasses.replace(c, device=device)
-                                           for c in ro.calls))
+    call = SamplerCall(*req.tokens_BxP.shape, sampling, eos_id, pad_id, record_products, mesh,
+                       device)
+    return dataclasses.replace(ro, weights_digest=tree_fingerprint(params), calls=(call,),
+                               call_keys=jnp.expand_dims(key, 0))
 
 
 def _uncommitted(key: jax.Array) -> jax.Array:
@@ -518,10 +324,15 @@ def _uncommitted(key: jax.Array) -> jax.Array:
     return jnp.asarray(np.asarray(key))
 
 
+def tree_devices(tree) -> set:
+    """The devices `tree`'s arrays are on (empty for host values and abstract shapes)."""
+    return {d for x in jax.tree.leaves(tree) if isinstance(x, jax.Array) for d in x.devices()}
+
+
 def one_device(tree) -> jax.Device | None:
     """The one device `tree`'s arrays are on (the default device where they are on none), or
     None where they span several (a program without a mesh then follows their shardings)."""
-    devices = {d for x in jax.tree.leaves(tree) if isinstance(x, jax.Array) for d in x.devices()}
+    devices = tree_devices(tree)
     return None if len(devices) > 1 else next(iter(devices), jax.devices()[0])
 
 

@@ -61,6 +61,7 @@ from jaxrl_lp.rollout.generate import (
     call_inputs,
     one_device,
     sampler_program,
+    tree_devices,
 )
 from jaxrl_lp.rollout.sampling import SamplingConfig
 from jaxrl_lp.rollout.speculative import replay_speculative
@@ -170,8 +171,7 @@ def _placed(params, cfg: ModelConfig, call: SamplerCall, rules: ShardingRules):
     """`params` where `call` held its weights: sharded by the rules on its mesh, whole on its
     one device without one (a data-only sampler's replica; the learner may shard them)."""
     if call.mesh is None:
-        devices = {d for x in jax.tree.leaves(params) if isinstance(x, jax.Array)
-                   for d in x.devices()}
+        devices = tree_devices(params)
         want = call.device or next(iter(devices), jax.devices()[0])
         return params if devices <= {want} else jax.device_put(params, want)
     if isinstance(params.get("layers"), tuple):  # unstacked by the caller: as they come
