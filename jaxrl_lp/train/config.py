@@ -163,9 +163,9 @@ class GRPOConfig:
         and weights version; a fresh sampling key per round) until the batch holds
         `prompts_per_step` informative groups, taken in the order drawn
         (`rl.dynamic_sampling`). The recorded log-probs stay the sampler's own, so the
-        replay rule and `verify_every` (which replays each round as it was sampled)
-        apply unchanged. Metrics `refill_rounds`, `refilled_groups`, `masked_groups`,
-        `informative_groups`.
+        replay rule and `verify_every` (the replay runs each row in the sampler call
+        that drew it, `rollout.replay`) apply unchanged. Metrics `refill_rounds`,
+        `refilled_groups`, `masked_groups`, `informative_groups`.
       max_refill_rounds: with dynamic_sampling, at most this many further batches per
         step; where they do not find enough informative groups the batch is completed
         with the first batch's zero-variance groups, masked out of the loss, and

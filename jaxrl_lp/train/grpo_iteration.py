@@ -76,8 +76,6 @@ class IterationPrograms(NamedTuple):
     grpo_step: Any                   # `make_grpo_step(...)`: one optimizer update
     behaviour_logprobs: Any          # `jit_learner_logprobs(...)`: the old log-probs
     rule: ReplayRule                 # when the recorded log-probs are the replay's
-    verify_logprobs: Any = None      # the replay a verification runs (`grpo.verify_every`);
-                                     # None: behaviour's (hybrid: the sampler's own program)
     reference: Reference | None = None
     model_params: Any = None         # train tree -> model params (`optim.weights`), or None
 
@@ -124,22 +122,6 @@ def _sample(weights, step, key, cfg, plan, problems, timer, side: SamplerSide):
         ro, spec = dispatch_rollout(weights, step, key, cfg, plan, problems, side)
         ro = side.to_learner(jax.block_until_ready(ro))
     return ro, spec
-
-
-def _replay_rounds(replay, weights, rounds, step: int, check: bool):
-    """The log-probs of the batch by `replay(weights, rollout)`, each sampled round as the
-    sampler ran it (its rows, its shape), then the batch's rows in order.
-
-    `rounds` is `[(rollout, rows or None)]`; with `check`, each round's replay must be its
-    recorded bits (`check_replay_equal`).
-    """
-    got = []
-    for ro, rows in rounds:
-        lp = jax.block_until_ready(replay(weights, ro))
-        if check:
-            check_replay_equal(lp, ro, step)
-        got.append(lp if rows is None else lp[rows])
-    return got[0] if len(got) == 1 else jnp.concatenate(got)
 
 
 class _Round(NamedTuple):
@@ -267,25 +249,24 @@ def grpo_iteration(state: RunState, step: int, cfg, plan, programs: IterationPro
     grpo_step_n = step - cfg.sft.steps
     verify = bool(g.verify_every) and grpo_step_n % g.verify_every == 0
     stale = version != step  # sampled on an earlier export (`grpo.max_staleness`)
-    rounds_sampled = ([(ro, None)] if picked is None or picked.single_round
-                      else [(rnd.ro, rows) for rnd, rows in parts])
     numerics = None  # the sampler-vs-learner mismatch at the rollout's own weights, if measured
     with timer("behaviour"):
         recorded = rule.recorded(ro, loss_weights())
         if recorded and not verify:
             old_logp = ro.logprobs  # the replay's values: nothing to compute
-        elif recorded:  # a verification: the replay, at the sampler's shape, is its bits
-            old_logp = _replay_rounds(programs.verify_logprobs or old_logp_fn,
-                                      sampler_params if on_served else master, rounds_sampled,
-                                      step, check=True)
+        elif recorded:  # a verification: the replay (the sampler's own program, each row in
+            # its call: `rollout.replay`) must be the recorded bits
+            old_logp = jax.block_until_ready(
+                old_logp_fn(sampler_params if on_served else master, ro))
+            check_replay_equal(old_logp, ro, step)
         else:  # the behaviour log-probs as the learner computes them (on the copy the loss uses)
             old_logp = jax.block_until_ready(
                 old_logp_fn(sampler_params if on_served else master, ro))
             if stale and verify:  # the numerics alone: the learner at the rollout's own weights
-                own = side.params_to_learner(rollout_weights)
-                at_own = _replay_rounds(
-                    (programs.verify_logprobs or old_logp_fn) if rule.can_reuse else old_logp_fn,
-                    own, rounds_sampled, step, check=rule.can_reuse)
+                at_own = jax.block_until_ready(
+                    old_logp_fn(side.params_to_learner(rollout_weights), ro))
+                if rule.can_reuse:  # the replay at the rollout's weights: its bits
+                    check_replay_equal(at_own, ro, step)
                 numerics = {k: float(v) for k, v in mismatch_metrics(
                     at_own, ro.logprobs, ro.completion_mask).items()}
     measured = not (recorded and not verify)
