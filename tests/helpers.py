@@ -168,3 +168,25 @@ def assert_same_sgd_step(many, one, params) -> None:
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-7)
         moved = max(moved, float(np.abs(np.asarray(b) - np.asarray(p)).max()))
     assert moved > 1e-4  # the step moved the parameters
+
+
+def assert_hybrid_minibatches_at_ratio_one(cfg, params, loop, ro, policy) -> None:
+    """A hybrid GRPO step given no value replays its rows first (`make_grpo_step`'s prepare):
+    at the sampler's weights its ratio is exactly 1 on every 2-row minibatch of `ro`, each
+    split into two micro-batches."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    import optax
+
+    from jaxrl_lp.rl.loss import LossConfig
+    from jaxrl_lp.rl.train_step import make_grpo_step
+    from jaxrl_lp.rollout.generate import take_rows
+
+    step = make_grpo_step(cfg, policy, LossConfig(), optax.sgd(0.0), loop=loop, micro_batches=2)
+    adv = jnp.asarray([1.0, -1.0])
+    for i in range(0, ro.completion_tokens.shape[0], 2):
+        rows = take_rows(ro, np.arange(i, i + 2))
+        copy = jax.tree.map(jnp.copy, params)
+        _, _, m = step(copy, optax.sgd(0.0).init(copy), rows, adv, rows.logprobs)
+        assert float(m["ratio_mean"]) == 1.0, (i, float(m["ratio_mean"]))

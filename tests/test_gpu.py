@@ -12,9 +12,7 @@ in tests/test_kernels_compiled.py (same marker).
 import os
 
 import jax
-import jax.numpy as jnp
 import numpy as np
-import optax
 import pytest
 
 from jaxrl_lp.bench.exactness import exactness_model, exactness_rollout
@@ -98,23 +96,14 @@ def test_the_other_paths_replay_exactly(path):
 
 @pytest.mark.parametrize("kind", ["dense", "looped_deferred"])
 def test_the_hybrid_step_replays_each_minibatch_by_the_samplers_program(kind):
-    """A hybrid GRPO step given no value replays its rows first (`make_grpo_step`'s prepare):
-    at the sampler's weights its ratio is exactly 1 on every minibatch slice."""
-    from jaxrl_lp.rl.loss import LossConfig
-    from jaxrl_lp.rl.train_step import make_grpo_step
+    """bf16 on the device: the hybrid step's value for each minibatch is the sampler's bits."""
+    from helpers import assert_hybrid_minibatches_at_ratio_one
 
     cfg, params, loop = exactness_model(kind, loop_steps=2)
     policy = Policy.parse("bf16")
     ro = exactness_rollout(params, cfg, policy, loop, prompts=((1, 5, 7), (2, 9, 4, 11)),
                            num_samples=2, max_new_tokens=8)
-    step = make_grpo_step(cfg, policy, LossConfig(), optax.sgd(0.0), loop=loop,
-                          micro_batches=2)
-    adv = jnp.asarray([1.0, -1.0])
-    for i in (0, 2):
-        rows = take_rows(ro, np.arange(i, i + 2))
-        copy = jax.tree.map(jnp.copy, params)
-        _, _, m = step(copy, optax.sgd(0.0).init(copy), rows, adv, rows.logprobs)
-        assert float(m["ratio_mean"]) == 1.0, (i, float(m["ratio_mean"]))
+    assert_hybrid_minibatches_at_ratio_one(cfg, params, loop, ro, policy)
 
 
 def test_a_run_in_minibatches_replays_at_the_samplers_bits(tmp_path):

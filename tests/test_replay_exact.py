@@ -13,7 +13,6 @@ cells in tests/test_gpu.py.
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 import pytest
 
 from jaxrl_lp.bench.exactness import exactness_model, exactness_rollout
@@ -98,20 +97,13 @@ def test_a_traced_caller_gets_one_clear_error():
 
 @pytest.mark.parametrize("kind", ["dense", "looped_deferred"])
 def test_the_hybrid_step_takes_each_minibatchs_value_from_the_samplers_program(kind):
-    """A hybrid GRPO step given no value replays its rows first (`make_grpo_step`): at the
-    sampler's weights the ratio is exactly 1 on every 2-row minibatch (before, the value was
-    traced into the step at the minibatch's shape, and rounded otherwise on XLA:CPU)."""
-    from jaxrl_lp.rl.loss import LossConfig
-    from jaxrl_lp.rl.train_step import make_grpo_step
+    """At the sampler's weights the hybrid step's ratio is exactly 1 on every 2-row minibatch
+    (before, the value was traced into the step at the minibatch's shape, and rounded
+    otherwise on XLA:CPU)."""
+    from helpers import assert_hybrid_minibatches_at_ratio_one
 
     cfg, params, loop, ro = _case(kind)
-    step = make_grpo_step(cfg, FP32, LossConfig(), optax.sgd(0.0), loop=loop, micro_batches=2)
-    adv = jnp.asarray([1.0, -1.0])
-    for i in range(0, 8, 2):
-        rows = take_rows(ro, np.arange(i, i + 2))
-        copy = jax.tree.map(jnp.copy, params)
-        _, _, m = step(copy, optax.sgd(0.0).init(copy), rows, adv, rows.logprobs)
-        assert float(m["ratio_mean"]) == 1.0, (i, float(m["ratio_mean"]))
+    assert_hybrid_minibatches_at_ratio_one(cfg, params, loop, ro, FP32)
 
 
 def test_the_start_probe_stops_a_planted_mismatch_with_one_line(tmp_path, monkeypatch, capsys):
