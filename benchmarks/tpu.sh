@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
 # The sampler, learner-step and kernel benchmarks and the compiled kernel tests on one TPU chip
-# (benchmarks/tpu.sh; a GPU has its own, benchmarks/gpu.sh), with native bf16, offline, in under
-# 9 minutes (each step under its own `timeout`, so one hang does not eat the rest). Writes into
-# DIR (default $OUT/bench where OUT is set, else runs/bench-gpu or runs/bench-tpu):
+# (a GPU has its own script, benchmarks/gpu.sh), with native bf16, offline, in under 9 minutes
+# (each step under its own `timeout`, so one hang does not eat the rest). Writes into DIR
+# (default $OUT/bench where OUT is set, else runs/bench-tpu):
 #
-#   summary.json   the device (nvidia-smi name, driver, memory on a GPU; jax's device kind on a
-#                  TPU), jax's version and whether pyproject.toml admits it, the Pallas backend,
+#   summary.json   the device (jax's device kind), jax's version and whether pyproject.toml
+#                  admits it, the Pallas backend,
 #                  and per step its exit status, seconds, command and last line of output
 #   sampler.json   jaxrl-lp bench sampler  (small preset, dense and looped, against the HBM bound)
 #   learner.json   jaxrl-lp bench learner  (GRPO step, dense and hybrid, tokens/s and MFU)
@@ -22,12 +22,12 @@
 # --no-deps into a private folder. The project itself is not installed: it runs from this
 # checkout (PYTHONPATH), as `python3 -m jaxrl_lp.cli.main`, the `jaxrl-lp` command.
 #
-#   benchmarks/fetch_wheels.sh                             # once, with PyPI
-#   benchmarks/gpu.sh [DIR]   or   benchmarks/tpu.sh [DIR]  # on the device, from the checkout
-#   QUICK=1 ALLOW_CPU=1 benchmarks/gpu.sh                   # the script's own check on a CPU
+#   benchmarks/fetch_wheels.sh             # once, with PyPI
+#   benchmarks/tpu.sh [DIR]                 # on the TPU VM, from the checkout
+#   QUICK=1 ALLOW_CPU=1 benchmarks/tpu.sh   # the script's own check on a CPU
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
-PLATFORM="${PLATFORM:?set PLATFORM=gpu or PLATFORM=tpu (benchmarks/gpu.sh and tpu.sh do)}"
+PLATFORM=tpu
 DIR="${1:-${OUT:+$OUT/bench}}"
 DIR="${DIR:-runs/bench-$PLATFORM}"
 PYTHON="${PYTHON:-python3}"
@@ -41,26 +41,22 @@ t0=$(date +%s)
 
 # Dependencies the image lacks, from wheels (never from a registry: the machine is offline).
 SITE="${SITE:-/tmp/jaxrl_lp_site}"
-if compgen -G ".whl/*.whl" > /dev/null; then
+if ! "$PYTHON" -c "import grain, tensorboardX" 2> /dev/null && compgen -G ".whl/*.whl" > /dev/null
+then
   "$PYTHON" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target "$SITE" .whl/*.whl >> "$LOG" 2>&1 || { echo "$0: wheel install failed ($LOG)" >&2; exit 2; }
 fi
 export PYTHONPATH="$PWD:$SITE${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONUNBUFFERED=1
 
-if [[ "$PLATFORM" == gpu ]]; then
-  DEVICE_NAME=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -n 1)
-  DEVICE_INFO=$(nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader \
-                2>/dev/null | head -n 1)
-else  # a TPU VM: jax itself says what it is
-  DEVICE_NAME=$("$PYTHON" -c "
+# A TPU VM: jax itself says what it is.
+DEVICE_NAME=$("$PYTHON" -c "
 import jax
 d = jax.devices()[0]
 print(d.device_kind if d.platform == 'tpu' else '')" 2>/dev/null)
-  DEVICE_INFO="$DEVICE_NAME"
-fi
+DEVICE_INFO="$DEVICE_NAME"
 if [[ -z "$DEVICE_NAME" && -z "${ALLOW_CPU:-}" ]]; then
-  echo "$0: no $PLATFORM device answers (nvidia-smi / jax.devices()); ALLOW_CPU=1 to run anyway" >&2
+  echo "$0: no TPU answers (jax.devices()); ALLOW_CPU=1 to run anyway" >&2
   exit 2
 fi
 if ! "$PYTHON" -c "import jaxrl_lp.cli.main" >> "$LOG" 2>&1; then
@@ -135,7 +131,7 @@ print(json.dumps({
     "device": os.environ["DEVICE_NAME"] or "none (no device answered)",
     "device_info": os.environ["DEVICE_INFO"], "jax": jax.__version__,
     "jax_admitted_by_pyproject": admitted,
-    "pallas_backend": "triton" if os.environ["PLATFORM"] == "gpu" else "mosaic_tpu",
+    "pallas_backend": "mosaic_tpu",
     "jax_device": jax.devices()[0].device_kind, "policy": os.environ["POLICY"],
     "hbm_gbps_for_sampler_bound": float(os.environ["HBM_GBPS"]),
     "seconds": int(os.environ["SECONDS_ALL"]), "steps": steps}, indent=2))
