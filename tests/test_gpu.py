@@ -58,7 +58,8 @@ def test_replay_equals_the_sampler_at_model_sizes(preset, policy):
 
 # Measured on an H200 (docs/bench/gpu-h200.json): 3 of the speculative cell's tokens differ by
 # 4.8e-7, its replay re-tracing the verification chunks (`rollout.replay`); the start probe
-# stops such a run before it writes anything. Strict: an unexpected pass fails the tier.
+# checks such a run's batch before it writes anything. Strict: an unexpected pass fails the
+# tier.
 SPECULATIVE = pytest.param("speculative", marks=pytest.mark.xfail(
     ON_GPU, strict=True, reason="the speculative replay is not yet its sampler's executable"))
 
