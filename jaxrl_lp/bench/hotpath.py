@@ -21,8 +21,8 @@ preset's real size with low precision stored natively, as on a GPU or TPU
     jaxrl-lp bench hotpath --presets tiny-qwen3 --policies bf16-engine,mxfp8
 
 Exit status 1 when a low-precision cell's decode loop converts a weight or
-reads f32 weights, or its learner shows what the list above excludes. What it cannot say: how fast the device runs
-what it is handed (`benchmarks/gpu.sh` measures that on a GPU).
+reads f32 weights, or its learner shows what the list above excludes. What it
+cannot say: how fast a device runs what it is handed (a GPU's profile does).
 """
 
 from __future__ import annotations

@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxrl_lp.numerics.policy import Policy
+from jaxrl_lp.numerics.products import product
 
 __all__ = ["MASK_VALUE", "attention"]
 
@@ -38,10 +39,7 @@ def attention(
     b, t, h, dh = q_BxTxHxDh.shape
     kh = k_BxKxSxDh.shape[1]
     q = q_BxTxHxDh.reshape(b, t, kh, h // kh, dh)
-    s = jnp.einsum(
-        "btkgd,bksd->bkgts", q, k_BxKxSxDh.astype(q.dtype),
-        preferred_element_type=jnp.float32, precision=jax.lax.Precision.HIGHEST,
-    )
+    s = product("btkgd,bksd->bkgts", q, k_BxKxSxDh.astype(q.dtype), policy)
     scale = dh**-0.5
     mask = (k_pos_BxS[:, None, :] >= 0) & (k_pos_BxS[:, None, :] <= q_pos_BxT[:, :, None])
     mask = mask[:, None, None]  # [B, 1, 1, T, S]
@@ -53,10 +51,7 @@ def attention(
         s = jnp.where(mask, policy.round(policy.round(s) * scale), MASK_VALUE)
         e = policy.round(jnp.exp(s - jnp.max(s, axis=-1, keepdims=True)))
         p = policy.round(e / policy.round(jnp.sum(e, axis=-1, keepdims=True)))
-    o = jnp.einsum(
-        "bkgts,bksd->bkgtd", p, v_BxKxSxDh.astype(p.dtype),
-        preferred_element_type=jnp.float32, precision=jax.lax.Precision.HIGHEST,
-    )
+    o = product("bkgts,bksd->bkgtd", p, v_BxKxSxDh.astype(p.dtype), policy)
     # Heads to the back after the matmul (free when T == 1): asking the dot for
     # a [B, T, K, G, Dh] result makes XLA on CPU fall back to a slow kernel.
     return policy.round(jnp.moveaxis(o, 3, 1)).reshape(b, t, h * dh)

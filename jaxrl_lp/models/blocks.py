@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 # The module, not its function: the kernel module imports `models.layers`, so either
 # package may be the one still initializing when the other is imported.
@@ -24,7 +25,7 @@ from jaxrl_lp.parallel.context import constrain
 RESIDUAL = ("batch", "sequence", "hidden")
 
 __all__ = [
-    "attend", "attend_packed", "embed", "kv_heads_first", "lm_head", "lm_logits", "mlp",
+    "attend", "attend_packed", "decode_weights", "embed", "kv_heads_first", "lm_head", "lm_logits", "mlp",
     "MATMUL_WEIGHTS", "over_layers", "project_qkv", "residual_add", "unstack_layers",
 ]
 
@@ -34,7 +35,7 @@ __all__ = [
 MATMUL_WEIGHTS = LAYER_PRODUCTS
 
 
-def unstack_layers(params: dict, *, transpose: bool = False) -> dict:
+def unstack_layers(params: dict, *, transpose: bool = False, policy: Policy | None = None) -> dict:
     """`params` with `layers` as a tuple of per-layer dicts (for decoding).
 
     The forward functions accept either form and compute the same thing. A
@@ -48,7 +49,13 @@ def unstack_layers(params: dict, *, transpose: bool = False) -> dict:
     leaves) are sliced as `[out, in]` copies and the lm head is `[V, D]`,
     each a `layers.TransposedWeight` (a tied head is the embedding itself, no
     copy); `dot` multiplies them weights-major. Same values, other sums.
+
+    With a `policy`, the weights are first rounded once as the forward reads
+    them (`decode_weights`), so a decode loop reads the matmul inputs (bf16 on
+    a GPU) instead of converting the f32 master on every step.
     """
+    if policy is not None:
+        params = decode_weights(params, policy)
     layers = params["layers"]
     if isinstance(layers, tuple):  # unstacked already, in the layout they were unstacked in
         return params
@@ -68,6 +75,40 @@ def unstack_layers(params: dict, *, transpose: bool = False) -> dict:
         head = params.get("lm_head", params["embed"])
         if isinstance(head, jax.Array):
             out["lm_head"] = TransposedWeight(head.T if "lm_head" in params else head)
+    return out
+
+
+def decode_weights(params: dict, policy: Policy) -> dict:
+    """`params` with every weight the forward reads through `policy.round_params` rounded once.
+
+    Those are the plain arrays of each layer (matmul weights, norms, biases),
+    the embedding, the head, the final norm and a looped model's exit-gate
+    kernel (its bias is read in f32 and kept). Rounding is idempotent here
+    (`param_dtype` is f32 or the compute dtype), so the forward computes the
+    same bits from the copy as from `params`; it only stops re-rounding the
+    master inside a decode loop. LoRA and quantized leaves pass as they are;
+    so do the params under another `param_dtype` (f16 params for bf16
+    compute would round twice otherwise).
+    """
+    if policy.param_dtype not in (np.dtype(np.float32), policy.compute_dtype) or (
+            not policy.is_low_precision and policy.param_dtype == np.dtype(np.float32)):
+        return params
+
+    def rnd(x):
+        plain = isinstance(x, jax.Array) and jnp.issubdtype(x.dtype, jnp.floating)
+        return policy.round_params(x) if plain else x
+
+    def rnd_layer(lp: dict) -> dict:
+        return {k: rnd(v) for k, v in lp.items()}
+
+    layers = params["layers"]
+    out = {**params, "layers": (tuple(rnd_layer(lp) for lp in layers)
+                                if isinstance(layers, tuple) else rnd_layer(layers))}
+    for k in ("embed", "lm_head", "final_norm"):
+        if k in params:
+            out[k] = rnd(params[k])
+    if "exit_gate" in params:
+        out["exit_gate"] = {**params["exit_gate"], "kernel": rnd(params["exit_gate"]["kernel"])}
     return out
 
 

@@ -25,6 +25,7 @@ from jaxrl_lp.kernels.fake_quant import quantized_matmul
 from jaxrl_lp.models.lora import LoraWeight, adapter_product, base_value
 from jaxrl_lp.models.recorded import RecordedWeight
 from jaxrl_lp.numerics.policy import Policy
+from jaxrl_lp.numerics.products import precision_for, product
 from jaxrl_lp.numerics.qarray import QArray
 from jaxrl_lp.parallel.context import current_mesh
 
@@ -97,8 +98,8 @@ def dot(x_xK: jax.Array, w_KxN: jax.Array, policy: Policy) -> jax.Array:
         # steps' weight products in another order (`tests/test_models.py`). Under a mesh
         # the axes stay apart for the partitioner.
         k, n = w.shape
-        return _f32_product(x_xK.reshape(-1, k), w).reshape(*x_xK.shape[:-1], n)
-    return _f32_product(x_xK, w)
+        return _f32_product(x_xK.reshape(-1, k), w, policy).reshape(*x_xK.shape[:-1], n)
+    return _f32_product(x_xK, w, policy)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
@@ -126,7 +127,7 @@ _recorded.defvjp(_recorded_fwd, _recorded_bwd)
 def _weights_major_product(x_RxK: jax.Array, w_NxK: jax.Array) -> jax.Array:
     """`x_RxK @ w_NxK.T` in f32, `[R, N]`; on CPU as `w_NxK @ x_RxK.T` (`TransposedWeight`)."""
     dims = (((1,), (1,)), ((), ()))
-    kw = dict(preferred_element_type=jnp.float32, precision=jax.lax.Precision.HIGHEST)
+    kw = dict(preferred_element_type=jnp.float32, precision=precision_for(x_RxK, w_NxK))
 
     def product(a, b):
         # Named, so profiles find the decode's weight products (`benchmarks/profile_sampler.py`).
@@ -143,9 +144,9 @@ def _weights_major_product(x_RxK: jax.Array, w_NxK: jax.Array) -> jax.Array:
                                       default=lambda x, w: product(x, w))
 
 
-def _f32_product(x_xK: jax.Array, w_KxN: jax.Array) -> jax.Array:
-    return jnp.einsum("...k,kn->...n", x_xK, w_KxN,
-                      preferred_element_type=jnp.float32, precision=jax.lax.Precision.HIGHEST)
+def _f32_product(x_xK: jax.Array, w_KxN: jax.Array, policy: Policy) -> jax.Array:
+    # Low-precision products and backward by `numerics.products`.
+    return product("...k,kn->...n", x_xK, w_KxN, policy)
 
 
 def rms_norm(x_xD: jax.Array, w_D: jax.Array, eps: float, policy: Policy) -> jax.Array:

@@ -34,6 +34,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from jaxrl_lp.numerics.products import product
 from jaxrl_lp.numerics.qarray import QArray, dequantize
 
 __all__ = ["LoraWeight", "adapter_product", "base_value", "is_lora", "merge_adapters", "merged_value"]
@@ -90,11 +91,8 @@ def adapter_product(x_xK: jax.Array, a_KxR: jax.Array, b_RxN: jax.Array, scale: 
     `matmul_format` is not applied: adapters run at the compute precision, as
     QLoRA runs them beside a 4-bit base.
     """
-    hi = jax.lax.Precision.HIGHEST
-    xa = jnp.einsum("...k,kr->...r", x_xK, policy.round_params(a_KxR),
-                    preferred_element_type=jnp.float32, precision=hi)
-    xab = jnp.einsum("...r,rn->...n", policy.round(xa), policy.round_params(b_RxN),
-                     preferred_element_type=jnp.float32, precision=hi)
+    xa = product("...k,kr->...r", x_xK, policy.round_params(a_KxR), policy)
+    xab = product("...r,rn->...n", policy.round(xa), policy.round_params(b_RxN), policy)
     return xab * jnp.float32(scale)
 
 

@@ -5,6 +5,8 @@
 - `qarray` / `formats`: `QArray` and `quantize` / `dequantize` for FP8, MX, NVFP4,
   ternary and binary formats (`FORMATS`).
 - `fingerprint`: a 64-bit identity of a pytree of arrays, on device.
+- `products`: `product`, the model's products of compute-precision operands and
+  their low-precision backward.
 
 Fake quantization and `quantized_matmul` run the platform's quantize kernel,
 so they live a floor up, in `jaxrl_lp.kernels.fake_quant`.
@@ -20,6 +22,7 @@ from jaxrl_lp.numerics.policy import (
     native_low_precision,
     parse_dtype,
 )
+from jaxrl_lp.numerics.products import precision_for, product
 from jaxrl_lp.numerics.qarray import FORMATS, FormatSpec, QArray, dequantize
 from jaxrl_lp.numerics.rounding import error_feedback_round, round_nearest, round_stochastic, ulp
 
@@ -37,6 +40,8 @@ __all__ = [
     "error_feedback_round",
     "native_low_precision",
     "parse_dtype",
+    "precision_for",
+    "product",
     "quantize",
     "round_nearest",
     "round_stochastic",

@@ -265,6 +265,9 @@ class Policy:
 
     def round_params(self, w: jax.Array) -> jax.Array:
         """Rounds a weight to `param_dtype` then to `compute_dtype` (the matmul input)."""
+        if (w.dtype == self.compute_dtype == self.carrier_dtype
+                and self.param_dtype in (_DTYPES["f32"], self.compute_dtype)):
+            return w  # the matmul input already (`models.blocks.decode_weights`): nothing to round
         if w.dtype != self.param_dtype:
             w = w.astype(self.param_dtype)
         return self.round(w)

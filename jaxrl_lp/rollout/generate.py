@@ -126,9 +126,10 @@ def _sample(params, prompt_BxP, positions_BxP, lengths_B, key, version, forced: 
             *, cfg, policy, loop, sampling, max_new_tokens, eos_id, pad_id, record, layout):
     b, p = prompt_BxP.shape
     n = max_new_tokens
-    # Sliced once, here: inside the loop a scan over stacked weights copies them every step
-    # (and a transpose there would be redone every step too).
-    params = unstack_layers(params, transpose=layout == "transposed")
+    # Sliced and rounded once, here: inside the loop a scan over stacked weights copies them
+    # every step, a transpose there would be redone every step, and so would the rounding of
+    # the f32 master to the matmul inputs (`decode_weights`).
+    params = unstack_layers(params, transpose=layout == "transposed", policy=policy)
     cache = unstack_cache(init_cache(cfg, policy, b, p + n), cfg)
     # With the fused read-out the steps return the hidden state: the token is sampled from its
     # logits, and its log-prob is theirs (`token_logprobs`, what `step_logprobs` replays).
@@ -235,10 +236,13 @@ def generate(
     The decode loop stops as soon as every sequence has produced `eos_id` (or
     after `max_new_tokens`).
 
-    The layer weights are unstacked once per call (`unstack_layers`, a
-    transient copy of them, in the decode layout): pass params already
-    unstacked (`unstack_layers(params, transpose=True)` for the `transposed`
-    layout) to skip it when sampling repeatedly from the same weights.
+    The layer weights are rounded to the policy's matmul inputs and unstacked
+    once per call (`unstack_layers(..., policy=)`, a transient copy of them,
+    in the decode layout), so the decode loop reads bf16 weights on a GPU,
+    not the f32 master. Pass params already unstacked that way
+    (`unstack_layers(params, transpose=True, policy=policy)` for the
+    `transposed` layout) to skip it when sampling repeatedly from the same
+    weights.
 
     Args:
       params: parameter pytree (the served copy), layers stacked or unstacked.

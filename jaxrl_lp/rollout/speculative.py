@@ -171,8 +171,9 @@ def _speculate(params, dparams, prompt_BxP, positions_BxP, lengths_B, key, versi
     b, p = prompt_BxP.shape
     n, k = max_new_tokens, spec.k
     transpose = layout == "transposed"
-    params = unstack_layers(params, transpose=transpose)
-    dparams = None if dparams is None else unstack_layers(dparams, transpose=transpose)
+    params = unstack_layers(params, transpose=transpose, policy=policy)
+    dparams = None if dparams is None else unstack_layers(dparams, transpose=transpose,
+                                                                 policy=policy)
     cache = unstack_cache(init_cache(cfg, policy, b, p + n + k), cfg)
     fused = fused_readout(policy)
     out, cache, exit0, _ = prefill(params, cfg, policy, loop, prompt_BxP, positions_BxP, cache,
@@ -360,7 +361,7 @@ def replay_speculative(params: dict, cfg: ModelConfig, policy: Policy, ro: Rollo
     n = ro.completion_tokens.shape[1]
     t = ro.verify_tokens
     k = t - 1
-    params = unstack_layers(params, transpose=ro.decode_layout == "transposed")
+    params = unstack_layers(params, transpose=ro.decode_layout == "transposed", policy=policy)
     cache = unstack_cache(init_cache(cfg, policy, b, p + n + k), cfg)
     lengths = ro.prompt_lengths
     ppos = jnp.arange(p, dtype=jnp.int32)[None] - (p - lengths[:, None])
