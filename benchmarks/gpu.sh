@@ -17,6 +17,16 @@
 # the default `jaxrl-lp train` (nothing is timed there), then `bench replay` alone (its first
 # cell times the sampler). The model-size cells of the tier are `bench replay`'s.
 #
+# SUITE=speed runs the speed cells instead (each alone on the GPU, under 8 minutes together),
+# writing gpu-speed-<device>.json (the steps, as above) and gpu-speed-<device>.log beside:
+#   sampler-<device>.json  jaxrl-lp bench sampler: Qwen3-0.6B bf16, 128 + 256 tokens, B 32 and
+#                          256: tokens/s and the fraction of the HBM bound (weights as the loop
+#                          reads them + the KV cache); Ouro-1.4B bf16 at B 32, dense against
+#                          deferred looped decoding, and the ideal speed-up
+#   learner-<device>.json  jaxrl-lp bench learner: the GRPO update at Qwen3-0.6B bf16, 32 x 384
+#                          tokens, dense and on the recorded log-probs (hybrid-recorded): MFU
+#                          against the device's dense bf16 peak
+#
 # Needs a python3 with JAX for the GPU, flax, optax, orbax-checkpoint, ml_dtypes and pytest. What
 # it lacks (grain, tensorboardX and their needs) comes as wheels in .whl/, fetched beforehand on
 # a machine with PyPI by benchmarks/fetch_wheels.sh and installed with --no-index --no-deps into a
@@ -25,6 +35,7 @@
 #   benchmarks/fetch_wheels.sh                 # once, with PyPI
 #   benchmarks/gpu.sh [DIR]                    # on the GPU machine, from the checkout
 #   PRESETS=qwen3-0.6b SKIP_TRAIN=1 benchmarks/gpu.sh   # a part of it
+#   SUITE=speed benchmarks/gpu.sh                        # the speed cells
 #   QUICK=1 ALLOW_CPU=1 benchmarks/gpu.sh /tmp/x        # the script's own check on a CPU
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -48,8 +59,14 @@ fi
 # The device's short name: the last word of nvidia-smi's, lower case (`NVIDIA H200` -> h200).
 DEV=$(echo "${NAME:-cpu}" | awk '{print tolower($NF)}' | tr -c 'a-z0-9\n' '-')
 [[ -n "${ALLOW_CPU:-}" && -z "$NAME" ]] && DEV=cpu-dry-run
-LOG="$DIR/gpu-$DEV.log"
-STEPS="$DIR/.steps-$DEV.tsv"
+SUITE="${SUITE:-exactness}"
+case "$SUITE" in
+  exactness) TAG=gpu ;;
+  speed) TAG=gpu-speed ;;
+  *) echo "$0: SUITE must be exactness or speed, got '$SUITE'" >&2; exit 2 ;;
+esac
+LOG="$DIR/$TAG-$DEV.log"
+STEPS="$DIR/.steps-$TAG-$DEV.tsv"
 : > "$LOG"; : > "$STEPS"
 if ! "$PYTHON" -c "import jaxrl_lp.cli.main" >> "$LOG" 2>&1; then
   echo "$0: jaxrl_lp does not import (missing wheels? see $LOG, benchmarks/fetch_wheels.sh)" >&2
@@ -79,11 +96,26 @@ if [[ -n "${QUICK:-}" ]]; then  # tiny sizes, a few seconds a step
   PRESETS=tiny-qwen3,tiny-ouro
   REPLAY=(--prompts 4 --prompt-len 12 --new-tokens 16)
   TRAIN=(--set sft.steps=20 --set grpo.steps=3)
+  SAMPLER=(--sizes tiny-qwen3 --batch 2,4 --looped-sizes tiny-ouro --looped-batches 2
+           --prompt-len 8 --new-tokens 8)
+  LEARNER=(--size tiny-qwen3 --batch 4 --seq-len 24 --prompt-len 8)
 else
   REPLAY=()
   TRAIN=()
+  SAMPLER=(--sizes qwen3-0.6b --batch 32,256 --looped-sizes ouro-1.4b --looped-batches 32
+           --prompt-len 128 --new-tokens 256)
+  LEARNER=(--size qwen3-0.6b --batch 32 --seq-len 384 --prompt-len 128)
 fi
 
+if [[ "$SUITE" == speed ]]; then
+  # Worst case 260 + 200 s of steps, one at a time (the timings want the GPU alone).
+  step sampler 260 "${JAXRL[@]}" bench sampler "${SAMPLER[@]}" --policy bf16 --no-hf \
+    --repeats 2 --min-time 0 --out "$DIR/sampler-$DEV.json"
+  step learner 200 "${JAXRL[@]}" bench learner "${LEARNER[@]}" --policy bf16 --no-tunix \
+    --methods dense,hybrid-recorded --repeats 2 --min-time 0 --out "$DIR/learner-$DEV.json"
+fi
+
+if [[ "$SUITE" == exactness ]]; then
 # Worst case, every limit reached: max(150, 200) + 260 s of steps, plus the set-up (under 8
 # minutes). `bench replay` prints each cell as it ends (in the log), fp32's last.
 step tier 150 "$PYTHON" -m pytest -q -p no:cacheprovider -m gpu -k "not model_sizes" \
@@ -95,8 +127,9 @@ fi
 wait
 step replay 260 "${JAXRL[@]}" bench replay --presets "$PRESETS" --policies bf16,fp32 --cost \
   --traced "${REPLAY[@]}" --out "$DIR/replay-$DEV.json"
+fi
 
-NAME="$NAME" STEPS="$STEPS" DIR="$DIR" DEV="$DEV" SECONDS_ALL=$(( $(date +%s) - t0 )) \
+NAME="$NAME" STEPS="$STEPS" DIR="$DIR" DEV="$DEV" TAG="$TAG" SECONDS_ALL=$(( $(date +%s) - t0 )) \
 "$PYTHON" - >> "$LOG" 2>&1 <<'PY'
 import json, os, pathlib
 import jax
@@ -116,10 +149,10 @@ if (run / "summary.json").is_file():
                    max_mismatch_max_abs_dlogp=max((r.get("mismatch_max_abs_dlogp", 0.0)
                                                    for r in grpo), default=None))
     (d / f"train-{dev}.json").write_text(json.dumps(summary, indent=2) + "\n")
-(d / f"gpu-{dev}.json").write_text(json.dumps({
+(d / f"{os.environ['TAG']}-{dev}.json").write_text(json.dumps({
     "device": os.environ["NAME"] or "none (dry run on CPU)", "jax": jax.__version__,
     "backend": jax.default_backend(), "seconds": int(os.environ["SECONDS_ALL"]),
     "steps": steps}, indent=2) + "\n")
 PY
 rm -rf "$STEPS" "$DIR/.train-$DEV"
-cat "$DIR/gpu-$DEV.json"
+cat "$DIR/$TAG-$DEV.json"

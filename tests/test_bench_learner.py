@@ -36,6 +36,18 @@ def test_bench_learner_prints_one_json_object_with_both_methods(capsys):
     assert body >= res["completion_tokens"] + 4 * 8 and head >= res["completion_tokens"]
 
 
+def test_bench_learner_takes_a_preset_by_name(capsys):
+    """`--size` names a model preset (`benchmarks/gpu.sh`: qwen3-0.6b); a looped one needs
+    `--looped`."""
+    assert main(["bench", "learner", "--size", "tiny-qwen3", "--batch", "2", "--group", "2",
+                 "--seq-len", "12", "--prompt-len", "4", "--repeats", "1", "--min-time", "0",
+                 "--methods", "dense", "--no-tunix", "--policy", "bf16"]) == 0
+    res = json.loads(capsys.readouterr().out)
+    assert res["preset"] == "tiny-qwen3" and res["dense"]["step_s"] > 0
+    assert main(["bench", "learner", "--size", "tiny-ouro", "--no-tunix"]) == 2
+    assert "'tiny-ouro' is a looped preset; add --looped" in capsys.readouterr().err
+
+
 def test_bench_learner_refuses_bad_packing_and_methods(capsys):
     assert main(["bench", "learner", "--size", "tiny", "--pack-buckets", "-1", "--no-tunix"]) == 2
     assert "--pack-buckets must be >= 0 (0: no packing); got -1" in capsys.readouterr().err

@@ -124,3 +124,29 @@ def test_bench_sampler_prints_one_json_object(capsys):
     assert looped["ideal_speedup"] == pytest.approx(4 / looped["mean_exit_depth"], abs=2e-3)
     assert set(res["targets_met"]) == {"ratio_vs_hf_tiny>=3.0",
                                        "deferred_speedup_tiny_batch_1>=0.7*ideal"}
+
+
+def test_bench_sampler_takes_presets_and_batches_as_the_gpu_cells_do(capsys):
+    """`benchmarks/gpu.sh`'s speed cells at tiny sizes: a dense preset by name at two batches,
+    a looped preset by name; the bound counts the weights as the loop reads them (f32-carried
+    bf16 on CPU: as many bytes as the master) and the KV cache at the mean context."""
+    argv = ["bench", "sampler", "--sizes", "tiny-qwen3", "--batch", "2,4", "--looped-sizes",
+            "tiny-ouro", "--looped-batches", "2", "--prompt-len", "8", "--new-tokens", "5",
+            "--repeats", "1", "--min-time", "0", "--no-hf", "--policy", "bf16"]
+    assert main(argv) == 0
+    res = json.loads(capsys.readouterr().out)
+    assert res["bandwidth_gbps"] == 15.0 and res["bandwidth_source"].startswith("SPEC")
+    two, four = res["dense"]["tiny-qwen3_batch_2"], res["dense"]["tiny-qwen3_batch_4"]
+    cfg = get_preset("tiny-qwen3")
+    # Keys and values of every layer, batch x kv heads x head width x mean context (8 + 2), f32.
+    assert two["kv_bytes_per_step"] == 2 * cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * 10 * 4
+    assert four["kv_bytes_per_step"] == 2 * two["kv_bytes_per_step"]
+    assert two["weight_bytes_per_step"] == four["weight_bytes_per_step"] > 0
+    assert 0 < two["ours_fraction_of_bound"] == res["ours_fraction_of_bound"]["tiny-qwen3_batch_2"]
+    looped = res["looped"]["tiny-ouro"]["batch_2"]
+    assert looped["deferred_tokens_per_s"] > 0 and looped["mean_exit_depth"] <= 4
+    for bad, why in ((["--sizes", "tiny-ouro"], "is a looped preset; pass it to --looped-sizes"),
+                     (["--looped-sizes", "tiny-qwen3"], "is a dense preset; pass it to --sizes"),
+                     (["--batch", "2,x"], "batch sizes are integers")):
+        assert main(["bench", "sampler", "--no-hf", *bad]) == 2
+        assert why in capsys.readouterr().err

@@ -1,7 +1,8 @@
 """The learner benchmark: our GRPO step (dense and hybrid log-probs) against Tunix's GRPO update.
 
 A random dense preset (`small`: `small-qwen3`, 8 layers, hidden 512, vocab
-32000) is saved as a Hugging Face checkpoint (`save_hf_checkpoint`, f32).
+32000; or any model preset by name, `qwen3-0.6b` on a GPU) is saved as a
+Hugging Face checkpoint (`save_hf_checkpoint`, f32) for Tunix.
 `--looped` takes the preset's shapes as an Ouro-style looped model instead
 (`bench.sampler.LOOPED_SIZES`, R = 4 loop steps, read out at the last:
 `full/dense`), ours only (Tunix has no looped model). One
@@ -186,9 +187,10 @@ def _tunix(cfg, policy, params, ro, adv, optimizer, group, ckpt):
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The options of `jaxrl-lp bench learner`."""
-    parser.add_argument("--size", default="small", choices=sorted(SIZES),
-                        help="dense preset: small (small-qwen3: 8 layers, hidden 512, vocab "
-                             "32000) or tiny (tiny-qwen3)")
+    parser.add_argument("--size", default="small",
+                        help="small (small-qwen3: 8 layers, hidden 512, vocab 32000), tiny "
+                             "(tiny-qwen3), or a model preset (qwen3-0.6b; with --looped, a "
+                             "looped one: ouro-1.4b)")
     parser.add_argument("--looped", action="store_true",
                         help="the preset's shapes as a looped model (R = 4), ours only")
     parser.add_argument("--batch", type=int, default=8, help="sequences B")
@@ -218,6 +220,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0)
 
 
+def _model(size: str, looped: bool) -> ModelConfig:
+    """`--size` (with `--looped`) as a model config; a preset of the wrong kind is an error."""
+    if size in SIZES:
+        return LOOPED_SIZES[size] if looped else get_preset(SIZES[size])
+    cfg = get_preset(size)
+    if cfg.is_looped != looped:
+        raise ValueError(f"--size {size!r} is a {'looped' if cfg.is_looped else 'dense'} preset; "
+                         + ("add --looped" if cfg.is_looped else "drop --looped"))
+    return cfg
+
+
 def run(args: argparse.Namespace) -> dict:
     """Runs the benchmark; returns one JSON-serializable dict."""
     if not 0 < args.prompt_len < args.seq_len:
@@ -231,7 +244,7 @@ def run(args: argparse.Namespace) -> dict:
                "hybrid-recorded-unpacked")
     if bad := [m for m in methods if m not in allowed]:
         raise ValueError(f"--methods: unknown {bad}; allowed: {', '.join(allowed)}")
-    cfg = LOOPED_SIZES[args.size] if args.looped else get_preset(SIZES[args.size])
+    cfg = _model(args.size, args.looped)
     policy = Policy.parse(args.policy)
     params = init_params(cfg, jax.random.PRNGKey(args.seed))
     ro, adv = grpo_batch(cfg, policy, params, batch=args.batch, prompt_len=args.prompt_len,
@@ -250,7 +263,8 @@ def run(args: argparse.Namespace) -> dict:
         "platform": f"{platform.machine()} {jax.default_backend()}, {os.cpu_count()} cores, "
                     f"{jax.devices()[0].device_kind}",
         "jax": jax.__version__, "loadavg_start": round(os.getloadavg()[0], 2),
-        "preset": SIZES[args.size] + (f"-looped-r{cfg.loop_steps}" if args.looped else ""),
+        "preset": (SIZES[args.size] + f"-looped-r{cfg.loop_steps}"
+                   if args.looped and args.size in SIZES else SIZES.get(args.size, args.size)),
         "params": cfg.param_count(), "policy": str(policy),
         "batch": args.batch, "seq_len": args.seq_len, "prompt_len": args.prompt_len,
         "completion_tokens": int(ro.completion_mask.sum()), "group": args.group,

@@ -14,9 +14,17 @@ stops at its exit step; a decode step stops when the whole batch has exited),
 at batch 1 and 8. `ideal_speedup` is R / mean exit depth of the decode steps:
 what deferred mode would gain if loop steps were all the work of a token.
 
-Every figure is also put against the bandwidth bound of SPEC section 11:
-decode reads the weights once per step, so tokens/s <= batch * bandwidth /
-weight bytes read per step.
+`--sizes` and `--looped-sizes` also take a model preset (`qwen3-0.6b`,
+`ouro-1.4b`: random weights at that size, the looped one with the gate
+above), and `--batch` several batches: the GPU's cells
+(`benchmarks/gpu.sh`), with `--no-hf` and `--policy bf16`.
+
+Every figure is also put against the bandwidth bound: decode reads the
+weights once per step (as its loop reads them: bf16 where stored natively,
+`models.blocks.decode_weights`) and the KV cache up to the mean context, so
+tokens/s <= batch * bandwidth / those bytes. The bandwidth is the
+accelerator's HBM figure (`plan.targets`, by device name), SPEC section
+11's 15 GB/s on CPU, or `--bandwidth-gbps`.
 """
 
 from __future__ import annotations
@@ -30,11 +38,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxrl_lp.models.blocks import decode_weights
 from jaxrl_lp.models.config import ModelConfig, get_preset
 from jaxrl_lp.models.model import init_params
+from jaxrl_lp.numerics.policy import Policy
 from jaxrl_lp.rollout import LoopSpec, SamplingConfig, generate
 
-__all__ = ["LOOPED_SIZES", "add_arguments", "bench_dense", "bench_looped", "run", "weight_bytes"]
+__all__ = ["LOOPED_SIZES", "add_arguments", "bench_dense", "bench_looped", "device_bandwidth_gbps",
+           "kv_bytes", "run", "weight_bytes"]
 
 DENSE_PRESETS = {"tiny": "tiny-qwen3", "small": "small-qwen3"}
 # Looped models of the same shapes as the dense presets (Ouro has no QK-norm).
@@ -47,18 +58,47 @@ POLICY = "fp32"
 MAX_RUNS = 200  # timed runs of one configuration at most (tiny runs take milliseconds)
 
 
-def weight_bytes(cfg: ModelConfig, params: dict, loop_steps: float | None = None) -> int:
+def weight_bytes(cfg: ModelConfig, params: dict, loop_steps: float | None = None,
+                 policy: Policy | str | None = None) -> int:
     """Bytes of weights one decode step reads: every layer (per loop step run) and the head.
 
     The embedding table is gathered (a few rows), not streamed, unless it is
-    also the (tied) output head.
+    also the (tied) output head. With a `policy`, the weights as its decode
+    loop reads them (`models.blocks.decode_weights`: bf16 where stored
+    natively); without, as `params` holds them.
     """
+    if policy is not None:
+        params = jax.eval_shape(lambda p: decode_weights(p, Policy.parse(policy)), params)
     nbytes = lambda tree: sum(x.size * x.dtype.itemsize for x in jax.tree_util.tree_leaves(tree))
     layers = nbytes(params["layers"])
     head = nbytes(params["embed"] if cfg.tie_embeddings else params["lm_head"])
     other = nbytes(params["final_norm"]) + (nbytes(params["exit_gate"]) if cfg.is_looped else 0)
     steps = cfg.loop_steps if loop_steps is None else loop_steps
     return int(round(layers * steps + head + other * steps))
+
+
+def kv_bytes(cfg: ModelConfig, policy: Policy | str, batch: int, context: float,
+             loop_steps: float | None = None) -> int:
+    """Bytes of keys and values a decode step reads at `context` tokens: every layer's (per loop
+    step run), at the cache's dtype (`models.cache.init_cache`)."""
+    steps = (cfg.loop_steps if loop_steps is None else loop_steps) if cfg.is_looped else 1
+    item = np.dtype(Policy.parse(policy).carrier_dtype).itemsize
+    return int(round(2 * cfg.num_layers * steps * batch * cfg.num_kv_heads * cfg.head_dim
+                     * context * item))
+
+
+def device_bandwidth_gbps() -> tuple[float, str]:
+    """(GB/s, where it comes from): the accelerator's HBM (`plan.targets`, by device name),
+    else SPEC section 11's CPU figure."""
+    from jaxrl_lp.plan.targets import TARGETS
+
+    dev = jax.devices()[0]
+    if dev.platform != "cpu":
+        kind = dev.device_kind.lower().replace("-", " ")
+        for name, t in TARGETS.items():
+            if name.replace("-", " ") in kind:
+                return t.hbm_bandwidth / 1e9, f"plan.targets[{name!r}] for {dev.device_kind}"
+    return SPEC_BANDWIDTH_GBPS, "SPEC section 11: a batch-8 f32 matrix-vector product on 2 cores"
 
 
 def _bound(batch: int, nbytes: float, bandwidth_gbps: float) -> float:
@@ -141,7 +181,8 @@ def bench_dense(size: str, *, batch: int, prompt_len: int, new_tokens: int, repe
     After a warm-up of each, timed runs of the two alternate, so that a change
     in the machine's load falls on both.
     """
-    cfg = get_preset(DENSE_PRESETS[size])
+    preset = DENSE_PRESETS.get(size, size)
+    cfg = get_preset(preset)
     params = init_params(cfg, jax.random.PRNGKey(seed))
     prompts = np.random.RandomState(seed).randint(1, cfg.vocab_size, (batch, prompt_len))
     ours = _ours_call(params, cfg, prompts.tolist(), sampling=SamplingConfig(greedy=True),
@@ -163,16 +204,19 @@ def bench_dense(size: str, *, batch: int, prompt_len: int, new_tokens: int, repe
     first, ro, ours_times = firsts["ours"], outs["ours"], times["ours"]
     ours_s = min(ours_times)
     tokens = batch * new_tokens
-    nbytes = weight_bytes(cfg, params)
+    nbytes = weight_bytes(cfg, params, policy=policy)
+    kv = kv_bytes(cfg, policy, batch, prompt_len + (new_tokens - 1) / 2)
     out = {
-        "preset": DENSE_PRESETS[size], "params": cfg.param_count(), "batch": batch,
+        "preset": preset, "params": cfg.param_count(), "batch": batch,
         "prompt_len": prompt_len, "new_tokens": new_tokens, "policy": policy,
         "compile_s": round(first - ours_s, 3), "ours_s": round(ours_s, 4),
         "ours_runs": len(ours_times),
         "ours_ms_per_step": round(1e3 * ours_s / new_tokens, 3),
         "ours_tokens_per_s": round(tokens / ours_s, 1),
         "weight_bytes_per_step": nbytes,
-        "bound_tokens_per_s": round(_bound(batch, nbytes, bandwidth_gbps), 1),
+        "kv_bytes_per_step": kv,
+        "bound_tokens_per_s": round(_bound(batch, nbytes + kv, bandwidth_gbps), 1),
+        "bound_ms_per_step": round(1e3 * (nbytes + kv) / (bandwidth_gbps * 1e9), 4),
     }
     out["ours_fraction_of_bound"] = round(out["ours_tokens_per_s"] / out["bound_tokens_per_s"], 3)
     if hf:
@@ -207,14 +251,15 @@ def bench_looped(size: str, *, batches, prompt_len: int, new_tokens: int, repeat
                  min_time: float, exit_rule: str, gate_bias: float, gate_scale: float,
                  bandwidth_gbps: float, seed: int, policy: str = POLICY) -> dict:
     """Dense against deferred compute mode on a looped model whose exits come early."""
-    cfg = LOOPED_SIZES[size]
+    cfg = LOOPED_SIZES[size] if size in LOOPED_SIZES else get_preset(size)
     r = cfg.loop_steps
     params = looped_params(cfg, seed, gate_bias, gate_scale)
     # Sampled (T=1, fixed key) rather than greedy: a random model's greedy output
     # repeats one token, and so would its exit step.
     sampling = SamplingConfig(temperature=1.0)
     out = {
-        "model": f"{DENSE_PRESETS[size]} shapes as a looped (ouro) model, R={r}",
+        "model": (f"{DENSE_PRESETS[size]} shapes as a looped (ouro) model, R={r}"
+                  if size in LOOPED_SIZES else f"{size}, R={r}"),
         "params": cfg.param_count(), "policy": policy, "exit_rule": exit_rule,
         "gate": f"random kernel, gate logits ~ N({gate_bias}, {gate_scale}^2): under {exit_rule} "
                 f"tokens exit early (mean_exit_depth, of {r}) and at different steps",
@@ -242,8 +287,11 @@ def bench_looped(size: str, *, batches, prompt_len: int, new_tokens: int, repeat
         decoded = np.asarray(ro.exit_steps)[:, 1:]  # token 0 comes from the full-depth prefill
         depth = float(decoded.mean()) + 1 if decoded.size else float(r)
         steps_per_decode = int(ro.loop_evals) / (new_tokens - 1) if new_tokens > 1 else r
-        dense_bytes = weight_bytes(cfg, params)
-        deferred_bytes = weight_bytes(cfg, params, loop_steps=steps_per_decode)
+        context = prompt_len + (new_tokens - 1) / 2
+        dense_bytes = (weight_bytes(cfg, params, policy=policy)
+                       + kv_bytes(cfg, policy, batch, context))
+        deferred_bytes = (weight_bytes(cfg, params, loop_steps=steps_per_decode, policy=policy)
+                          + kv_bytes(cfg, policy, batch, context, steps_per_decode))
         b = {
             "batch": batch,
             "runs_each": len(times["dense"]),
@@ -282,8 +330,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The options of `jaxrl-lp bench sampler`."""
     parser.add_argument("--sizes", default="tiny,small",
                         help="dense sizes to race against HF: tiny (tiny-qwen3), small "
-                             "(small-qwen3: 8 layers, hidden 512, vocab 32000)")
-    parser.add_argument("--batch", type=int, default=8)
+                             "(small-qwen3: 8 layers, hidden 512, vocab 32000), or a dense "
+                             "model preset (qwen3-0.6b)")
+    parser.add_argument("--batch", default="8",
+                        help="the dense sizes' batch, or several (comma-separated)")
     parser.add_argument("--prompt-len", type=int, default=16)
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=5,
@@ -296,18 +346,29 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="torch threads for the reference: a number, or 'best' of 1 and all "
                              "cores (default)")
     parser.add_argument("--looped-sizes", default="tiny,small",
-                        help="looped models (dense preset shapes, R=4) for the deferred race; "
-                             "'' to skip")
+                        help="looped models for the deferred race: tiny or small (those "
+                             "dense shapes, R=4) or a looped preset (ouro-1.4b); '' to skip")
     parser.add_argument("--looped-batches", default="1,8")
     parser.add_argument("--exit-rule", default="threshold:0.5")
     parser.add_argument("--gate-bias", type=float, default=-0.6)
     parser.add_argument("--gate-scale", type=float, default=0.5)
-    parser.add_argument("--bandwidth-gbps", type=float, default=SPEC_BANDWIDTH_GBPS,
-                        help="memory bandwidth for the bound (SPEC section 11: 15 GB/s)")
+    parser.add_argument("--bandwidth-gbps", type=float, default=None,
+                        help="memory bandwidth for the bound (default: the accelerator's HBM "
+                             "by device name, plan.targets; on CPU SPEC section 11's 15 GB/s)")
     parser.add_argument("--policy", default=POLICY,
                         help="precision policy of our sampler (fp32 on CPU: SPEC section 11; bf16 "
                              "on GPU, where it is stored natively)")
     parser.add_argument("--seed", type=int, default=0)
+
+
+def _batches(text: str, name: str) -> list[int]:
+    try:
+        out = [int(b) for b in _csv(str(text))]
+    except ValueError:
+        raise ValueError(f"{name}: batch sizes are integers, comma-separated; got {text!r}") from None
+    if not out or min(out) < 1:
+        raise ValueError(f"{name} must be one or more integers >= 1; got {text!r}")
+    return out
 
 
 def _csv(text: str, allowed=None) -> list[str]:
@@ -319,42 +380,56 @@ def _csv(text: str, allowed=None) -> list[str]:
 
 def run(args: argparse.Namespace) -> dict:
     """Runs the benchmark; returns one JSON-serializable dict."""
-    for name in ("batch", "prompt_len", "new_tokens", "repeats"):
+    for name in ("prompt_len", "new_tokens", "repeats"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
-    sizes = _csv(args.sizes, DENSE_PRESETS)
-    looped_sizes = _csv(args.looped_sizes, LOOPED_SIZES)
-    batches = [int(b) for b in _csv(args.looped_batches)]
+    sizes = _csv(args.sizes)
+    looped_sizes = _csv(args.looped_sizes)
+    for s in sizes:
+        if s not in DENSE_PRESETS and get_preset(s).is_looped:
+            raise ValueError(f"--sizes: {s!r} is a looped preset; pass it to --looped-sizes")
+    for s in looped_sizes:
+        if s not in LOOPED_SIZES and not get_preset(s).is_looped:
+            raise ValueError(f"--looped-sizes: {s!r} is a dense preset; pass it to --sizes")
+    batches = _batches(args.looped_batches, "--looped-batches")
+    dense_batches = _batches(args.batch, "--batch")
+    bandwidth, bandwidth_src = ((args.bandwidth_gbps, "--bandwidth-gbps") if args.bandwidth_gbps
+                                else device_bandwidth_gbps())
     info = {
         "target": "sampler",
         "platform": f"{platform.machine()} {jax.default_backend()}, {os.cpu_count()} cores",
         "jax": jax.__version__, "loadavg_start": round(os.getloadavg()[0], 2),
         "policy": args.policy,
+        "device": jax.devices()[0].device_kind,
         "note": "default policy fp32: XLA's bf16 matmuls on CPU are much slower than f32 (SPEC 11); "
-                "bounds are batch * bandwidth / weight bytes read per decode step",
-        "bandwidth_gbps": args.bandwidth_gbps,
+                "bounds are batch * bandwidth / bytes read per decode step (the weights as the "
+                "loop reads them, and the KV cache at the mean context)",
+        "bandwidth_gbps": bandwidth, "bandwidth_source": bandwidth_src,
     }
     if not args.no_hf:
         import torch
         import transformers
 
         info.update(torch=torch.__version__, transformers=transformers.__version__)
-    dense = {s: bench_dense(s, batch=args.batch, prompt_len=args.prompt_len,
-                            new_tokens=args.new_tokens, repeats=args.repeats,
-                            min_time=args.min_time, hf=not args.no_hf,
-                            hf_threads=args.hf_threads, bandwidth_gbps=args.bandwidth_gbps,
-                            seed=args.seed, policy=args.policy) for s in sizes}
+    # One batch: keyed by size, as before; several: by size and batch.
+    name_of = (lambda s, b: s) if len(dense_batches) == 1 else (lambda s, b: f"{s}_batch_{b}")
+    dense = {name_of(s, b): bench_dense(s, batch=b, prompt_len=args.prompt_len,
+                                    new_tokens=args.new_tokens, repeats=args.repeats,
+                                    min_time=args.min_time, hf=not args.no_hf,
+                                    hf_threads=args.hf_threads, bandwidth_gbps=bandwidth,
+                                    seed=args.seed, policy=args.policy)
+             for s in sizes for b in dense_batches}
     looped = {s: bench_looped(s, batches=batches, prompt_len=args.prompt_len,
                               new_tokens=args.new_tokens, repeats=args.repeats,
                               min_time=args.min_time, exit_rule=args.exit_rule, gate_bias=args.gate_bias,
-                              gate_scale=args.gate_scale, bandwidth_gbps=args.bandwidth_gbps,
+                              gate_scale=args.gate_scale, bandwidth_gbps=bandwidth,
                               seed=args.seed, policy=args.policy) for s in looped_sizes}
     summary = {}
-    for key in ("ours_tokens_per_s", "hf_tokens_per_s", "ratio_vs_hf", "compile_s",
-                "bound_tokens_per_s"):
-        vals = {s: d[key] for s, d in dense.items() if key in d}
+    for k in ("ours_tokens_per_s", "hf_tokens_per_s", "ratio_vs_hf", "compile_s",
+              "bound_tokens_per_s", "ours_fraction_of_bound"):
+        vals = {s: d[k] for s, d in dense.items() if k in d}
         if vals:
-            summary[key] = vals
+            summary[k] = vals
     for key in ("dense_tokens_per_s", "deferred_tokens_per_s", "deferred_speedup",
                 "mean_exit_depth", "ideal_speedup"):
         vals = {f"{s}_batch_{b}": looped[s][f"batch_{b}"][key] for s in looped for b in batches}
