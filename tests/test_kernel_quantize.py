@@ -157,6 +157,37 @@ def test_kernel_quantize_sweep(fmt, case, dtype, mode):
     _check_case(fmt, *SLOW_CASES[case], mode=mode, dtype=dtype)
 
 
+@functools.partial(jax.jit, static_argnums=(1, 2, 3))
+def _quantize_default_tiles(x, fmt, axis, kernels):
+    return quantize(x, fmt, axis, kernels=kernels)
+
+
+# The shapes a review found the GPU version's default tiles off at on bf16 input along axis 0
+# (64 x 96, 96 x 40, 160 x 40; not reproduced with JAX 0.10.2 on CPU), and a ragged MX one.
+DEFAULT_TILE_SHAPES = ((64, 96), (96, 40), (160, 40), (96, 192))
+
+
+@pytest.mark.parametrize("mode", ["interpret", "interpret-tpu"])
+# bf16 in the default suite (about 12 s), f32 in CI's tier.
+@pytest.mark.parametrize("dtype", [pytest.param(np.float32, marks=(pytest.mark.slow,
+                                                                   pytest.mark.ci)),
+                                   ml_dtypes.bfloat16])
+@pytest.mark.parametrize("fmt", BLOCK_FORMATS)
+def test_default_tiles_are_bit_equal_on_both_axes(fmt, dtype, mode):
+    """Each version at its own default tiles (no `tiles=`), both axes, bf16 and f32 input."""
+    bs = formats.get_format(fmt).block_size
+    checked = 0
+    for shape in DEFAULT_TILE_SHAPES:
+        for axis in (0, 1):
+            if shape[axis] % bs:
+                continue
+            x = _input(shape, seed=shape[0] + axis, dtype=dtype)
+            _assert_qarrays_bit_equal(_quantize_default_tiles(x, fmt, axis, mode),
+                                      _quantize_default_tiles(x, fmt, axis, "off"))
+            checked += 1
+    assert checked >= 4
+
+
 @pytest.mark.parametrize("dtype", [ml_dtypes.float8_e4m3fn, ml_dtypes.float4_e2m1fn])
 def test_the_kernels_bit_codecs_are_xlas_conversions(dtype):
     """`encode` (RNE in integer arithmetic) on every value of the format, every midpoint between
