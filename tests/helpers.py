@@ -71,6 +71,40 @@ def exactness_grads(cfg, policy, ro, loop):
     return grads
 
 
+def checkpoints(run_dir) -> dict:
+    """`{step: {"state", "meta"}}`: every kept checkpoint of a run, whole."""
+    from jaxrl_lp.train.checkpoint import Checkpointer
+
+    ckpt = Checkpointer(run_dir)
+    try:
+        return {s: ckpt.manager.restore(s) for s in ckpt.steps()}
+    finally:
+        ckpt.close()
+
+
+def assert_bit_equal(a, b):
+    """Equal pytrees: the same structure, and each leaf of the same dtype, shape and bytes."""
+    import jax
+    import numpy as np
+
+    (la, ta), (lb, tb) = jax.tree.flatten_with_path(a), jax.tree.flatten_with_path(b)
+    assert ta == tb
+    for (path, x), (_, y) in zip(la, lb, strict=True):
+        x, y = np.asarray(x), np.asarray(y)
+        where = jax.tree_util.keystr(path)
+        assert (x.dtype, x.shape) == (y.dtype, y.shape), where
+        assert x.tobytes() == y.tobytes(), where
+
+
+def bits_equal(a, b) -> bool:
+    """Whether `assert_bit_equal(a, b)` holds."""
+    try:
+        assert_bit_equal(a, b)
+    except AssertionError:
+        return False
+    return True
+
+
 def latest_checkpoint(run_dir):
     """`(steps, params)`: a run directory's finalized checkpoint steps and its latest params."""
     from jaxrl_lp.train.checkpoint import Checkpointer

@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import TINY_MODEL, sets, short_run
+from helpers import TINY_MODEL, bits_equal, checkpoints, sets, short_run
 
 from jaxrl_lp.cli.main import main as cli_main
 from jaxrl_lp.lora import LoraWeights, hold_base
@@ -51,21 +51,6 @@ def _records(run_dir):
             for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
-def _checkpoints(run_dir):
-    ckpt = Checkpointer(run_dir)
-    try:
-        return {s: ckpt.manager.restore(s) for s in ckpt.steps()}
-    finally:
-        ckpt.close()
-
-
-def _bits_equal(a, b) -> bool:
-    la, lb = jax.tree.leaves(a), jax.tree.leaves(b)
-    return (jax.tree.structure(a) == jax.tree.structure(b)
-            and all(np.asarray(x).tobytes() == np.asarray(y).tobytes()
-                    for x, y in zip(la, lb, strict=True)))
-
-
 @pytest.mark.slow
 @pytest.mark.ci
 def test_lora_on_a_pretrained_base_resumes_exactly_evaluates_and_exports(tmp_path, capsys):
@@ -80,10 +65,10 @@ def test_lora_on_a_pretrained_base_resumes_exactly_evaluates_and_exports(tmp_pat
     assert run_train(cfg(cut), stop_after=3)["interrupted"]  # inside LoRA SFT
     assert run_train(cfg(cut), stop_after=5)["interrupted"]  # inside LoRA GRPO
     run_train(cfg(cut))
-    a, b = _checkpoints(ref), _checkpoints(cut)
+    a, b = checkpoints(ref), checkpoints(cut)
     assert sorted(a) == [4, 6] and sorted(b) == [5, 6]  # the stop at 5 saved one
     assert a[6]["meta"] == b[6]["meta"]
-    assert _bits_equal(a[6]["state"], b[6]["state"])
+    assert bits_equal(a[6]["state"], b[6]["state"])
     assert _records(ref) == _records(cut)
     # The checkpoints hold the adapters and their optimizer states, not the base; its
     # fingerprint, taken at every save, is the pretrained weights' (as held, f32).
@@ -92,7 +77,7 @@ def test_lora_on_a_pretrained_base_resumes_exactly_evaluates_and_exports(tmp_pat
         assert set(c["state"]["params"]) == {"adapters"}, s
         assert c["meta"]["lora"]["base_fingerprint"] == tree_fingerprint(base).tolist(), s
         assert c["meta"]["lora"]["base_source"] == {"kind": "init_from", "path": str(hf)}
-    moved = lambda x, y: not _bits_equal(x, y)
+    moved = lambda x, y: not bits_equal(x, y)
     assert moved(a[4]["state"]["params"], a[6]["state"]["params"])  # GRPO moved the adapters
     assert moved(a[4]["state"]["opt_grpo"], a[6]["state"]["opt_grpo"])
     # `jaxrl-lp eval` rebuilds the base, checks it and scores as the run did.
@@ -136,8 +121,8 @@ def test_lora_grpo_on_the_warm_start_keeps_its_base_and_serves_merged_nvfp4_exac
             "lora.serve=merged", "sync.loss_on_served=true", f"run.out_dir={run}"]
     cfg = apply_overrides(default_config(), over)
     run_train(cfg, stop_after=4)  # the full warm-start
-    warm = _checkpoints(run)[4]["state"]
-    assert "lora" not in _checkpoints(run)[4]["meta"]
+    warm = checkpoints(run)[4]["state"]
+    assert "lora" not in checkpoints(run)[4]["meta"]
     run_train(cfg, stop_after=6)
     run_train(cfg)  # resumed from a LoRA checkpoint with the merged copy's sync state
     # The base is the warm-start's params, kept whole once; every LoRA checkpoint records the
@@ -145,9 +130,9 @@ def test_lora_grpo_on_the_warm_start_keeps_its_base_and_serves_merged_nvfp4_exac
     store = Checkpointer(run, subdir="lora_base")
     base_params, _ = store.restore_params(4)
     store.close()
-    assert _bits_equal(base_params, warm["params"])
+    assert bits_equal(base_params, warm["params"])
     held = tree_fingerprint(hold_base(base_params, "nvfp4")).tolist()
-    ckpts = _checkpoints(run)
+    ckpts = checkpoints(run)
     assert sorted(ckpts) == [6, 8]
     for c in ckpts.values():
         assert c["meta"]["lora"]["base_fingerprint"] == held
@@ -191,5 +176,5 @@ def test_lora_on_a_mesh_shards_the_adapters_and_resumes(tmp_path):
     grpo = [r for r in _records(tmp_path / "ref") if r["phase"] == "grpo"]
     assert len(grpo) == 4 and all(r["replay_verified"] == 1.0 for r in grpo)
     assert _records(tmp_path / "ref") == _records(tmp_path / "cut")
-    a, b = _checkpoints(tmp_path / "ref")[6], _checkpoints(tmp_path / "cut")[6]
-    assert _bits_equal(a["state"], b["state"]) and a["meta"] == b["meta"]
+    a, b = checkpoints(tmp_path / "ref")[6], checkpoints(tmp_path / "cut")[6]
+    assert bits_equal(a["state"], b["state"]) and a["meta"] == b["meta"]

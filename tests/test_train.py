@@ -9,7 +9,16 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
-from helpers import FAIR_CAST, FINISHED, FINISHED_STEPS, GRPO_MOVES, sets, short_run
+from helpers import (
+    FAIR_CAST,
+    FINISHED,
+    FINISHED_STEPS,
+    GRPO_MOVES,
+    assert_bit_equal,
+    checkpoints,
+    sets,
+    short_run,
+)
 
 from jaxrl_lp.cli.main import main as cli_main
 from jaxrl_lp.train import NonFiniteError, apply_overrides, default_config, run_train
@@ -99,26 +108,6 @@ sys.exit(main(sys.argv[3:]))
 """
 
 
-def _checkpoints(run_dir):
-    """`{step: {"state", "meta"}}`: every kept checkpoint of a run, whole."""
-    ckpt = Checkpointer(run_dir)
-    try:
-        return {s: ckpt.manager.restore(s) for s in ckpt.steps()}
-    finally:
-        ckpt.close()
-
-
-def _assert_bit_equal(a, b):
-    """Equal pytrees: the same structure, and each leaf of the same dtype, shape and bytes."""
-    (la, ta), (lb, tb) = jax.tree.flatten_with_path(a), jax.tree.flatten_with_path(b)
-    assert ta == tb
-    for (path, x), (_, y) in zip(la, lb, strict=True):
-        x, y = np.asarray(x), np.asarray(y)
-        where = jax.tree_util.keystr(path)
-        assert (x.dtype, x.shape) == (y.dtype, y.shape), where
-        assert x.tobytes() == y.tobytes(), where
-
-
 def _kill_and_resume(cut_dir, overrides, moment, at):
     """Runs `overrides` into `cut_dir` killed at `moment` `at` (`KILLED_AT`), checks where the
     kill landed, resumes it in a fresh process (as a user would) and returns the newest
@@ -154,11 +143,11 @@ def _assert_resumed_exactly(cut_dir, ref_dir):
     """The resumed run's kept checkpoints (6 and 8) equal the uninterrupted run's, state and
     meta: params, both optimizer states, the exporter's state (residual, export count) and
     diagnostics, both data iterators, the metrics record count; and so do its records."""
-    cut, ref = _checkpoints(cut_dir), _checkpoints(ref_dir)
+    cut, ref = checkpoints(cut_dir), checkpoints(ref_dir)
     assert sorted(cut) == sorted(ref) == [FINISHED_STEPS - 2, FINISHED_STEPS]
     for step in ref:
         assert cut[step]["meta"] == ref[step]["meta"], step
-        _assert_bit_equal(cut[step]["state"], ref[step]["state"])
+        assert_bit_equal(cut[step]["state"], ref[step]["state"])
     # The state a resume restores had moved inside GRPO (else restoring the warm-start's
     # would pass): the params and both of Adam's moments between steps 6 and 8.
     moved = lambda a, b: any(np.asarray(x).tobytes() != np.asarray(y).tobytes()
