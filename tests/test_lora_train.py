@@ -13,7 +13,9 @@
 - On the run's own warm-start (the default task's flow): the warm-start is full,
   LoRA starts at the first GRPO step; `<run>/lora_base` is the warm-start's
   params bit for bit; served merged as NVFP4 codes with the loss on that copy,
-  every batch's replay equals the sampler's bits (`grpo.verify_every=1`).
+  every batch's replay equals the sampler's bits (`grpo.verify_every=1`); with
+  a KL term to another model the adapters move, and the run stopped twice ends
+  as the uninterrupted one.
 """
 
 import json
@@ -22,7 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import TINY_MODEL, bits_equal, checkpoints, sets, short_run
+from helpers import TINY_MODEL, assert_bit_equal, bits_equal, checkpoints, sets, short_run
 
 from jaxrl_lp.cli.main import main as cli_main
 from jaxrl_lp.lora import LoraWeights, hold_base
@@ -39,9 +41,10 @@ QWEN = [*TINY_MODEL, "model.family=qwen3", "model.loop_steps=1", "model.qk_norm=
 LORA = ["lora.rank=4", "lora.alpha=8.0", "grpo.verify_every=1"]
 
 
-def _hf(path, seed):
-    """A tiny random Qwen3 checkpoint with the arithmetic task's vocabulary."""
-    mcfg = validate(apply_overrides(default_config(), [*QWEN, f"run.out_dir={path}_unused"])).model
+def _hf(path, seed, model=QWEN):
+    """A tiny random checkpoint (Qwen3 by default, else the `model` overrides) with the
+    arithmetic task's vocabulary."""
+    mcfg = validate(apply_overrides(default_config(), [*model, f"run.out_dir={path}_unused"])).model
     save_hf_checkpoint(path, mcfg, init_params(mcfg, jax.random.PRNGKey(seed)))
     return mcfg
 
@@ -116,15 +119,18 @@ def test_lora_on_a_pretrained_base_resumes_exactly_evaluates_and_exports(tmp_pat
 @pytest.mark.slow
 @pytest.mark.ci
 def test_lora_grpo_on_the_warm_start_keeps_its_base_and_serves_merged_nvfp4_exactly(tmp_path):
-    run = tmp_path / "run"
+    run, ref, other = tmp_path / "run", tmp_path / "ref", tmp_path / "other"
+    _hf(other, 6, model=TINY_MODEL)  # the KL reference: another model of the run's shapes
     over = [*short_run(sft_steps=4, grpo_steps=4), *LORA, "lora.base_format=nvfp4",
-            "lora.serve=merged", "sync.loss_on_served=true", f"run.out_dir={run}"]
-    cfg = apply_overrides(default_config(), over)
-    run_train(cfg, stop_after=4)  # the full warm-start
+            "lora.serve=merged", "sync.loss_on_served=true", "loss.kl_beta=0.05",
+            f"loss.reference={other}"]
+    cfg = lambda d: apply_overrides(default_config(), [*over, f"run.out_dir={d}"])
+    run_train(cfg(ref))  # uninterrupted
+    run_train(cfg(run), stop_after=4)  # the full warm-start
     warm = checkpoints(run)[4]["state"]
     assert "lora" not in checkpoints(run)[4]["meta"]
-    run_train(cfg, stop_after=6)
-    run_train(cfg)  # resumed from a LoRA checkpoint with the merged copy's sync state
+    run_train(cfg(run), stop_after=6)
+    run_train(cfg(run))  # resumed from a LoRA checkpoint with the merged copy's sync state
     # The base is the warm-start's params, kept whole once; every LoRA checkpoint records the
     # fingerprint of that base as held (NVFP4 codes), taken from the base in memory.
     store = Checkpointer(run, subdir="lora_base")
@@ -138,6 +144,17 @@ def test_lora_grpo_on_the_warm_start_keeps_its_base_and_serves_merged_nvfp4_exac
         assert c["meta"]["lora"]["base_fingerprint"] == held
         assert c["meta"]["lora"]["base_source"]["kind"] == "warm_start"
         assert c["state"]["opt_sft"] == {}  # the warm-start's Adam state is dropped
+    # Stopped twice and resumed, the run ends as the uninterrupted one: every kept checkpoint
+    # whole, every record; and the KL term moved the adapters and their optimizer state
+    # between the two checkpoints compared.
+    whole = checkpoints(ref)
+    assert sorted(whole) == [6, 8]
+    for step, c in whole.items():
+        assert_bit_equal(ckpts[step]["state"], c["state"])
+        assert ckpts[step]["meta"] == c["meta"]
+    for part in ("params", "opt_grpo"):
+        assert not bits_equal(whole[6]["state"][part], whole[8]["state"][part]), part
+    assert _records(run) == _records(ref)
     grpo = [r for r in _records(run) if r["phase"] == "grpo"]
     assert len(grpo) == 4
     # The loss on the merged NVFP4 copy: every batch's replay is the sampler's bits, and
@@ -163,12 +180,15 @@ def test_jaxrl_lp_sft_is_lora_sft_on_a_pretrained_base(tmp_path, capsys):
 
 @pytest.mark.slow
 def test_lora_on_a_mesh_shards_the_adapters_and_resumes(tmp_path):
-    """bf16 base, rank 8 over fsdp=8 (the session's 8 CPU devices), a KL term to the GRPO
-    start (its reference is the merged f32 copy): every batch's replay is the sampler's bits,
-    and a run resumed from a LoRA checkpoint on the mesh logs what the whole run logs."""
+    """bf16 base, rank 8 over fsdp=8 (the session's 8 CPU devices), a KL term to another
+    model (so the adapters move: to the GRPO start, the merged copy itself, it is 0 with a
+    zero gradient): every batch's replay is the sampler's bits, and a run resumed from a
+    LoRA checkpoint on the mesh ends as the whole run, state and records."""
+    other = tmp_path / "other"
+    _hf(other, 6, model=TINY_MODEL)
     over = [*short_run(sft_steps=2, grpo_steps=4, checkpoint_every=3), *LORA,
             "lora.rank=8", "lora.base_format=bf16", "run.mesh=fsdp=8",
-            "grpo.prompts_per_step=8", "loss.kl_beta=0.01"]
+            "grpo.prompts_per_step=8", "loss.kl_beta=0.05", f"loss.reference={other}"]
     cfg = lambda d: apply_overrides(default_config(), [*over, f"run.out_dir={d}"])
     run_train(cfg(tmp_path / "ref"))
     assert run_train(cfg(tmp_path / "cut"), stop_after=3)["interrupted"]  # a LoRA checkpoint
@@ -176,5 +196,9 @@ def test_lora_on_a_mesh_shards_the_adapters_and_resumes(tmp_path):
     grpo = [r for r in _records(tmp_path / "ref") if r["phase"] == "grpo"]
     assert len(grpo) == 4 and all(r["replay_verified"] == 1.0 for r in grpo)
     assert _records(tmp_path / "ref") == _records(tmp_path / "cut")
-    a, b = checkpoints(tmp_path / "ref")[6], checkpoints(tmp_path / "cut")[6]
-    assert bits_equal(a["state"], b["state"]) and a["meta"] == b["meta"]
+    ref, cut = checkpoints(tmp_path / "ref"), checkpoints(tmp_path / "cut")
+    assert sorted(ref) == sorted(cut) == [3, 6]
+    assert_bit_equal(ref[6]["state"], cut[6]["state"])
+    assert ref[6]["meta"] == cut[6]["meta"]
+    for part in ("params", "opt_grpo"):  # GRPO moved them after the restored checkpoint
+        assert not bits_equal(ref[3]["state"][part], ref[6]["state"][part]), part
