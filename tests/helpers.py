@@ -72,12 +72,14 @@ def exactness_grads(cfg, policy, ro, loop):
 
 
 def checkpoints(run_dir) -> dict:
-    """`{step: {"state", "meta"}}`: every kept checkpoint of a run, whole."""
+    """`{step: {"state", "meta"}}`: every kept checkpoint of a run, whole, on this process's
+    first device (`Checkpointer.restore_saved`: whatever mesh or processes wrote it)."""
     from jaxrl_lp.train.checkpoint import Checkpointer
 
-    ckpt = Checkpointer(run_dir)
+    ckpt = Checkpointer(run_dir, create=False)
     try:
-        return {s: ckpt.manager.restore(s) for s in ckpt.steps()}
+        return {s: dict(zip(("state", "meta"), ckpt.restore_saved(s), strict=True))
+                for s in ckpt.steps()}
     finally:
         ckpt.close()
 

@@ -22,14 +22,18 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
-from helpers import sets, short_run
+from helpers import FAIR_CAST, GRPO_MOVES, assert_bit_equal, bits_equal, checkpoints, sets, short_run
 
 from jaxrl_lp.train import apply_overrides, default_config, run_train
 from jaxrl_lp.train.checkpoint import Checkpointer
 
-# 2 warm-start and 3 GRPO steps; 8 prompts and 16 warm-start rows split over 8 data shards.
-RUN = [*short_run(sft_steps=2, grpo_steps=3), "grpo.verify_every=1", "grpo.prompts_per_step=8",
-       "sft.batch_size=16", "run.mesh=fsdp=8", "run.checkpoint_every=1", "run.keep_checkpoints=5"]
+# 2 warm-start and 3 GRPO steps; 8 prompts and 16 warm-start rows split over 8 data shards;
+# Fair Cast (the loss on a bf16 error-feedback served copy) and a KL term to the GRPO start,
+# so the GRPO steps move the state (their rewards are 0 after 2 warm-start steps: without it
+# the parameters at step 5 were step 2's bit for bit).
+RUN = [*short_run(sft_steps=2, grpo_steps=3), *FAIR_CAST, *GRPO_MOVES, "grpo.verify_every=1",
+       "grpo.prompts_per_step=8", "sft.batch_size=16", "run.mesh=fsdp=8",
+       "run.checkpoint_every=1", "run.keep_checkpoints=5"]
 STEPS = 5
 pytestmark = pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 (simulated) devices")
 
@@ -90,12 +94,19 @@ def _wait(procs, timeout=600) -> list[int]:
     return [p.returncode for p in procs]
 
 
-def _params(run_dir: Path):
+def _params(run_dir: Path, step: int = STEPS):
     ckpt = Checkpointer(run_dir, create=False)
     try:
-        return ckpt.restore_params(STEPS)[0]
+        return ckpt.restore_params(step)[0]
     finally:
         ckpt.close()
+
+
+def _assert_ends_as(run: Path, whole: Path):
+    """The run's last checkpoint, whole (state and meta), is `whole`'s, bit for bit."""
+    got, want = checkpoints(run)[STEPS], checkpoints(whole)[STEPS]
+    assert_bit_equal(got["state"], want["state"])
+    assert got["meta"] == want["meta"]
 
 
 def _logs(log_dir: Path) -> str:
@@ -130,6 +141,11 @@ def test_two_processes_equal_one_process_with_eight_devices(two_processes, one_p
     for a, b in zip(jax.tree.leaves(_params(two_processes)), jax.tree.leaves(_params(one_process)),
                     strict=True):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-8)
+    # The GRPO steps moved the parameters and the GRPO optimizer state, in both runs.
+    for run in (two_processes, one_process):
+        first, last = (checkpoints(run)[s]["state"] for s in (STEPS - 2, STEPS))
+        for part in ("params", "opt_grpo"):
+            assert not bits_equal(first[part], last[part]), (run, part)
     # Process 0 alone wrote the run's files: one record per step and phase.
     recs = [json.loads(x) for x in (two_processes / "metrics.jsonl").read_text().splitlines()]
     assert len({(r["step"], r["phase"]) for r in recs}) == len(recs)
@@ -160,9 +176,7 @@ def test_sigkill_of_one_process_and_a_restart_of_both_resumes_bit_identically(tm
     killed_at = max(int(p.name) for p in ckpts.glob("*") if p.name.isdigit())
     assert killed_at < STEPS, "the kill should land mid-run"
     assert _wait(_start(run, _port(), logs)) == [0, 0], _logs(logs)
-    for a, b in zip(jax.tree.leaves(_params(run)), jax.tree.leaves(_params(two_processes)),
-                    strict=True):
-        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    _assert_ends_as(run, two_processes)
 
 
 def _records(run_dir: Path) -> list[dict]:
@@ -196,9 +210,7 @@ def test_sigterm_to_either_process_at_three_moments_stops_both_and_the_resume_is
         assert not [p for p in ckpts.iterdir() if "tmp" in p.name]
         assert [r["step"] for r in _records(run)][-1] == step
     assert _wait(_start(run, _port(), logs, "run.checkpoint_every=100")) == [0, 0], _logs(logs)
-    for a, b in zip(jax.tree.leaves(_params(run)), jax.tree.leaves(_params(two_processes)),
-                    strict=True):
-        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    _assert_ends_as(run, two_processes)
     assert [without_wall_clock(r) for r in _records(run)] == \
         [without_wall_clock(r) for r in _records(two_processes)]
 

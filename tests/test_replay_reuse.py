@@ -145,9 +145,11 @@ def _while_loops(lowered) -> int:
 
 
 # The looped deferred step here; the dense packed bf16 one, the speculative and the coded
-# steps under `-m slow` (each compiles two steps: about 25 CPU-s), the sharded one here.
+# steps in CI's tier (`-m "slow and ci"`; each compiles two steps: about 25 CPU-s), and the
+# sharded one there too.
 @pytest.mark.parametrize("kind,pol", [("looped_deferred", "fp32"),
-                                      pytest.param("dense", "bf16", marks=pytest.mark.slow)])
+                                      pytest.param("dense", "bf16", marks=(pytest.mark.slow,
+                                                                           pytest.mark.ci))])
 def test_a_step_on_the_recorded_logprobs_is_the_replaying_step_bit_for_bit(kind, pol):
     cfg, params, loop = _model(kind)
     ro = _rollout(kind, pol)
@@ -163,6 +165,7 @@ def test_a_step_on_the_recorded_logprobs_is_the_replaying_step_bit_for_bit(kind,
 
 
 @pytest.mark.slow
+@pytest.mark.ci
 def test_speculative_rollouts_on_recorded_logprobs():
     from jaxrl_lp.rollout.sampling import SamplingConfig
     from jaxrl_lp.rollout.speculative import speculative_generate
@@ -179,6 +182,7 @@ def test_speculative_rollouts_on_recorded_logprobs():
 
 
 @pytest.mark.slow
+@pytest.mark.ci
 def test_coded_weights_on_recorded_logprobs():
     """`sft.optimizer=error_diffusion`: the train tree's materialized weights sampled."""
     from jaxrl_lp.optim.weights import CodedWeights

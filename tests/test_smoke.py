@@ -1,11 +1,13 @@
 """`jaxrl-lp bench smoke`: the real programs at real sizes on CPU (slow; up to 16 GB of memory)."""
 
 import argparse
+import json
 import math
 
 import pytest
 
 from jaxrl_lp.bench import smoke
+from jaxrl_lp.cli.main import main
 
 
 @pytest.mark.slow
@@ -23,6 +25,21 @@ def test_smoke_at_real_sizes():
         assert part["peak_rss_bytes"] > 0 and part["sample_16"]["second_s"] > 0
 
 
-def test_smoke_refuses_unknown_parts():
+def test_smoke_command_at_tiny_sizes(tmp_path):
+    """`jaxrl-lp bench smoke` end to end with the tiny presets: the same programs, each part
+    in its child process."""
+    out = tmp_path / "smoke.json"
+    assert main(["bench", "smoke", "--parts", "tiny-qwen3,tiny-ouro", "--out", str(out)]) == 0
+    got = json.loads(out.read_text())
+    step = got["tiny-qwen3"]["grpo_step"]
+    assert step["tokens"] == 64 and step["skipped"] == 0.0 and step["grad_norm"] > 0
+    assert got["tiny-ouro"]["sample_16"]["loop"].endswith("/deferred")
+    assert 15 <= got["tiny-ouro"]["sample_16"]["loop_evals"] <= 15 * 4
+    assert got["tiny-qwen3"]["peak_rss_bytes"] > 0
+
+
+def test_smoke_refuses_unknown_parts(capsys):
     with pytest.raises(ValueError, match="unknown smoke part"):
         smoke.run(argparse.Namespace(parts="llama-70b", policy="bf16"))
+    assert main(["bench", "smoke", "--parts", "llama-70b"]) == 2
+    assert "unknown smoke part(s) ['llama-70b']" in capsys.readouterr().err

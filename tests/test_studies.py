@@ -6,7 +6,6 @@ import pytest
 
 from jaxrl_lp.cli.main import main as cli_main
 from jaxrl_lp.studies.fair_cast import ARMS, arm_figures, run_fair_cast
-from jaxrl_lp.studies.ternary_export import run_ternary_export
 from jaxrl_lp.sync.ternary import TERNARY_PATHS
 
 ARM_KEYS = ("update_retention", "mean_staleness_steps", "served_progress", "lag_steps",
@@ -30,11 +29,13 @@ def _check_fair_cast(r, out, arms):
 
 @pytest.mark.slow
 @pytest.mark.ci
-def test_fair_cast_quick(tmp_path):
-    """The two rounding arms whose retention the study is about, 2 GRPO steps each."""
+def test_fair_cast_quick(tmp_path, capsys):
+    """`jaxrl-lp study fair-cast`: the two rounding arms whose retention the study is about, 2
+    GRPO steps each."""
     arms = ("nearest", "stochastic")
-    r = run_fair_cast(tmp_path / "fc", steps=2, quick=True, arms=arms,
-                      overrides=("run.eval_size=8",))
+    assert cli_main(["study", "fair-cast", "--quick", "--steps", "2", "--arms", ",".join(arms),
+                     "--set", "run.eval_size=8", "--out", str(tmp_path / "fc")]) == 0
+    r = json.loads((tmp_path / "fc" / "fair_cast.json").read_text())
     _check_fair_cast(r, tmp_path / "fc", arms)
 
 
@@ -49,7 +50,9 @@ def test_fair_cast_quick_every_arm(tmp_path):
 @pytest.mark.slow
 @pytest.mark.ci
 def test_ternary_export_quick(tmp_path):
-    r = run_ternary_export(tmp_path / "tern", quick=True)
+    """`jaxrl-lp study ternary-export --quick`."""
+    assert cli_main(["study", "ternary-export", "--quick", "--out", str(tmp_path / "tern")]) == 0
+    r = json.loads((tmp_path / "tern" / "ternary_export.json").read_text())
     assert set(r["paths"]) == set(TERNARY_PATHS)
     for path, e in r["paths"].items():
         assert 0.0 <= e["code_disagreement"] <= 1.0, path
@@ -60,7 +63,6 @@ def test_ternary_export_quick(tmp_path):
     assert r["paths"]["bf16_fixed_point"]["code_disagreement_training_consumer"] == 0.0
     # The training quantizer's own codes and scale serve the model it trained.
     assert r["paths"]["direct_codes"]["accuracy"] == r["reference_accuracy"]
-    assert (tmp_path / "tern" / "ternary_export.json").exists()
 
 
 def test_arm_figures_conventions():

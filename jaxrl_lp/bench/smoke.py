@@ -6,6 +6,9 @@
 - `ouro-1.4b`: a 16-token sample (batch 2) in deferred mode with the model's
   own exit rule (`threshold:1.0`, as an Ouro checkpoint reads out).
 
+Any model preset is a part, run as the one of its kind above: `--parts
+tiny-qwen3,tiny-ouro` runs the same programs in seconds (what CI runs).
+
 Each part runs in its own child process (so its peak RSS, from
 `resource.getrusage`, is its own and its memory is returned afterwards). Every
 program is called twice: `first_s` includes XLA's compile, `second_s` is the
@@ -34,7 +37,9 @@ PARTS = ("qwen3-0.6b", "ouro-1.4b")
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--parts", default=",".join(PARTS),
-                        help=f"comma-separated parts to run, from {list(PARTS)}")
+                        help="comma-separated model presets to run (a dense one samples and "
+                             "takes a GRPO step, a looped one samples in deferred mode; "
+                             "tiny-qwen3,tiny-ouro for a check in seconds)")
     parser.add_argument("--policy", default="bf16", help="the precision policy")
 
 
@@ -61,6 +66,13 @@ def _sample(params, cfg, policy, new: int, loop=None):
                             loop=loop or LoopSpec(), pad_id=cfg.pad_token_id or 0)
 
 
+def _check_parts(parts) -> None:
+    from jaxrl_lp.models.config import PRESETS
+
+    if bad := [p for p in parts if p not in PRESETS]:
+        raise ValueError(f"unknown smoke part(s) {bad}; choose model presets from {sorted(PRESETS)}")
+
+
 def run_part(part: str, policy: str = "bf16") -> dict:
     """Runs one part in this process; its timings (seconds) and peak RSS (bytes)."""
     import jax
@@ -74,13 +86,12 @@ def run_part(part: str, policy: str = "bf16") -> dict:
     from jaxrl_lp.rl.train_step import make_grpo_step
     from jaxrl_lp.rollout import LoopSpec
 
-    if part not in PARTS:
-        raise ValueError(f"unknown smoke part {part!r}; choose from {list(PARTS)}")
+    _check_parts([part])
     cfg, policy = get_preset(part), Policy.parse(policy)
     t0 = time.perf_counter()
     params = jax.block_until_ready(init_params(cfg, jax.random.PRNGKey(0)))
     out = {"params": cfg.param_count(), "policy": str(policy), "init_s": time.perf_counter() - t0}
-    if part == "ouro-1.4b":
+    if cfg.is_looped:
         loop = LoopSpec("model", "deferred")
         first, second, ro = _timed(_sample(params, cfg, policy, 16, loop))
         out["sample_16"] = {"batch": 2, "loop": str(ro.loop), "first_s": first,
@@ -115,8 +126,7 @@ def run_part(part: str, policy: str = "bf16") -> dict:
 def run(args) -> dict:
     """Runs each part of `--parts` in a child process; their results by part."""
     parts = [p for p in args.parts.split(",") if p]
-    if bad := [p for p in parts if p not in PARTS]:
-        raise ValueError(f"unknown smoke part(s) {bad}; choose from {list(PARTS)}")
+    _check_parts(parts)
     out = {"machine": {"cpus": os.cpu_count(), "arch": platform.machine(),
                        "python": platform.python_version()}}
     for part in parts:

@@ -362,6 +362,28 @@ class Checkpointer:
             raise ValueError(f"checkpoint {self.dir}/{step} does not hold {missing[:4]}")
         return restored
 
+    def restore_saved(self, step: int | None = None) -> tuple[dict, dict]:
+        """The whole saved state and its metadata, on the default device, with the shapes and
+        dtypes the checkpoint records, whatever mesh or processes wrote it (a reader's view:
+        `restore` resumes a run).
+
+        Returns:
+          `(state, meta)`: the checkpointed tree (`RunState.tree()`'s keys) and the step's
+          JSON metadata.
+        """
+        step = self.resolve_step(step)
+
+        def read():
+            tree = self._read_manager().item_metadata(step)["state"]
+            tree = getattr(tree, "tree", tree)
+            like = jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype), tree)
+            return self.restore_part(like, step)
+
+        state, why = _attempt(read)
+        if why is not None:
+            raise DamagedCheckpointError(step, self.dir / str(step), why)
+        return state, self.meta(step)
+
     def restore_params(self, step: int | None = None,
                        model_config: Any = None) -> tuple[dict, dict]:
         """The saved params alone, with the shapes and dtypes the checkpoint records.
