@@ -1,14 +1,15 @@
 """The kernels on the device this runs on: compiled on TPU (Mosaic, `k=on`), retired on GPU.
 
-On a TPU every kernel is compiled and checked against its reference. On a GPU
-our versions (Pallas on the deprecated Triton backend) are retired from
-compiled use (`kernels.dispatch.RETIRED`): the GPU cells check that `k=auto`
-runs the reference there and `k=on` is a clear error. Skipped on CPU, where
-the maths of both versions is checked in Pallas interpret mode
-(tests/test_kernels_logprob.py, test_kernel_logprob_tpu.py, test_kernel_quantize.py,
-test_kernel_decode_attention.py) and the lowering in tests/test_lowering.py.
-Part of the GPU tier (`pytest -m gpu`, `benchmarks/gpu.sh`). Tolerances are
-the interpret tests' (stated per test); quantization is bit for bit.
+On a TPU every kernel is compiled and checked against its reference at the
+presets' shapes. On CPU the same test bodies run the TPU versions in Pallas
+interpret mode (`k=interpret-tpu`) at small shapes, in the default suite, so a
+broken call cannot hide behind a skip. On a GPU our versions (Pallas on the
+deprecated Triton backend) are retired from compiled use
+(`kernels.dispatch.RETIRED`): the GPU cells check that `k=auto` runs the
+reference there and `k=on` is a clear error (on CPU, that `k=on` refuses: no
+compiled version). Part of the GPU tier (`pytest -m gpu`, `benchmarks/gpu.sh`).
+Tolerances are the interpret tests' (stated per test); quantization is bit for
+bit.
 """
 
 import jax
@@ -26,12 +27,16 @@ from jaxrl_lp.numerics.qarray import dequantize as dequantize_reference
 
 ON_TPU = jax.default_backend() == "tpu"
 ON_GPU = jax.default_backend() in ("gpu", "cuda")
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(
-    not (ON_TPU or ON_GPU),
-    reason="compiles the kernels for this host's GPU or TPU (k=on); on CPU the interpret-mode "
-           "tests check the same maths and tests/test_lowering.py the lowering")]
-tpu_only = pytest.mark.skipif(not ON_TPU, reason="the GPU versions are retired from compiled "
-                              "use (kernels.dispatch.RETIRED): the GPU cells below check that")
+# The TPU versions: compiled on a TPU, interpreted elsewhere (at small shapes).
+MODE = "on" if ON_TPU else "interpret-tpu"
+pytestmark = pytest.mark.gpu
+tpu_versions = pytest.mark.skipif(ON_GPU, reason="the GPU versions are retired from compiled "
+                                  "use (kernels.dispatch.RETIRED): the GPU cells below check that")
+
+
+def _sizes(device, small):
+    """The shapes a cell runs at: the presets' on a TPU, small ones interpreted."""
+    return device if ON_TPU else small
 
 
 def _logprob_inputs(t, d, v, dtype, seed=0):
@@ -53,14 +58,16 @@ def _value_and_grads(policy, h, w, tokens, mask, g):
     return outs, grads
 
 
-@tpu_only
-@pytest.mark.parametrize("t,d,v", [(256, 1024, 151936), (200, 2048, 49152), (8, 1024, 151936)])
+@tpu_versions
+@pytest.mark.parametrize("t,d,v", _sizes([(256, 1024, 151936), (200, 2048, 49152),
+                                          (8, 1024, 151936)],
+                                         [(40, 128, 4000), (8, 128, 1000)]))
 def test_fused_logprob_compiled_matches_the_reference(t, d, v):
     """f32: values within 1e-5 + 1e-6 relative, gradients within 1e-5 + 1e-4 relative of the
     reference scan (k=off), at the presets' read-out shapes (Qwen3's ragged last tile, a
     decode step's 8 rows)."""
     h, w, tokens, mask, g = _logprob_inputs(t, d, v, jnp.float32)
-    (lp, ent), (dh, dw) = _value_and_grads(Policy.parse("fp32,k=on"), h, w, tokens, mask, g)
+    (lp, ent), (dh, dw) = _value_and_grads(Policy.parse(f"fp32,k={MODE}"), h, w, tokens, mask, g)
     (lp0, ent0), (dh0, dw0) = _value_and_grads(Policy.parse("fp32,k=off"), h, w, tokens, mask, g)
     np.testing.assert_allclose(lp, lp0, atol=1e-5, rtol=1e-6)
     np.testing.assert_allclose(ent, ent0, atol=1e-5, rtol=1e-6)
@@ -68,12 +75,13 @@ def test_fused_logprob_compiled_matches_the_reference(t, d, v):
     np.testing.assert_allclose(dw, dw0, atol=1e-5, rtol=1e-4)
 
 
-@tpu_only
+@tpu_versions
 def test_fused_logprob_compiled_in_native_bf16():
     """bf16 h and W (what a native-bf16 run hands the kernel): within 3e-5 of the reference fed
     the same bf16 arrays on values; gradients within one bf16 ulp (2^-7 relative)."""
-    h, w, tokens, mask, g = _logprob_inputs(256, 1024, 151936, jnp.bfloat16)
-    (lp, ent), (dh, dw) = _value_and_grads(Policy.parse("bf16,k=on"), h, w, tokens, mask, g)
+    h, w, tokens, mask, g = _logprob_inputs(*_sizes((256, 1024, 151936), (40, 128, 4000)),
+                                            jnp.bfloat16)
+    (lp, ent), (dh, dw) = _value_and_grads(Policy.parse(f"bf16,k={MODE}"), h, w, tokens, mask, g)
     (lp0, ent0), (dh0, dw0) = _value_and_grads(Policy.parse("bf16,k=off"), h, w, tokens, mask, g)
     assert dh.dtype == jnp.bfloat16 and dw.dtype == jnp.bfloat16
     np.testing.assert_allclose(lp, lp0, atol=3e-5, rtol=1e-6)
@@ -83,28 +91,31 @@ def test_fused_logprob_compiled_in_native_bf16():
                                    atol=1e-6, rtol=2**-7)
 
 
-@tpu_only
+@tpu_versions
 @pytest.mark.parametrize("fmt", ["mxfp8", "mxfp4", "nvfp4"])
-@pytest.mark.parametrize("shape,axis", [((2560, 9728), 0), ((4096, 2560), 1), ((96, 200), 0)])
+@pytest.mark.parametrize("shape,axis", _sizes([((2560, 9728), 0), ((4096, 2560), 1),
+                                               ((96, 200), 0)],
+                                              [((320, 200), 0), ((40, 320), 1), ((96, 200), 0)]))
 def test_quantize_compiled_is_bit_equal(fmt, shape, axis):
     """Codes, scales, tensor scale and the dequantized values, bit for bit (ragged tiles too)."""
     spec = formats.FORMATS[fmt]
     if shape[axis] % spec.block_size:
         shape = (shape[0] // spec.block_size * spec.block_size, shape[1]) if axis == 0 else shape
     x = (3 * jax.random.normal(jax.random.PRNGKey(1), shape)).astype(jnp.bfloat16)
-    q = jax.jit(lambda x: kq.quantize(x, fmt, axis, kernels="on"))(x)
+    q = jax.jit(lambda x: kq.quantize(x, fmt, axis, kernels=MODE))(x)
     q0 = jax.jit(lambda x: formats.quantize(x, fmt, axis))(x)
     for a, b in ((q.codes, q0.codes), (q.scales, q0.scales)):
         np.testing.assert_array_equal(np.asarray(a).view(np.uint8), np.asarray(b).view(np.uint8))
     if q0.tensor_scale is not None:
         np.testing.assert_array_equal(np.asarray(q.tensor_scale), np.asarray(q0.tensor_scale))
-    np.testing.assert_array_equal(np.asarray(jax.jit(lambda q: kq.dequantize(q, kernels="on"))(q0)),
+    np.testing.assert_array_equal(np.asarray(jax.jit(lambda q: kq.dequantize(q, kernels=MODE))(q0)),
                                   np.asarray(jax.jit(dequantize_reference)(q0)))
 
 
-@tpu_only
+@tpu_versions
 @pytest.mark.parametrize("policy,atol", [("fp32", 1e-6), ("bf16", 2e-2)])
-@pytest.mark.parametrize("b,h,k,s,dh", [(8, 16, 8, 1024, 128), (4, 32, 8, 700, 128)])
+@pytest.mark.parametrize("b,h,k,s,dh", _sizes([(8, 16, 8, 1024, 128), (4, 32, 8, 700, 128)],
+                                              [(2, 4, 2, 300, 64)]))
 def test_decode_attention_compiled_matches_the_reference(policy, atol, b, h, k, s, dh):
     """One query per row over a cache with left padding (position -1) and a ragged last chunk:
     f32 within 1e-6 of `models.attention.attention`, bf16 within 2e-2 (the rounding sites of
@@ -119,7 +130,7 @@ def test_decode_attention_compiled_matches_the_reference(policy, atol, b, h, k, 
     q_pos = jnp.full((b, 1), s - 1) - start[:, None]
     run = lambda pol: jax.jit(lambda *a: decode_attention(*a, pol))(q, kc, vc, q_pos, k_pos)
     ref_policy = Policy.parse(policy)
-    out = run(Policy.parse(f"{policy},k=on"))
+    out = run(Policy.parse(f"{policy},k={MODE}"))
     ref = jax.jit(lambda *a: attention(*a, ref_policy))(q, kc, vc, q_pos, k_pos)
     np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(ref, np.float32), atol=atol)
 
@@ -143,11 +154,12 @@ def test_replay_equals_the_sampler_with_the_platforms_kernels(kind):
         np.testing.assert_array_equal(np.asarray(got)[mask], np.asarray(ro.logprobs)[mask])
 
 
-@pytest.mark.skipif(not ON_GPU, reason="the GPU's retired versions")
+@pytest.mark.skipif(ON_TPU, reason="a TPU compiles its versions (the cells above)")
 @pytest.mark.parametrize("kernel", ["logprob", "quantize", "decode_attention"])
 def test_a_gpu_takes_the_reference_and_refuses_kernels_on(kernel):
     """On a GPU `k=auto` runs the reference (bit-equal to `k=off`) and `k=on` is one clear
-    error naming the retirement, raised when the program is compiled."""
+    error naming the retirement, raised when the program is compiled; on CPU the same, the
+    error naming the platform without a compiled version."""
     from jaxrl_lp.kernels import KernelUnavailableError
 
     def call(mode):
@@ -168,5 +180,5 @@ def test_a_gpu_takes_the_reference_and_refuses_kernels_on(kernel):
 
     for a, b in zip(jax.tree.leaves(call("auto")), jax.tree.leaves(call("off")), strict=True):
         np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
-    with pytest.raises(KernelUnavailableError, match="retired"):
+    with pytest.raises(KernelUnavailableError, match="retired" if ON_GPU else "cpu"):
         jax.block_until_ready(call("on"))
