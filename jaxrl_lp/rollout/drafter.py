@@ -8,10 +8,9 @@ tokens there is exactly what the target's verification wrote (the first m
 steps of the full model). The verification forward then overwrites every
 slot the draft wrote. No cache of its own, no catching up. Its steps go
 through `rowwise_forward` like the verification (one row: in place; more:
-per-row, by vmap). Measured at batch 4: a lean step of its own writing all
-rows at one shared slot range (no scatter) cost more per round than this, as
-XLA CPU runs a multi-row matmul (a YNN fusion) slower than the vmapped
-one-row ones at these sizes.
+per-row, by vmap): on CPU a lean step of its own, writing all rows at one
+shared slot range, cost more per round (docs/design.md, "Speculative
+rollouts").
 
 Dense drafter (`drafter="dense"`): a small Qwen3-style model with its own
 bounded cache of `sink + window` slots: slot p for the first `sink`

@@ -149,8 +149,8 @@ def draw_categorical(key: jax.Array, scaled_BxV: jax.Array, draw: str = "gumbel"
       + Gumbel noise), one noise draw (two logs) per vocabulary entry.
     - `inverse_cdf`: w = exp(scaled - max), c = cumsum(w), the first token with
       c > u * c[-1] for one u ~ U[0, 1) per row: one exp per entry and B
-      random numbers (on 2 CPU cores 1.3 against 1.5 ms a step at B = 8,
-      V = 32000, both through `first_argmax`). Tokens of probability below
+      random numbers (cheaper than the noise on CPU: docs/bench,
+      `benchmarks/sampler_draw.py`). Tokens of probability below
       about 2^-23 of the total mass are resolved at the uniform's 23-bit
       resolution.
 

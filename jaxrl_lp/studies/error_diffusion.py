@@ -23,13 +23,8 @@ weights whose code changed, per step) and, for error diffusion,
 no GRPO phase; when both are given they must agree). Model size and anything
 else: `overrides` (`--set model.hidden_size=128`).
 
-Measured (default model and task, 1200 steps; `jaxrl-lp study error-diffusion`
-with an empty compilation cache, docs/studies/error-diffusion-default.json): final
-loss binary ED k=4 0.103 (5 bits/weight) vs latent 0.704 (96); ternary ED k=4
-0.233 (5.58) vs latent 1.300; mean flip rate per step 0.04% / 0.05% (ED) vs
-0.18% / 0.20% (latent). The whole default study (four arms) took 7.7 minutes
-on the idle 2-core development machine with an empty compilation cache. docs/design.md
-("Error diffusion") has the details and the caveats.
+Its results (docs/studies/error-diffusion-default.json) and their caveats:
+docs/design.md, "Error diffusion".
 """
 
 from __future__ import annotations

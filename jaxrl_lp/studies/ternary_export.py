@@ -41,11 +41,8 @@ __all__ = ["DEFAULT_SFT_STEPS", "TERNARY_POLICY", "run_ternary_export"]
 
 # The learner policy of the study: every matmul weight ternary (BitNet b1.58), straight-through.
 TERNARY_POLICY = "p=f32,c=f32,mm=ternary,bwd=reuse,f32=rope+swiglu+norm+residual+softmax"
-# Ternary learns slower than f32 (the default f32 warm-start, then of 64 sequences a step,
-# reached 44.5% in 1200 steps).
-# Measured on the 2-core development machine with the default model: 2000 steps at the
-# default lr 3e-3 take 160 s (idle) and reach 7.8% held-out greedy accuracy (1200 steps:
-# 4.3%; lr 1e-2 and 1e-3 at 1200 steps: 0% and 0.4%).
+# Ternary learns slower than f32: its warm-start runs longer than the default run's (the
+# measurements behind 2000: docs/design.md, "Numerics studies").
 DEFAULT_SFT_STEPS = 2000
 
 

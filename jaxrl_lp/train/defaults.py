@@ -12,23 +12,11 @@ __all__ = ["default_config"]
 def default_config() -> TrainConfig:
     """Two-digit addition; a 2-layer, 2-loop Ouro-style model; warm-start then GRPO.
 
-    The warm-start leaves a loss plateau (about 1.3, then about 0.65 nats per
-    answer token; by our reading, until the model learns the carry) after a time
-    that depends on the seed and on the CPU's rounding (XLA:CPU picks its matmul
-    kernels by instruction set). At 64 sequences a step the 1,200 steps escaped
-    it on the Zen 5 and Xeon development machines (37.5% to 81.3% after the
-    warm-start) and on no seed of three on a 2-core Zen 3 EPYC (0.8% to 6.6%,
-    measured as below); at 128 (the default since 2026-12-04) all five seeds
-    tried escape there (warm-start loss 0.003 to 0.015). Greedy accuracy on 512
-    held-out problems after the warm-start (`jaxrl-lp sft --set run.seed=N`,
-    then `jaxrl-lp eval --size 512`), Zen 3, seeds 0-4: 88.3% / 95.7% / 51.2% /
-    91.0% / 62.1% with the sampler's read-out (the last loop step), 99.8% to
-    100% at `grpo.exit_rule=threshold:0.5`: the warm-start trains the exit-weighted
-    read-out, the sampler and GRPO the last step's. The whole run (`jaxrl-lp
-    train --set run.seed=N`) on that machine: 87.5% -> 99.6% (seed 0, 3.0
-    minutes) and 47.7% -> 95.7% (seed 2).
-    GRPO: 60 steps at Adam 1e-4 (at 3e-4 an earlier model peaked and fell back;
-    at 1e-3 the policy collapsed in 4 steps).
+    The warm-start (1,200 steps of 128 sequences at Adam 3e-3) is sized to
+    leave its loss plateau (about 1.3, then 0.65 nats per answer token) on
+    every 2-core CPU the project runs on, whose rounding decides how long it
+    stays there; GRPO takes 60 steps at Adam 1e-4. The measurements behind both
+    choices, by machine and seed: docs/design.md, "The default warm-start".
     """
     return TrainConfig(
         model=ModelConfig(

@@ -1,0 +1,29 @@
+"""The library's text says what its code does: no machine, date or run figure in `jaxrl_lp/`.
+
+Measurements live in `docs/` (the design notes and `docs/bench/`, each with its date and
+machine); a docstring or comment that names a CPU model or a date goes stale with the next
+machine. This reads every source file of the package.
+"""
+
+import re
+from pathlib import Path
+
+import jaxrl_lp
+
+# A CPU model, or an ISO date.
+STALE = re.compile(r"\b(Zen ?\d|Xeon|EPYC|Ryzen|Skylake|Sapphire Rapids)\b|\b20\d\d-[01]\d-[0-3]\d\b")
+
+
+def test_no_machine_or_date_in_the_library():
+    root = Path(jaxrl_lp.__file__).parent
+    found = [f"{p.relative_to(root.parent)}:{i}: {line.strip()}"
+             for p in sorted(root.rglob("*.py"))
+             for i, line in enumerate(p.read_text().splitlines(), 1) if STALE.search(line)]
+    assert not found, "\n".join(found[:20])
+
+
+def test_the_pattern_finds_what_it_names():
+    for text in ("on 2 Zen 3 cores", "a Xeon", "since 2026-12-04", "the Zen5 machine"):
+        assert STALE.search(text), text
+    for text in ("zenith", "2026 tokens", "x_BxTxD"):
+        assert not STALE.search(text), text
