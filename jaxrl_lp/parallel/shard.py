@@ -86,10 +86,14 @@ def put_global(host: Any, sharding: NamedSharding) -> jax.Array:
 
 
 def put_tree(tree: Any, shardings: Any) -> Any:
-    """`put_global` over a tree (leaves already on device are resharded with `device_put`)."""
+    """`put_global` over a tree (leaves already on device are resharded with `device_put`,
+    except a process's local array bound for a sharding over several processes: that one
+    goes through the host, as every process holds the full value)."""
 
     def put(x, sh):
-        if isinstance(x, jax.Array):  # already on devices (global or local): reshard
+        local_to_global = (isinstance(x, jax.Array) and x.is_fully_addressable
+                           and not sh.is_fully_addressable)
+        if isinstance(x, jax.Array) and not local_to_global:  # on devices already: reshard
             return jax.device_put(x, sh)
         return put_global(x, sh)
 

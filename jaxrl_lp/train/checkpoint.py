@@ -341,13 +341,15 @@ class Checkpointer:
           step: the checkpoint step (default: the latest).
 
         Returns:
-          The tree of `like` holding the saved arrays (on the default device).
+          The tree of `like` holding the saved arrays (on this process's first device).
 
         Raises:
           ValueError naming a part of `like` the checkpoint does not hold.
         """
         step = self.resolve_step(step)
-        device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+        # This process's first device: the first of all is another process's under
+        # `jax.distributed` (its arrays would have no shard here).
+        device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
         abstract = jax.tree.map(
             lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=device), like)
         partial = ocp.args.PyTreeRestore(
@@ -363,9 +365,9 @@ class Checkpointer:
         return restored
 
     def restore_saved(self, step: int | None = None) -> tuple[dict, dict]:
-        """The whole saved state and its metadata, on the default device, with the shapes and
-        dtypes the checkpoint records, whatever mesh or processes wrote it (a reader's view:
-        `restore` resumes a run).
+        """The whole saved state and its metadata, on this process's first device, with the
+        shapes and dtypes the checkpoint records, whatever mesh or processes wrote it (a
+        reader's view: `restore` resumes a run).
 
         Returns:
           `(state, meta)`: the checkpointed tree (`RunState.tree()`'s keys) and the step's
