@@ -220,7 +220,7 @@ def run_exactness(*, policies: Sequence[str] = POLICIES, kinds: Sequence[str] = 
       `{"config": {...}, "results": {policy: {kind: {...}}}, "prepare_s": ...,
       "wall_s": ...}` with the fields of the module docstring per entry.
 
-    Example:
+    Examples:
       >>> out = run_exactness(policies=["fp32"], kinds=["dense"], repeats=3)
       >>> out["results"]["fp32"]["dense"]["max_abs_diff_replay"]
       0.0

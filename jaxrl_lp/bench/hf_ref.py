@@ -31,7 +31,7 @@ def _get(tree: dict, path: tuple[str, ...]) -> Any:
 def hf_state_dict(cfg: ModelConfig, params: dict) -> dict[str, np.ndarray]:
     """Our params as HF-named, HF-shaped f32 numpy arrays (linear weights transposed).
 
-    Example:
+    Examples:
       >>> sd = hf_state_dict(cfg, params)
       >>> sd["model.layers.0.self_attn.q_proj.weight"].shape  # [out, in]
       (64, 64)
@@ -72,7 +72,7 @@ def hf_model(cfg: ModelConfig, params: dict, *, threads: int | None = None):
       e.g. a `transformers.Qwen3ForCausalLM`; its f32 logits match
       `models.forward` to about 1e-5 (tests/test_parity_hf.py).
 
-    Example:
+    Examples:
       >>> model = hf_model(cfg, params)
       >>> model.generate(torch.tensor(prompt_BxP), max_new_tokens=8, do_sample=False)
     """

@@ -129,7 +129,7 @@ class ArithmeticTask:
       max_enumerate: enumerate the problem space when it has at most this many problems.
       sampled_size: the length of each split of a sampled (larger) space.
 
-    Example:
+    Examples:
       >>> task = ArithmeticTask(ops="+", max_digits=2, seed=0)
       >>> p = task.train[0]
       >>> prompt_ids, completion_ids = task.sft_example(p)

@@ -88,7 +88,7 @@ def load_gsm8k(path: str | os.PathLike) -> list[dict[str, str]]:
       ValueError: an unsupported extension, an empty file, or a bad record
         (the message names the file and the 1-based line or row).
 
-    Example:
+    Examples:
       >>> records = load_gsm8k("data/gsm8k/train.jsonl")
       >>> extract_answer(records[0]["answer"])
       '72'
@@ -128,7 +128,7 @@ class GSM8KTask:
       heldout_fraction: used only when `heldout_records` is None.
       prompt_template: a format string with a `{question}` field.
 
-    Example:
+    Examples:
       >>> task = GSM8KTask(load_gsm8k("train.jsonl"), HFTokenizer.from_file("ckpt"),
       ...                  heldout_records=load_gsm8k("test.jsonl"))
       >>> task.reward("... #### 72", task.train[0])  # 1.0 if the gold answer is 72

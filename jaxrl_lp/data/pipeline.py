@@ -34,7 +34,7 @@ def hash_fraction(key: str) -> float:
     Returns:
       The first 8 bytes of the blake2b digest of `key` (UTF-8) over 2**64.
 
-    Example:
+    Examples:
       >>> 0.0 <= hash_fraction("23+58=") < 1.0
       True
     """
@@ -109,7 +109,7 @@ def prompt_loader(records: Sequence[Any], batch_size: int, seed: int, shuffle: b
       A `grain.IterDataset` whose elements are lists of `batch_size` records.
       `iter(...)` gives a `grain.DatasetIterator` with `get_state()` / `set_state()`.
 
-    Example:
+    Examples:
       >>> it = iter(prompt_loader(list(range(10)), batch_size=4, seed=0))
       >>> first = next(it); state = it.get_state(); second = next(it)
       >>> it2 = iter(prompt_loader(list(range(10)), batch_size=4, seed=0))
@@ -152,7 +152,7 @@ def sft_batch(examples: Sequence[tuple[Sequence[int], Sequence[int]]], pad_id: i
     Returns:
       The `SFTBatch` (numpy arrays).
 
-    Example:
+    Examples:
       >>> b = sft_batch([([1, 5, 6], [7, 2])], pad_id=0, seq_len=6)
       >>> b.tokens_BxL.tolist(), b.loss_mask_BxL.tolist()
       ([[1, 5, 6, 7, 2, 0]], [[0.0, 0.0, 0.0, 1.0, 1.0, 0.0]])
@@ -211,7 +211,7 @@ def sft_loader(records: Sequence[Any], example_fn: Callable[[Any], tuple[list[in
     Returns:
       A `grain.IterDataset` of `SFTBatch`, with a checkpointable iterator.
 
-    Example:
+    Examples:
       >>> task = ArithmeticTask()
       >>> it = iter(sft_loader(task.train, task.sft_example, 32, 0, task.tokenizer.pad_id,
       ...                      seq_len=task.max_sequence_length))

@@ -36,7 +36,7 @@ def completion_text(ids: Sequence[int], tokenizer: Tokenizer) -> str | None:
       The text (special tokens before EOS written out), or None when the
       completion never ended.
 
-    Example:
+    Examples:
       >>> tok = CharTokenizer()
       >>> completion_text(tok.encode("81", add_eos=True) + [tok.pad_id], tok)
       '81'
@@ -77,7 +77,7 @@ def exact_match_reward(text: str | None, answer: str, *, format_reward: float = 
     Returns:
       The reward as a Python float.
 
-    Example:
+    Examples:
       >>> exact_match_reward("81", "81"), exact_match_reward("81 ", "81"), exact_match_reward(None, "81")
       (1.0, 0.0, 0.0)
     """
@@ -136,7 +136,7 @@ def extract_answer(text: str | None) -> str | None:
     Returns:
       The normalized number as a string (see `normalize_number`), or None.
 
-    Example:
+    Examples:
       >>> extract_answer("so 2 * 617 = 1234\\n#### 1,234"), extract_answer("The answer is $5.")
       ('1234', '5')
     """
@@ -161,7 +161,7 @@ def gsm8k_reward(text: str | None, gold_answer_text: str) -> float:
     Returns:
       1.0 or 0.0.
 
-    Example:
+    Examples:
       >>> gsm8k_reward("12 + 30 = 42. #### 42", "6 * 7 = 42\\n#### 42")
       1.0
     """

@@ -125,7 +125,7 @@ def decode_attention(q_BxTxHxDh: jax.Array, k_BxKxSxDh: jax.Array, v_BxKxSxDh: j
         breaking Mosaic's block rule or over the VMEM), at lowering.
       ValueError: mismatched shapes, or a chunk < 1.
 
-    Example:
+    Examples:
       >>> o = decode_attention(q, ck, cv, pos, cache["pos"], "fp32,k=interpret")
     """
     policy = Policy.parse(policy)

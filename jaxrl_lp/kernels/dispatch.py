@@ -161,8 +161,9 @@ def by_platform(name: str, policy: Policy | str, reference: Callable[[], T], *,
       name: the kernel's name, for errors.
       policy: its `kernels` field picks the row of the module table.
       reference: the plain-jnp computation (no arguments: a closure).
-      cuda, tpu: the kernel's `Version` for that platform, or None where it
+      cuda: the kernel's `Version` for that platform, or None where it
         has none.
+      tpu: as `cuda`, for TPU.
 
     Returns:
       What the chosen implementation returns (every branch returns the same

@@ -65,7 +65,7 @@ def fake_quant(
     Returns:
       f32 array of `x`'s shape holding values of the format.
 
-    Example:
+    Examples:
       >>> jax.grad(lambda x: fake_quant(x, "mxfp4", 0).sum())(jnp.ones(32)).tolist()[:2]
       [1.0, 1.0]
     """
@@ -119,7 +119,7 @@ def quantized_matmul(
     Returns:
       f32 array `[..., N]`.
 
-    Example:
+    Examples:
       >>> x_BxTxK, w_KxN = jnp.ones((2, 8, 64)), jnp.ones((64, 16))
       >>> quantized_matmul(x_BxTxK, w_KxN, "mxfp8", backward="fresh").shape
       (2, 8, 16)

@@ -330,7 +330,7 @@ def fused_logprobs(h_TxD: jax.Array, w_DxV: jax.Array, tokens_T: jax.Array, temp
       ValueError: a bad tile size, a policy with a `matmul_format`,
         mismatched shapes or a temperature <= 0.
 
-    Example:
+    Examples:
       >>> lp, ent = fused_logprobs(h, params["lm_head"], tokens, 1.0, "fp32", block_v=256)
     """
     policy = Policy.parse(policy)

@@ -187,7 +187,7 @@ def tpu_tiles(t: int, d: int, v: int, h_dtype, w_dtype, limit_bytes: int) -> Tpu
       The plan, or a str saying why none fits (e.g. a D so large that even
       8 x 128 tiles do not).
 
-    Example:
+    Examples:
       >>> tpu_tiles(4096, 1024, 151936, jnp.bfloat16, jnp.bfloat16, 16 << 20).forward
       TpuTiles(block_t=512, block_v=256)
     """
@@ -383,7 +383,7 @@ def tpu_forward(h_TxD, w_DxV, tokens_T, mask_T, plan: LogprobPlan, tiles: TpuLog
     Returns:
       (logp, entropy, lse, E_p s), each [T] f32.
 
-    Example:
+    Examples:
       >>> lp, ent, lse, mean = tpu_forward(h, w, tokens, mask, plan, tiles, interpret=True)
     """
     (t, d), v = h_TxD.shape, w_DxV.shape[1]

@@ -138,7 +138,7 @@ def quantize(x: jax.Array, fmt: str, axis: int = 0, batch_axes: Sequence[int] = 
       ValueError: the block size does not divide the reduction axis (naming the
         shape and the block size), or another bad axis.
 
-    Example:
+    Examples:
       >>> q = quantize(jnp.ones((33, 64)), "mxfp8", axis=1, kernels="interpret")
     """
     spec, mode = get_format(fmt), kernels_mode(kernels)

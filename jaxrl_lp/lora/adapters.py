@@ -84,8 +84,8 @@ def hold_base(params: dict, base_format: str) -> dict:
     """The base as a LoRA run holds it (module docstring); `f32` returns `params` itself.
 
     Raises:
-      ValueError naming the weight and the block size where a block format's
-      block does not divide a matmul's reduction axis.
+      ValueError: naming the weight and the block size where a block format's
+        block does not divide a matmul's reduction axis.
     """
     if base_format == "f32":
         return params

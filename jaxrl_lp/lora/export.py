@@ -36,7 +36,7 @@ def served_format_exporter(base_format: str) -> Exporter | None:
 def merged_exporter(inner: Exporter | None) -> Exporter:
     """An exporter of LoRA forward trees: merge (module docstring), then `inner` (or nothing).
 
-    Example:
+    Examples:
       >>> ex = merged_exporter(quantize("nvfp4"))
       >>> served, state = ex.apply(with_adapters(base, adapters, 2.0), ex.init(view))
     """

@@ -61,7 +61,7 @@ def save_peft(out: str | os.PathLike, mcfg: ModelConfig, adapters: dict, spec: L
     Returns:
       The file names written.
 
-    Example:
+    Examples:
       >>> save_peft("out/adapter", cfg, train.adapters, LoraConfig(rank=8), "ckpt/Qwen3-0.6B")
       >>> model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), "out/adapter")
     """
@@ -97,8 +97,9 @@ def load_peft(path: str | os.PathLike, mcfg: ModelConfig) -> tuple[dict, LoraCon
     """Reads a PEFT LoRA directory into `(adapters, spec)` for `mcfg` (its every layer).
 
     Raises:
-      ValueError naming what this reader does not take (another PEFT type, rsLoRA,
-      DoRA, per-module ranks, a module it does not know, a missing layer).
+      ValueError: naming what this reader does not take (another PEFT type,
+        rsLoRA, DoRA, per-module ranks, a module it does not know, a missing
+        layer).
     """
     from safetensors.numpy import load_file
 

@@ -140,7 +140,7 @@ def config_from_hf(cfg: dict[str, Any]) -> ModelConfig:
       NotImplementedError: a feature the checkpoint uses that our model does not
         compute (RoPE scaling, sliding-window layers, extra biases, non-SiLU MLP).
 
-    Example:
+    Examples:
       >>> config_from_hf(json.load(open("Ouro-1.4B/config.json"))).loop_steps
       4
     """
@@ -241,7 +241,7 @@ def config_to_hf(
     Returns:
       A JSON-serializable dict.
 
-    Example:
+    Examples:
       >>> config_to_hf(get_preset("tiny-qwen3"))["architectures"]
       ['Qwen3ForCausalLM']
     """
@@ -309,7 +309,7 @@ def read_hf_config(path: str | os.PathLike) -> ModelConfig:
     Returns:
       The `ModelConfig` (see `config_from_hf`).
 
-    Example:
+    Examples:
       >>> read_hf_config("checkpoints/Qwen3-0.6B").num_layers
       28
     """

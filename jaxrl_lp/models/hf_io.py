@@ -104,7 +104,7 @@ def load_hf_params(
       ValueError: a missing, mis-shaped or (with `strict`) unexpected tensor;
         the message names the tensor, the shapes and the file.
 
-    Example:
+    Examples:
       >>> params = load_hf_params("Qwen3-0.6B", read_hf_config("Qwen3-0.6B"))
       >>> params["layers"]["q_proj"].shape
       (28, 1024, 2048)
@@ -260,7 +260,7 @@ def save_hf_checkpoint(
       dialect: `"4"` or `"5"`, the `config.json` dialect (see `config_to_hf`).
       max_shard_bytes: largest shard size; None writes a single file.
 
-    Example:
+    Examples:
       >>> save_hf_checkpoint("out/ckpt", config, params, dtype="bf16")
       >>> AutoModelForCausalLM.from_pretrained("out/ckpt")  # a dense model
     """
@@ -315,7 +315,7 @@ def from_pretrained(path: str | os.PathLike, policy: Any = "fp32", *, strict: bo
     Returns:
       `CausalLM(config, params, policy=policy)` with f32 master weights.
 
-    Example:
+    Examples:
       >>> model = from_pretrained("Ouro-1.4B", policy="bf16")
       >>> logits_BxTxV = model(tokens_BxT)
     """

@@ -46,7 +46,7 @@ def hf_tensor_map(config: ModelConfig) -> list[HFTensor]:
     Returns:
       One `HFTensor` per entry of our params tree.
 
-    Example:
+    Examples:
       >>> [t.hf_name for t in hf_tensor_map(config)][:2]
       ['model.embed_tokens.weight', 'model.layers.{i}.self_attn.q_proj.weight']
     """

@@ -63,7 +63,7 @@ class CharTokenizer:
     Args:
       alphabet: the characters, each once; their ids are 3, 4, ... in order.
 
-    Example:
+    Examples:
       >>> tok = CharTokenizer()
       >>> tok.decode(tok.encode("12+30=42", add_eos=True))
       '12+30=42'
@@ -140,7 +140,7 @@ class CharTokenizer:
         Returns:
           The file names written.
 
-        Example:
+        Examples:
           >>> CharTokenizer().save("out/ckpt")
           ['tokenizer.json', 'tokenizer_config.json']
         """
@@ -182,7 +182,7 @@ class HFTokenizer:
     tokenizer's post-processor (no implicit BOS/EOS); `vocab_size` counts the
     added tokens too.
 
-    Example:
+    Examples:
       >>> tok = HFTokenizer.from_file("checkpoints/Qwen3-0.6B")
       >>> tok.decode(tok.encode("hello world"))
       'hello world'

@@ -164,7 +164,7 @@ def tree_fingerprint(tree) -> jax.Array:
     returns that call's result without reading the weights again (module
     docstring); inside a trace it is the jitted computation.
 
-    Example:
+    Examples:
       >>> fp = tree_fingerprint(params)   # [2] uint32
       >>> tree_fingerprint(params) is fp  # the same arrays: served from the cache
       True

@@ -79,7 +79,7 @@ def quantize(x: jax.Array, fmt: str, axis: int = 0, batch_axes: Sequence[int] = 
     Returns:
       A `QArray`; `dequantize(quantize(x, fmt))` is the quantized value in f32.
 
-    Example:
+    Examples:
       >>> q = quantize(jnp.ones((64, 8)), "mxfp8", axis=0)
       >>> q.scales.shape
       (2, 8)

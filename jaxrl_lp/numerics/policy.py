@@ -136,7 +136,7 @@ class Policy:
         policy because a kernel rounds where its tiles end, so the sampler and
         the learner must make the same choice to agree bit for bit.
 
-    Example:
+    Examples:
       >>> p = Policy.parse("bf16")
       >>> Policy.parse(str(p)) == p
       True

@@ -76,7 +76,7 @@ def round_nearest(x: jax.Array, dtype: Any) -> jax.Array:
     Returns:
       `x` rounded, in `dtype`.
 
-    Example:
+    Examples:
       >>> round_nearest(jnp.float32(1 + 2**-8), "bf16")  # a tie: to even
       Array(1, dtype=bfloat16)
     """
@@ -113,7 +113,7 @@ def round_stochastic(x: jax.Array, dtype: Any, key: jax.Array) -> jax.Array:
     Returns:
       The rounded array, in `dtype`, same shape as `x`.
 
-    Example:
+    Examples:
       >>> y = round_stochastic(jnp.full((4096,), 1 + 2**-9), "bf16", jax.random.key(0))
       >>> sorted(set(y.tolist()))  # the two neighbours, each about half the time
       [1.0, 1.0078125]
@@ -186,7 +186,7 @@ def error_feedback_round(
     Returns:
       `(served, new_residual)`: `served` in `dtype`, `new_residual` in f32.
 
-    Example:
+    Examples:
       >>> served, e = error_feedback_round(jnp.float32(1 + 2**-10), jnp.float32(0), "bf16")
       >>> float(served), float(e)
       (1.0, 0.0009765625)
@@ -218,7 +218,7 @@ def ulp(x: jax.Array, dtype: Any) -> jax.Array:
     Returns:
       f32 array of `x`'s shape.
 
-    Example:
+    Examples:
       >>> float(ulp(jnp.float32(3.0), "bf16"))
       0.015625
     """

@@ -106,7 +106,7 @@ def error_diffusion(learning_rate: float | Callable[[jax.Array], jax.Array], *,
       `update(grads_f32, state, codes)` needs the codes (it must know which
       moves are possible) and returns int8 code changes.
 
-    Example:
+    Examples:
       >>> tx = error_diffusion(0.05, levels="binary", k=4)
       >>> state = tx.init(codes)
       >>> delta, state = tx.update(grads, state, codes)

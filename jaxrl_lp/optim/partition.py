@@ -25,8 +25,8 @@ def param_labels(params: Any, label_of: Callable[[str], str | None],
     """The tree of labels `label_of(path)` of `params`, every leaf checked.
 
     Raises:
-      ValueError naming the first parameter left unassigned (`label_of` gave
-      None) or assigned to a label not in `transforms` (when given).
+      ValueError: naming the first parameter left unassigned (`label_of` gave
+        None) or assigned to a label not in `transforms` (when given).
     """
     flat, treedef = jax.tree_util.tree_flatten_with_path(params)
     labels = []
@@ -58,7 +58,7 @@ def partition(transforms: Mapping[str, optax.GradientTransformation],
       An optax `GradientTransformation`; its `init` raises the ValueError of
       `param_labels` for a parameter without a (known) label.
 
-    Example:
+    Examples:
       >>> tx = partition({"codes": error_diffusion(0.05), "adam": optax.adam(1e-3)},
       ...                lambda p: "codes" if p.endswith("/codes") else "adam")
     """

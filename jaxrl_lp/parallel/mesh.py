@@ -37,7 +37,7 @@ BATCH_AXES: tuple[str, ...] = ("data", "fsdp")
 class MeshSpec:
     """The size of each mesh axis; the string form is `data=D,fsdp=F,tensor=T` (1s omitted).
 
-    Example:
+    Examples:
       >>> MeshSpec.parse("fsdp=8")
       MeshSpec(data=1, fsdp=8, tensor=1)
       >>> str(MeshSpec.parse("tensor=2,data=2"))

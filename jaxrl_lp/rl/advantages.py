@@ -81,7 +81,7 @@ def group_advantages(
       ValueError: for `group_size < 2`, `B % group_size != 0` or an unknown
         `kind`.
 
-    Example:
+    Examples:
       >>> group_advantages(jnp.array([1.0, 0.0, 0.0, 0.0]), 4, "drgrpo")
       Array([ 0.75, -0.25, -0.25, -0.25], dtype=float32)
     """

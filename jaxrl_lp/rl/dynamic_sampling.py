@@ -91,7 +91,7 @@ def refill_groups(draw: Callable[[int], np.ndarray], num_groups: int, group_size
       ValueError: a round's rewards are not `num_groups * group_size` values,
         or `max_rounds < 0`.
 
-    Example:
+    Examples:
       >>> rounds = [np.array([1., 1., 0., 1.]), np.array([0., 0., 1., 0.])]
       >>> b = refill_groups(lambda r: rounds[r], 2, 2, max_rounds=3)
       >>> [r.tolist() for r in b.rows], b.refill_rounds, b.refilled_groups

@@ -61,13 +61,15 @@ class LearnerStep:
         `batch`).
       rows_of: `rows_of(*batch) -> packed_rows` (host-side; a packed step, on
         one device or a mesh), or None.
-      mesh, cfg, rules: run on `mesh`: parameter shardings of `cfg` by `rules`.
+      mesh: run on `mesh`: parameter shardings of `cfg` by `rules`.
+      cfg: the model whose parameter shardings `mesh` takes.
+      rules: the sharding rules giving those shardings.
       prepare: `prepare(args) -> args`, run on the host before each call
         (not by `trace` or `lower`): what the update needs computed by other
         compiled programs first (the hybrid GRPO step's replay value,
         `make_grpo_step`), or None.
 
-    Example:
+    Examples:
       >>> step = make_grpo_step(cfg, policy, LossConfig(), optax.adam(1e-6))
       >>> params, opt_state, metrics = step(params, opt_state, ro, adv_B, ro.logprobs)
       >>> compiled = step.lower(params, opt_state, ro, adv_B, ro.logprobs).compile()

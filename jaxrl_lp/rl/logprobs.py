@@ -282,7 +282,9 @@ def learner_logprobs(params: dict, cfg: ModelConfig, policy: Policy, ro: Rollout
     """Log-probs [B, N] (and entropies [B, N], from the dense forward; zeros for replay).
 
     Args:
-      params, cfg, policy: the learner's weights, model and numerics.
+      params: the learner's weights.
+      cfg: the learner's model.
+      policy: the learner's numerics.
       ro: the rollout; its loop spec and temperature are used (`rollout_loop`).
       method: `dense`, `replay` or `hybrid` (module docstring).
       loop: the loop spec the caller expects the rollout to have (checked), or

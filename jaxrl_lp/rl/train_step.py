@@ -154,7 +154,8 @@ def make_grpo_step(cfg: ModelConfig, policy: Policy, loss_cfg: LossConfig,
     i.e. matched sampler and learner); a mismatch is a ValueError naming both.
 
     Args:
-      cfg, policy: the learner's model and numerics.
+      cfg: the learner's model.
+      policy: the learner's numerics.
       loss_cfg: the GRPO loss.
       optimizer: an optax transformation.
       loop: the loop spec the rollouts must have been sampled with (or None).
@@ -163,11 +164,13 @@ def make_grpo_step(cfg: ModelConfig, policy: Policy, loss_cfg: LossConfig,
         gradient in deferred mode).
       micro_batches: gradient-accumulation slices.
       remat: recompute layer activations in the backward pass.
-      mesh, rules: run sharded (`LearnerStep` on a mesh): params and optimizer
+      mesh: run sharded (`LearnerStep` on a mesh): params and optimizer
         state by the rules, rollout rows over the data shards, activations
         constrained.
-      weights: a weight representation (`optim.weights`; module docstring), or
-        None: `params` are the model's params. Not with `mesh`.
+      rules: the sharding rules of `mesh`.
+      weights (CodedWeights | LatentSTEWeights | None): a weight representation
+        (`optim.weights`; module docstring), or None: `params` are the model's
+        params. Not with `mesh`.
       pack_buckets: the dense forward skips the padding
         (`rl.logprobs.dense_logprobs`' `packed_rows`, rounded up to one of
         this many sizes by `packed_rows_of`; a looped model with its recorded
@@ -195,9 +198,9 @@ def make_grpo_step(cfg: ModelConfig, policy: Policy, loss_cfg: LossConfig,
     dense models on one device, plain weights).
 
     Returns:
-      A `LearnerStep`: `step(...) -> (params, opt_state, metrics)`, metrics a
-      dict of f32 scalars; `step.lower(...)` and `step.trace(...)` take the
-      same arguments.
+      (LearnerStep): `step(...) -> (params, opt_state, metrics)`, metrics a
+        dict of f32 scalars; `step.lower(...)` and `step.trace(...)` take the
+        same arguments.
     """
     if weights is not None and mesh is not None and not weights.shardable:
         raise ValueError("make_grpo_step: this weight representation (weights=) runs on one "

@@ -283,7 +283,7 @@ def generate(
       ValueError: a bad request (`rollout.request.check_request`, the checks
         `speculative_generate` makes too).
 
-    Example:
+    Examples:
       >>> ro = generate(params, cfg, [[1, 2, 3]], max_new_tokens=8)
     """
     req = check_request(prompts, cfg, sampling=sampling, max_new_tokens=max_new_tokens,

@@ -211,7 +211,8 @@ def replay_logprobs(params: dict, cfg: ModelConfig, policy: Policy, ro: Rollout,
     Args:
       params: the weights to replay under, as the sampler takes them (stacked
         or unstacked in the rollout's decode layout).
-      cfg, policy: the model and the numerics to replay with.
+      cfg: the model to replay with.
+      policy: the numerics to replay with.
       ro: the rollout (`generate`'s, sliced, or concatenated).
       loop: the loop spec the caller expects the rollout to have, or None.
       mesh: the mesh of a rollout that records no calls (built by hand).
@@ -220,7 +221,7 @@ def replay_logprobs(params: dict, cfg: ModelConfig, policy: Policy, ro: Rollout,
     Raises:
       ValueError: inside a trace, or a rollout of another loop spec than `loop`.
 
-    Example:
+    Examples:
       >>> ro = generate(params, cfg, prompts, key=key, sampling=SamplingConfig())
       >>> lp = replay_logprobs(params, cfg, policy, take_rows(ro, np.arange(2)))
     """

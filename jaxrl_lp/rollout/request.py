@@ -79,7 +79,8 @@ def check_request(prompts: Sequence[Sequence[int]], cfg: ModelConfig, *,
       sampling: greedy decoding may omit `key`; sampling needs one.
       max_new_tokens: tokens to generate at most, >= 1.
       num_samples: completions per prompt, >= 1.
-      eos_id, pad_id: token ids in the vocabulary (`eos_id` may be None).
+      eos_id: a token id in the vocabulary, or None.
+      pad_id: a token id in the vocabulary.
       key: the sampling PRNG key, or None.
       draft_slots: cache slots beyond the completion (speculative decoding's k).
       prompt_width: pad the prompts to at least this many slots (0: their bucket).

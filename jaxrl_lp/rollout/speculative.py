@@ -295,22 +295,25 @@ def speculative_generate(
     same tokens up to the rounding of a chunk forward against a one-token
     step). The rollout records its verification chunks for the learner's replay.
 
+    `params`, `cfg`, `prompts`, `policy`, `sampling`, `max_new_tokens`,
+    `num_samples`, `eos_id`, `pad_id`, `loop`, `key` and `weights_version` are
+    as in `generate`.
+
     Args:
-      params, cfg, prompts, policy, sampling, max_new_tokens, num_samples,
-        eos_id, pad_id, loop, key, weights_version: as in `generate`.
       spec: the drafter and k (`SpecConfig` or its string, e.g. `self:loops=1,k=4`).
       drafter: (params, config) of a dense drafter (`spec.drafter == "dense"`).
-      mesh: must be None (the speculative sampler runs unsharded).
+      mesh (Mesh | None): must be None (the speculative sampler runs unsharded).
       with_stats: also return the `SpecStats`.
 
     Returns:
-      A `Rollout`, or (`Rollout`, `SpecStats`) with `with_stats`.
+      (Rollout | tuple[Rollout, SpecStats]): A `Rollout`, or (`Rollout`,
+        `SpecStats`) with `with_stats`.
 
     Raises:
       ValueError: a bad request, as `generate` (`rollout.request.check_request`);
         a missing or mismatched spec or drafter; a mesh; a deferred loop spec.
 
-    Example:
+    Examples:
       >>> ro = speculative_generate(params, cfg, [[1, 2, 3]], "self:loops=1,k=4")
     """
     spec = SpecConfig.parse(spec)

@@ -233,7 +233,7 @@ def run_alignment(out_dir: str | Path = "runs/study-alignment", *, steps: int | 
       The JSON-able result (also in `alignment.json`): `mismatch` per arm,
       `arms` (per-arm training figures and series), `setup`, `timings`.
 
-    Example:
+    Examples:
       >>> r = run_alignment("/tmp/al", quick=True, arms=("all", "no_rope"))  # doctest: +SKIP
       >>> r["mismatch"]["all"]["replay"]["mismatch_max_abs_dlogp"]  # doctest: +SKIP
       0.0

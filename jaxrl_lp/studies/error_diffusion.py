@@ -130,8 +130,9 @@ def run_error_diffusion(out_dir: str | Path = "runs/study-error-diffusion", *,
       out_dir: the study directory (one run directory per arm,
         `error_diffusion.json`, `loss.png`, `flip_rate.png`); those are
         replaced if present, nothing else there is touched.
-      steps, sft_steps: warm-start steps per arm (either; default the default
-        config's 1200, or the quick preset's with `quick`).
+      steps: warm-start steps per arm (either this or `sft_steps`; default the
+        default config's 1200, or the quick preset's with `quick`).
+      sft_steps: as `steps`.
       arms: a subset of `ARMS` (default `DEFAULT_ARMS`, `QUICK_ARMS` with `quick`).
       overrides: extra `a.b=c` config overrides for every arm (after the defaults).
       quick: a tiny model and task (`common.QUICK_OVERRIDES`) for a smoke run.

@@ -299,12 +299,14 @@ def run_sync_checks(written: Any, written_hashes: dict[str, str], sampler: Sampl
       learner_version: the learner step that exported `written`.
       master: the learner's f32 master params (check 5's kept tensors; the
         learner's probe forward uses `straight_through_served(master, written)`).
-      cfg, probe_tokens, learner_policy: the probe of check 7 (int tokens [B, T]);
-        the sampler's forward uses `sampler.policy` (default: the learner's).
+      cfg: the model of check 7's probe.
+      probe_tokens: the probe of check 7 (int tokens [B, T]).
+      learner_policy: the learner's policy for check 7's probe; the sampler's
+        forward uses `sampler.policy` (default: the learner's).
       matched: whether the run pairs matched policies (bit-equality) or not (`atol`).
       logprobs: precomputed `(learner_lp, sampler_lp)` for check 7 instead.
 
-    Example:
+    Examples:
       >>> report = run_sync_checks(served, hash_served(served), SamplerState(held, 7),
       ...                          expected_layout(exporter, params), 7, cfg=cfg,
       ...                          probe_tokens=tokens, learner_policy="bf16")

@@ -125,7 +125,7 @@ def cast(dtype: Any = "bf16", rounding: str = "nearest", seed: int = 0) -> Expor
     Returns:
       An `Exporter`; state `CastState` (`ErrorFeedbackState` for error feedback).
 
-    Example:
+    Examples:
       >>> ex = cast("bf16", "stochastic", seed=1)
       >>> state = ex.init(params)
       >>> served, state = ex.apply(params, state, 7)
@@ -193,13 +193,14 @@ def quantize(fmt: str, *, include_lm_head: bool = False, kernels: str = "auto") 
         the same bits; `auto` is the reference on CPU, `on` is an error there.
 
     Raises:
-      ValueError naming the tensor, its shape and the block size when a block
-      format's block size does not divide a reduction axis, or naming the tensor
-      when the params tree does not have the served layout; ValueError for an
-      unknown `kernels` mode; `KernelUnavailableError` (at `apply`) for
-      `kernels="on"` where Pallas cannot compile.
+      ValueError: naming the tensor, its shape and the block size when a block
+        format's block size does not divide a reduction axis, or naming the
+        tensor when the params tree does not have the served layout; or for an
+        unknown `kernels` mode.
+      KernelUnavailableError: (at `apply`) for `kernels="on"` where Pallas
+        cannot compile.
 
-    Example:
+    Examples:
       >>> served, _ = quantize("mxfp8").apply(params, EmptyState())
       >>> served["layers"]["q_proj"].scales.dtype
       dtype(float8_e8m0fnu)
@@ -236,7 +237,7 @@ def chain(*exporters: Exporter) -> Exporter:
 
     Each exporter's `init` sees the shapes of the previous one's output.
 
-    Example:
+    Examples:
       >>> ex = chain(cast("bf16", "stochastic"), quantize("mxfp8"))
     """
 
@@ -270,7 +271,7 @@ def served_params_for_forward(served: Any, dtype: Any = jnp.float32) -> Any:
     bf16 operand upcast inside the program differently from one on f32 arrays, so
     equal values in different dtypes need not give bit-equal log-probs.
 
-    Example:
+    Examples:
       >>> held = served_params_for_forward(served)       # what `generate` runs on
       >>> ro = generate(held, cfg, prompts, policy="bf16")
     """

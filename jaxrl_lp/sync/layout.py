@@ -84,9 +84,10 @@ def matmul_weight_paths(tree: Any, include_lm_head: bool = False) -> dict[str, t
     """`{path: (axis, batch_axes)}` of the matmul weights of `tree`, validating the layout.
 
     Raises:
-      ValueError naming the tensor when a stacked weight is missing or is not
-      `[L, in, out]`, when `lm_head` (if asked for) is not `[D, V]`, or when the
-      tree holds no matmul weight at all (not the layout of docs/design.md).
+      ValueError: naming the tensor when a stacked weight is missing or is not
+        `[L, in, out]`, when `lm_head` (if asked for) is not `[D, V]`, or when
+        the tree holds no matmul weight at all (not the layout of
+        docs/design.md).
     """
     flat = flatten_served(tree)
     found = {p: ax for p in flat if (ax := matmul_axes(p, include_lm_head)) is not None}
@@ -201,7 +202,9 @@ def _digest(arr: Any) -> str:
 def hash_served(tree: Any) -> dict[str, str]:
     """SHA-256 of every component's dtype, shape and raw bytes (payloads and scales apart).
 
-    Sharded arrays are hashed shard by shard where they live (`_digest`). Example:
+    Sharded arrays are hashed shard by shard where they live (`_digest`).
+
+    Examples:
       >>> hashes = hash_served(served)       # written next to the export
       >>> hashes["layers/q_proj.scales"][:8]
     """

@@ -154,7 +154,7 @@ def write_served(path: str | os.PathLike, served: Any, config: ModelConfig, *, e
     Returns:
       The file names written.
 
-    Example:
+    Examples:
       >>> served, _ = quantize("nvfp4").apply(params, EmptyState())
       >>> write_served("out/served", served, config, exporter="fmt:nvfp4")
     """
@@ -220,8 +220,8 @@ def read_served(path: str | os.PathLike) -> dict[str, Any]:
       `read_hf_config(path)`.
 
     Raises:
-      FileNotFoundError: missing directory or files. ValueError: a tensor that
-      is missing or does not match the layout.
+      FileNotFoundError: missing directory or files.
+      ValueError: a tensor that is missing or does not match the layout.
     """
     path = os.fspath(path)
     file = os.path.join(path, SERVED_FILE)

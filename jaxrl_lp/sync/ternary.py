@@ -105,12 +105,14 @@ def ternary_fixed_point(w: jax.Array, axis: int = 0, batch_axes: tuple[int, ...]
 
     Args:
       w: f32 latents.
-      axis, batch_axes: as `numerics.quantize` (stacked weights: 1, (0,)).
+      axis: as `numerics.quantize` (stacked weights: 1).
+      batch_axes: as `numerics.quantize` (stacked weights: (0,)).
       max_iters: at most this many one-ulp steps per element.
 
     Returns:
-      `(v, wrong)`: bf16 values of `w`'s shape, and the int32 number of elements
-      whose codes still disagree (0 once converged).
+      (tuple[jax.Array, jax.Array]): `(v, wrong)`: bf16 values of `w`'s shape,
+        and the int32 number of elements whose codes still disagree (0 once
+        converged).
     """
     target = _training_codes(w, axis, batch_axes)
 
@@ -151,7 +153,7 @@ def ternary(path: str = "direct_codes", *, include_lm_head: bool = False,
       An `Exporter` (state `EmptyState`). Served leaves: `QArray` (format
       `ternary`) for the first two paths, bf16 arrays for `bf16_fixed_point`.
 
-    Example:
+    Examples:
       >>> served, _ = ternary("direct_codes").apply(params, EmptyState())
       >>> code_disagreement(params, served)["layers/q_proj"]
       0.0

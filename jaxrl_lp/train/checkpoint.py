@@ -344,7 +344,7 @@ class Checkpointer:
           The tree of `like` holding the saved arrays (on this process's first device).
 
         Raises:
-          ValueError naming a part of `like` the checkpoint does not hold.
+          ValueError: naming a part of `like` the checkpoint does not hold.
         """
         step = self.resolve_step(step)
         # This process's first device: the first of all is another process's under
@@ -401,7 +401,7 @@ class Checkpointer:
         Returns:
           `(params, meta)`: the f32 params tree and the step's JSON metadata.
 
-        Example:
+        Examples:
           >>> params, meta = Checkpointer("runs/default", create=False).restore_params()
         """
         step = self.resolve_step(step)

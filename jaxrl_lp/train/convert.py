@@ -73,7 +73,7 @@ def run_to_hf(run_dir: str | os.PathLike, out: str | os.PathLike, *, step: int |
     Returns:
       A summary: run, step, out, model_type, dtype, files.
 
-    Example:
+    Examples:
       >>> run_to_hf("runs/default", "out/default-hf")
       >>> from_pretrained("out/default-hf")  # or OuroForCausalLM.from_pretrained(...)
     """
@@ -137,7 +137,7 @@ def run_to_served(run_dir: str | os.PathLike, out: str | os.PathLike, *,
     Returns:
       A summary: run, step, out, exporter, exporter_state, files.
 
-    Example:
+    Examples:
       >>> run_to_served("runs/fair", "out/served-mxfp8", exporter="fmt:mxfp8")
       >>> served = read_served("out/served-mxfp8")
     """

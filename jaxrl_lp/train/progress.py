@@ -27,7 +27,7 @@ class PhaseProgress:
       make_bar: the bar factory (`tqdm.tqdm` by default), called with `total`,
         `initial`, `desc` and `unit`.
 
-    Example:
+    Examples:
       >>> bars = PhaseProgress([("warm-start", 2), ("grpo", 1)], step=0)
       >>> for step in (1, 2, 3):
       ...     bars.update(step, {"loss": 0.5})
