@@ -198,14 +198,15 @@ def test_sigkill_during_an_overlapped_step_resumes_bit_identically(tmp_path, off
     checkpoints (the sampler's pending weights included) and its records equal the
     uninterrupted run's, which ran sampler and learner in turn on one device: the numbers
     depend on the step numbers, not on the overlap."""
-    from test_train import _assert_resumed_exactly, _checkpoints, _kill_and_resume
+    from helpers import checkpoints
+    from test_train import _assert_resumed_exactly, _kill_and_resume
 
     ref_dir = offpolicy_run[0]
     cut = tmp_path / "cut"
     _kill_and_resume(cut, [*MOVING, "grpo.max_staleness=1", "run.learner_mesh=data=1",
                            "run.sampler_mesh=data=1"], "before_update", 4)
     _assert_resumed_exactly(cut, ref_dir)
-    meta = {s: c["meta"] for s, c in _checkpoints(cut).items()}
+    meta = {s: c["meta"] for s, c in checkpoints(cut).items()}
     # After step 6 the rollout of step 6 (0-based) is in flight, sampled on step 5's export;
     # after the last step nothing is.
     assert [(p["step"], p["version"]) for p in meta[6]["pending"]] == [(6, 5)]
