@@ -121,3 +121,69 @@ def test_the_floors_are_one_way():
     assert up == [], "\n".join(up)
     # The test can fail: a module of a floor above is found.
     assert reach("jaxrl_lp.kernels.quantize") > (_floor("jaxrl_lp.numerics.formats") or 0)
+
+
+def _module_graph() -> dict[str, set[str]]:
+    """Each module's `jaxrl_lp` imports anywhere in its file (function bodies included), as
+    module names; a package's `__init__` is a hub of re-exports and is left out."""
+    import ast
+    from pathlib import Path
+
+    import jaxrl_lp
+
+    root = Path(jaxrl_lp.__file__).parent
+    files = {".".join(p.relative_to(root.parent).with_suffix("").parts): p
+             for p in root.rglob("*.py") if p.name != "__init__.py"}
+    graph = {}
+    for name, path in files.items():
+        deps = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                for alias in node.names:
+                    full = f"{node.module}.{alias.name}"
+                    deps.add(full if full in files else node.module)
+            elif isinstance(node, ast.Import):
+                deps |= {a.name for a in node.names}
+        graph[name] = {d for d in deps if d in files and d != name}
+    return graph
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan)."""
+    index, low, stack, on, out = {}, {}, [], set(), []
+
+    def visit(v):
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in graph.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_no_import_circle_between_files():
+    """No two modules import each other, even inside a function (where the test above cannot
+    see it): the log-prob kernels once took their tile maths from the dispatcher, which
+    imported them back inside functions."""
+    graph = _module_graph()
+    assert "jaxrl_lp.kernels.logprob_gpu" in graph["jaxrl_lp.kernels.logprob"]
+    assert _cycles(graph) == []
+    assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]

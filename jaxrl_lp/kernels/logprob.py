@@ -47,33 +47,27 @@ existed).
 from __future__ import annotations
 
 import functools
-from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxrl_lp.kernels import logprob_gpu, logprob_tpu
 from jaxrl_lp.kernels.dispatch import Version, by_platform, per_shard, shard_count
+from jaxrl_lp.kernels.logprob_tiles import (  # the tile maths, shared with the kernels
+    LogprobPlan,
+    running_finish,
+    running_init,
+    running_update,
+    tempered,
+    tile_dlogits,
+)
 from jaxrl_lp.numerics.policy import Policy
 
 __all__ = ["BLOCK_V", "LogprobPlan", "fused_logprobs", "fused_readout", "readout_logprobs",
            "reference_backward", "reference_forward"]
 
 BLOCK_V = 512  # vocabulary columns per tile of the reference scan
-_NEG = -1e30  # the running max before any tile: finite, so (m - m') * 0 is 0, not NaN
-
-
-class LogprobPlan(NamedTuple):
-    """The static description of one fused call (hashable: a `custom_vjp` static)."""
-
-    temperature: float
-    logits_dtype: np.dtype  # z is rounded to it (and dz, as autodiff of the rounding does)
-    block_t: int  # rows per GPU kernel program
-    block_v: int  # vocabulary columns per tile (the reference scan's and the GPU kernel's)
-    block_d: int  # hidden columns per GPU matmul chunk (divides D)
-    impl: str  # `reference`, `cuda` (the Triton kernels) or `tpu` (the Mosaic TPU kernels)
-    interpret: bool = False  # the kernel in Pallas interpret mode
-    tpu: tuple | None = None  # the TPU kernels' `logprob_tpu.TpuLogprobTiles` (impl `tpu`)
 
 
 def fused_readout(policy: Policy | str) -> bool:
@@ -87,57 +81,6 @@ def fused_readout(policy: Policy | str) -> bool:
     """
     policy = Policy.parse(policy)
     return policy.kernels != "off" and policy.matmul_format is None
-
-
-# ----------------------------------------------------------------- tile maths (reference and kernel)
-class Running(NamedTuple):
-    """Online statistics of the tempered logits over the vocabulary tiles seen so far."""
-
-    m: jax.Array  # [T] running max of s
-    l: jax.Array  # [T] sum exp(s - m)
-    a: jax.Array  # [T] sum exp(s - m) (s - m)
-    c: jax.Array  # [T] s of the chosen token (0 until its tile is seen)
-
-
-def running_init(t: int) -> Running:
-    z = jnp.zeros((t,), jnp.float32)
-    return Running(jnp.full((t,), _NEG, jnp.float32), z, z, z)
-
-
-def tempered(acc_TxW: jax.Array, plan: LogprobPlan) -> jax.Array:
-    """s = round_logits(acc) / tau, f32."""
-    z = acc_TxW.astype(plan.logits_dtype).astype(jnp.float32)
-    return z / plan.temperature
-
-
-def running_update(run: Running, s_TxW: jax.Array, v0, tokens_T: jax.Array) -> Running:
-    """`run` after the tile `s_TxW` of columns `[v0, v0 + W)`."""
-    cols = v0 + jax.lax.broadcasted_iota(jnp.int32, s_TxW.shape, 1)
-    m = jnp.maximum(run.m, jnp.max(s_TxW, axis=1))
-    scale = jnp.exp(run.m - m)
-    d = s_TxW - m[:, None]
-    e = jnp.exp(d)
-    return Running(m, run.l * scale + jnp.sum(e, axis=1),
-                   scale * (run.a + (run.m - m) * run.l) + jnp.sum(e * d, axis=1),
-                   run.c + jnp.sum(jnp.where(cols == tokens_T[:, None], s_TxW, 0.0), axis=1))
-
-
-def running_finish(run: Running, mask_T: jax.Array):
-    """(logp, entropy, lse, E_p s) per row; masked rows give log-prob and entropy 0."""
-    log_l = jnp.log(run.l)
-    mean_rel = run.a / run.l  # E_p[s] - m
-    lp = jnp.where(mask_T, run.c - (run.m + log_l), 0.0)
-    ent = jnp.where(mask_T, log_l - mean_rel, 0.0)
-    return lp, ent, run.m + log_l, run.m + mean_rel
-
-
-def tile_dlogits(s_TxW, v0, tokens_T, lse_T, mean_T, g_lp_T, g_ent_T, plan: LogprobPlan):
-    """The cotangent of one tile's f32 accumulator [T, W] (module docstring)."""
-    cols = v0 + jax.lax.broadcasted_iota(jnp.int32, s_TxW.shape, 1)
-    p = jnp.exp(s_TxW - lse_T[:, None])
-    onehot = jnp.where(cols == tokens_T[:, None], 1.0, 0.0)
-    ds = g_lp_T[:, None] * (onehot - p) - g_ent_T[:, None] * p * (s_TxW - mean_T[:, None])
-    return (ds / plan.temperature).astype(plan.logits_dtype).astype(jnp.float32)
 
 
 # ----------------------------------------------------------------- the jnp reference
@@ -186,14 +129,9 @@ def reference_backward(h_TxD, w_DxV, tokens_T, lse_T, mean_T, g_lp_T, g_ent_T,
 
 # ----------------------------------------------------------------- custom_vjp and the entry points
 def _forward(h, w, tokens, mask, plan: LogprobPlan):
-    # The kernel modules import the tile maths above.
     if plan.impl == "cuda":
-        from jaxrl_lp.kernels import logprob_gpu
-
         return logprob_gpu.kernel_forward(h, w, tokens, mask, plan)
     if plan.impl == "tpu":
-        from jaxrl_lp.kernels import logprob_tpu
-
         return logprob_tpu.tpu_forward(h, w, tokens, mask, plan, plan.tpu, plan.interpret)
     return reference_forward(h, w, tokens, mask, plan)
 
@@ -212,12 +150,8 @@ def _fused_bwd(plan, res, g):
     h, w, tokens, mask, lse, mean = res
     g_lp, g_ent = (jnp.where(mask, x, 0.0) for x in g)
     if plan.impl == "cuda":
-        from jaxrl_lp.kernels import logprob_gpu
-
         dh, dw = logprob_gpu.kernel_backward(h, w, tokens, lse, mean, g_lp, g_ent, plan)
     elif plan.impl == "tpu":
-        from jaxrl_lp.kernels import logprob_tpu
-
         dh, dw = logprob_tpu.tpu_backward(h, w, tokens, lse, mean, g_lp, g_ent, plan, plan.tpu,
                                           plan.interpret)
     else:
@@ -248,7 +182,6 @@ def _check(h_TxD, w_DxV, tokens_T, temperature, policy: Policy, block_v, block_t
 
 def _by_platform(h, w, tokens, mask, temperature, policy: Policy, reference, tiles: dict):
     """`reference()` or `_fused` by the kernel of the platform lowered for (`by_platform`)."""
-    from jaxrl_lp.kernels import logprob_gpu, logprob_tpu
     from jaxrl_lp.kernels.targets import current_target
 
     (t, d), v = h.shape, w.shape[1]

@@ -59,7 +59,7 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from jaxrl_lp.kernels.logprob import (
+from jaxrl_lp.kernels.logprob_tiles import (
     LogprobPlan,
     running_finish,
     running_init,

@@ -23,7 +23,7 @@ formulas in the same order). Per-row vectors travel as `[T, 1]` arrays with
 `(B, 1)` blocks (Mosaic's last-two-dims rule). Rows are padded with zeros to a
 multiple of `block_t` (zero g's give dz = 0, so padded rows add nothing to dW);
 W is never copied: a last vocabulary tile that overruns V reads garbage
-(possibly NaN) past V, so those columns' logits are set to the finite `_NEG`,
+(possibly NaN) past V, so those columns' logits are set to the finite `NEG`,
 their dz to 0, and (d/dh, which sums over the vocabulary) W's columns to 0;
 Pallas drops the out-of-range part of an output block at writeback.
 
@@ -43,7 +43,7 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from jaxrl_lp.kernels.logprob import _NEG, LogprobPlan, tempered
+from jaxrl_lp.kernels.logprob_tiles import NEG, LogprobPlan, tempered
 from jaxrl_lp.kernels.targets import budget_misfit, current_target, format_bytes
 
 __all__ = ["KERNELS", "TpuLogprobTiles", "TpuTiles", "check_tpu_tiles", "plan_misfit", "tpu_backward",
@@ -241,12 +241,12 @@ def _dot(a, b, dims):
 
 
 def _logits(h_ref, w_ref, j, v: int, plan: LogprobPlan):
-    """(s, cols): tile j's tempered logits `[B, W]` (`_NEG` past V) and their column ids."""
+    """(s, cols): tile j's tempered logits `[B, W]` (`NEG` past V) and their column ids."""
     s_BxW = tempered(_dot(h_ref[...], w_ref[...], (((1,), (0,)), ((), ()))), plan)
     bv = w_ref.shape[1]
     cols_BxW = j * bv + jax.lax.broadcasted_iota(jnp.int32, s_BxW.shape, 1)
     if v % bv:  # the last tile overruns V: its columns past V hold garbage
-        s_BxW = jnp.where(cols_BxW < v, s_BxW, _NEG)
+        s_BxW = jnp.where(cols_BxW < v, s_BxW, NEG)
     return s_BxW, cols_BxW
 
 
@@ -288,7 +288,7 @@ def _fwd_kernel(h_ref, w_ref, tok_ref, mask_ref, lp_ref, ent_ref, lse_ref, mean_
 
     @pl.when(j == 0)
     def _init():
-        m_ref[...] = jnp.full(m_ref.shape, _NEG, jnp.float32)
+        m_ref[...] = jnp.full(m_ref.shape, NEG, jnp.float32)
         for ref in stats[1:]:
             ref[...] = jnp.zeros(ref.shape, jnp.float32)
 
