@@ -121,8 +121,8 @@ def latest_checkpoint(run_dir):
 def grpo_loss_reference(learner, old, sampler, adv, mask, loss_cfg, max_tokens=None):
     """The GRPO step's loss, its gradient in the learner's log-probs and its metrics, by hand.
 
-    numpy in f64, token-level ratio, no KL, written from SPEC section 6 and the formulas of
-    `rl.loss` / `rl.corrections`, not from their code: the correction ratio is
+    numpy in f64, token-level ratio, no KL, written from the GRPO formulas and the
+    docstrings of `rl.loss` / `rl.corrections`, not from their code: the correction ratio is
     `rho = exp(old - sampler)` (its geometric mean over a row for `seq_*`), the PPO ratio
     `r = exp(learner - anchor)` with `anchor = sampler` or `old` (`loss_cfg.ratio_anchor`),
     `l = -w min(r A, clip(r, 1 - eps_lo, 1 + eps_hi) A)` on the kept tokens over the

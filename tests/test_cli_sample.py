@@ -135,7 +135,7 @@ def test_bench_sampler_takes_presets_and_batches_as_the_gpu_cells_do(capsys):
             "--repeats", "1", "--min-time", "0", "--no-hf", "--policy", "bf16"]
     assert main(argv) == 0
     res = json.loads(capsys.readouterr().out)
-    assert res["bandwidth_gbps"] == 15.0 and res["bandwidth_source"].startswith("SPEC")
+    assert res["bandwidth_gbps"] == 15.0 and res["bandwidth_source"].startswith("a batch-8 f32")
     two, four = res["dense"]["tiny-qwen3_batch_2"], res["dense"]["tiny-qwen3_batch_4"]
     cfg = get_preset("tiny-qwen3")
     # Keys and values of every layer, batch x kv heads x head width x mean context (8 + 2), f32.

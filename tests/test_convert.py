@@ -27,7 +27,7 @@ from jaxrl_lp.train.sync_hooks import make_exporter
 FIXTURES = Path(__file__).parent / "fixtures" / "ouro"
 SHORT = short_run(sft_steps=2, grpo_steps=2)
 DENSE = ["model.family=qwen3", "model.qk_norm=true", "model.loop_steps=1"]
-F32_TOL = 1e-5  # absolute, logits against transformers (SPEC section 2.1)
+F32_TOL = 1e-5  # absolute, logits against transformers (the parity tolerance of tests/test_parity_hf.py)
 
 
 def _convert(capsys, *args):

@@ -21,7 +21,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
 
-TOL = 1e-5  # absolute, f32 logits (SPEC 2.1's parity tolerance)
+TOL = 1e-5  # absolute, f32 logits (tests/test_parity_hf.py's parity tolerance)
 
 
 def tiny_qwen3(path, seed=0):

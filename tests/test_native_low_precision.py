@@ -1,8 +1,9 @@
 """The exactness cells with low precision stored natively, as on GPU and TPU, here on CPU.
 
-On CPU a bf16 compute dtype is carried as f32 arrays of bf16 values (SPEC
-section 11); on GPU and TPU the arrays are bf16 (`JAXRL_LP_NATIVE_LOW_PRECISION=1`
-selects that path anywhere, `plan.programs.native`). Before a device sees it,
+On CPU a bf16 compute dtype is carried as f32 arrays of bf16 values
+(docs/design.md, "Low precision on CPU"); on GPU and TPU the arrays are bf16
+(`JAXRL_LP_NATIVE_LOW_PRECISION=1` selects that path anywhere,
+`plan.programs.native`). Before a device sees it,
 the bf16-stored path is proven here at tiny sizes, kernels off and in Pallas
 interpret mode (the GPU and the TPU versions): the replay equals the sampler
 bit for bit, the hybrid log-probs' value is the sampler's and their gradient

@@ -1,6 +1,6 @@
 """Logits of `from_pretrained` against Hugging Face `transformers` on the same tiny random weights.
 
-f32: 1e-5 absolute (SPEC section 2.1), for Qwen3 (QK-norm), Qwen2 (no QK-norm,
+f32: 1e-5 absolute, for Qwen3 (QK-norm), Qwen2 (no QK-norm,
 q/k/v biases), grouped-query attention and tied embeddings.
 
 bf16: transformers in `torch.bfloat16` rounds the residual stream, the RoPE

@@ -1,4 +1,4 @@
-"""The numerics studies of SPEC section 7: rounding-location alignment and backward state.
+"""The numerics studies (docs/design.md, "Numerics studies"): rounding-location alignment and backward state.
 
 Fast versions at the quick size: the alignment measurement on random weights
 (no training), one CLI run of each study with a few arms, and the errors for

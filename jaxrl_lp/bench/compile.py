@@ -76,7 +76,7 @@ def _generate_trace(cfg, policy, shapes):
 
 def compile_seconds(name: str, cfg, policy, shapes=None) -> dict:
     """Seconds to build, trace, lower and compile program `name` of `cfg` for this host, in
-    the form this host runs it (low-precision compute carried as the host does, SPEC 11)."""
+    the form this host runs it (low-precision compute carried as the host does)."""
     from jaxrl_lp.plan.programs import ProgramShapes, build_program
 
     shapes = shapes or ProgramShapes()

@@ -324,7 +324,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="ours: hybrid, dense, products (hybrid with "
                              "grpo.reuse_products; dense presets only)")
     parser.add_argument("--policy", default="fp32",
-                        help="our precision policy (fp32 on CPU: SPEC section 11); Tunix gets "
+                        help="our precision policy (fp32 on CPU: docs/design.md); Tunix gets "
                              "its compute dtype")
     parser.add_argument("--draws", default="gumbel",
                         help="our sampler's token draws to race (comma list of gumbel, "

@@ -5,7 +5,7 @@ weights, same batch, prompt and new-token lengths, by our sampler and by
 `transformers` `generate` (`hf_ref.hf_model`), on CPU, in one process, after a
 warm-up; our compile time is reported apart (`compile_s`). Policy fp32 by
 default (`--policy`): on CPU XLA's bf16 matmuls are several times slower than
-f32 (SPEC section 11); on GPU `--policy bf16` runs natively.
+f32 (docs/design.md, "Performance on the development CPUs"); on GPU `--policy bf16` runs natively.
 
 Looped: a random Ouro-style model whose exit gate (logits of std 0.5 around a
 bias of -0.6) makes a `threshold:0.5` rule exit after about 2 of 4 loop steps,
@@ -23,8 +23,8 @@ Every figure is also put against the bandwidth bound: decode reads the
 weights once per step (as its loop reads them: bf16 where stored natively,
 `models.blocks.decode_weights`) and the KV cache up to the mean context, so
 tokens/s <= batch * bandwidth / those bytes. The bandwidth is the
-accelerator's HBM figure (`plan.targets`, by device name), SPEC section
-11's 15 GB/s on CPU, or `--bandwidth-gbps`.
+accelerator's HBM figure (`plan.targets`, by device name), the development
+CPUs' 15 GB/s on CPU, or `--bandwidth-gbps`.
 """
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ LOOPED_SIZES = {
     name: get_preset(preset).replace(family="ouro", loop_steps=4, qk_norm=False)
     for name, preset in DENSE_PRESETS.items()
 }
-SPEC_BANDWIDTH_GBPS = 15.0  # SPEC section 11: a batch-8 f32 matrix-vector product on these CPUs
+CPU_BANDWIDTH_GBPS = 15.0  # a batch-8 f32 matrix-vector product on the development CPUs
 POLICY = "fp32"
 MAX_RUNS = 200  # timed runs of one configuration at most (tiny runs take milliseconds)
 
@@ -89,7 +89,7 @@ def kv_bytes(cfg: ModelConfig, policy: Policy | str, batch: int, context: float,
 
 def device_bandwidth_gbps() -> tuple[float, str]:
     """(GB/s, where it comes from): the accelerator's HBM (`plan.targets`, by device name),
-    else SPEC section 11's CPU figure."""
+    else the development CPUs' figure (docs/design.md)."""
     from jaxrl_lp.plan.targets import TARGETS
 
     dev = jax.devices()[0]
@@ -98,7 +98,7 @@ def device_bandwidth_gbps() -> tuple[float, str]:
         for name, t in TARGETS.items():
             if name.replace("-", " ") in kind:
                 return t.hbm_bandwidth / 1e9, f"plan.targets[{name!r}] for {dev.device_kind}"
-    return SPEC_BANDWIDTH_GBPS, "SPEC section 11: a batch-8 f32 matrix-vector product on 2 cores"
+    return CPU_BANDWIDTH_GBPS, "a batch-8 f32 matrix-vector product on the 2-core development CPUs"
 
 
 def _bound(batch: int, nbytes: float, bandwidth_gbps: float) -> float:
@@ -354,9 +354,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--gate-scale", type=float, default=0.5)
     parser.add_argument("--bandwidth-gbps", type=float, default=None,
                         help="memory bandwidth for the bound (default: the accelerator's HBM "
-                             "by device name, plan.targets; on CPU SPEC section 11's 15 GB/s)")
+                             "by device name, plan.targets; on CPU the development CPUs' 15 GB/s)")
     parser.add_argument("--policy", default=POLICY,
-                        help="precision policy of our sampler (fp32 on CPU: SPEC section 11; bf16 "
+                        help="precision policy of our sampler (fp32 on CPU: docs/design.md; bf16 "
                              "on GPU, where it is stored natively)")
     parser.add_argument("--seed", type=int, default=0)
 
@@ -401,7 +401,7 @@ def run(args: argparse.Namespace) -> dict:
         "jax": jax.__version__, "loadavg_start": round(os.getloadavg()[0], 2),
         "policy": args.policy,
         "device": jax.devices()[0].device_kind,
-        "note": "default policy fp32: XLA's bf16 matmuls on CPU are much slower than f32 (SPEC 11); "
+        "note": "default policy fp32: XLA's bf16 matmuls on CPU are much slower than f32 (docs/design.md); "
                 "bounds are batch * bandwidth / bytes read per decode step (the weights as the "
                 "loop reads them, and the KV cache at the mean context)",
         "bandwidth_gbps": bandwidth, "bandwidth_source": bandwidth_src,

@@ -13,10 +13,9 @@ Each part runs in its own child process (so its peak RSS, from
 `resource.getrusage`, is its own and its memory is returned afterwards). Every
 program is called twice: `first_s` includes XLA's compile, `second_s` is the
 run alone. Weights are random (`init_params`), so no checkpoint is needed;
-the policy is the configs' default, `bf16` (carried as f32 on CPU, SPEC
-section 11). The Qwen3-0.6B part peaks at about 16 GB of memory (weights,
-Adam moments, gradients, the sampler's per-layer copy), the Ouro-1.4B part at
-about 12 GB.
+the policy is the configs' default, `bf16` (carried as f32 on CPU). The
+Qwen3-0.6B part peaks at about 16 GB of memory (weights, Adam moments,
+gradients, the sampler's per-layer copy), the Ouro-1.4B part at about 12 GB.
 """
 
 from __future__ import annotations

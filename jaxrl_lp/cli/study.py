@@ -1,4 +1,4 @@
-"""`jaxrl-lp study NAME`: the numerics studies built into the library (SPEC sections 5 and 7).
+"""`jaxrl-lp study NAME`: the numerics studies built into the library (docs/design.md, "Numerics studies").
 
 Targets:
   fair-cast          bf16 export by nearest / stochastic / error-feedback rounding against

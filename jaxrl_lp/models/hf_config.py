@@ -1,6 +1,6 @@
 """Hugging Face `config.json` <-> `ModelConfig`, for Qwen3, Qwen2, Llama and Ouro checkpoints.
 
-Released checkpoints come in two dialects (SPEC section 2.1):
+Released checkpoints come in two dialects:
 
 - transformers 4.x (every released Qwen3 and Ouro checkpoint): `rope_theta` and
   `rope_scaling` at the top level, the weights' dtype under `torch_dtype`.

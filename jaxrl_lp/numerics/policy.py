@@ -11,11 +11,12 @@ inputs to its output and is rounded once, at the output. Leaving a region out
 reproduces where a typical inference kernel rounds (bf16 RoPE, a bf16 residual
 stream, bf16 silu*u), which is how the mismatch those kernels cause is studied.
 
-Carrying low precision on CPU (SPEC section 11). XLA's bf16 matmuls on CPU are
-several times slower than f32. Products of two bf16 (or fp16) values are exact
-in f32 and accumulation is f32 either way, so on CPU a low-precision compute
-dtype is *carried* as f32 arrays holding values rounded to the compute dtype:
-every rounding site still rounds (x -> bf16 -> f32), only the storage differs.
+Carrying low precision on CPU (docs/design.md, "Performance on the development
+CPUs"). XLA's bf16 matmuls on CPU are several times slower than f32. Products
+of two bf16 (or fp16) values are exact in f32 and accumulation is f32 either
+way, so on CPU a low-precision compute dtype is *carried* as f32 arrays holding
+values rounded to the compute dtype: every rounding site still rounds (x ->
+bf16 -> f32), only the storage differs.
 On GPU and TPU the values are stored in the compute dtype itself. Both the
 sampler and the learner call the same functions, so they take the same path.
 Set ``JAXRL_LP_NATIVE_LOW_PRECISION=1`` (or ``0``) to force the choice.
@@ -54,7 +55,7 @@ BACKWARD_MODES: tuple[str, ...] = ("reuse", "fresh")
 # cannot run), `off` (the reference), `interpret` / `interpret-tpu` (the GPU / TPU
 # version in Pallas interpret mode: for checking kernels on CPU).
 KERNEL_MODES: tuple[str, ...] = ("auto", "on", "off", "interpret", "interpret-tpu")
-# Number formats a policy may apply to matmul operands (SPEC section 4).
+# Number formats a policy may apply to matmul operands (docs/design.md, "Number formats").
 MATMUL_FORMATS: tuple[str, ...] = (
     "fp8",  # per-tensor E4M3
     "fp8_e5m2",

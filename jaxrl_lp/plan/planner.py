@@ -50,8 +50,8 @@ CPU. The sizes and the model come from `plan.request` (no data or weights are
 read). The programs are the CPU compiler's, which is what can compile for N
 simulated devices; a GPU or TPU compiler fuses differently (the CPU one, for
 one, converts bf16 buffers to f32 around some updates and reads), so the
-bytes are those of this compile, and `decode_tokens_per_s_ideal` gives SPEC
-section 11's bound beside them (a decode step reads the weights and the KV
+bytes are those of this compile, and `decode_tokens_per_s_ideal` gives the
+bandwidth bound beside them (a decode step reads the weights and the KV
 cache once).
 """
 
@@ -383,7 +383,7 @@ def _summarize(out: dict, cfg: TrainConfig, tgt: Target) -> dict:
         "learner_tokens_per_s": shp["rows"] * (shp["prompt_len"] + shp["max_new"])
         / (updates_s / n_updates),
         "decode_tokens_per_s": shp["decode_batch"] / decode_s,
-        # SPEC section 11's bound: a step reads the weights and the KV cache once.
+        # The decode bound: a step reads the weights and the KV cache once.
         "decode_tokens_per_s_ideal": shp["decode_batch"] * tgt.hbm_bandwidth
         / (per["decode_weights_read"] + per["kv_cache"]),
         # What one iteration runs (`iteration_updates`): updates by program, and how many

@@ -1,6 +1,6 @@
 """Error-diffusion study: binary / ternary weights on a k-bit residual against f32 latents.
 
-(SPEC section 7.) Each arm is the supervised warm-start of `jaxrl-lp train`
+(docs/design.md, "Error diffusion".) Each arm is the supervised warm-start of `jaxrl-lp train`
 (the default task and model, `grpo.steps=0`) with one `sft.optimizer`:
 
 - `latent_binary`, `latent_ternary`: the latent-weight baseline, f32 latents

@@ -1,6 +1,6 @@
 """Matched-precision study: GRPO with the sampler and the learner in the same FP8/FP4 format.
 
-SPEC section 7 ("End-to-end FP8 and FP4 RL"). One supervised warm-start
+End-to-end FP8 and FP4 RL. One supervised warm-start
 (`grpo.steps=0`, the default config's f32 policy) is run once into
 `<out>/sft`; every arm copies it and resumes it with the same short GRPO run
 (same seed, data order and learning rate), changing only the two precision
@@ -21,7 +21,7 @@ policies and the mismatch correction:
   recomputed log-probs (`loss.ratio_anchor=learner`, the usual pairing).
 
 `<fmt>` is each of `FORMATS` (`fp8` per-tensor E4M3, `mxfp8`, `mxfp4`,
-`nvfp4`; SPEC section 4). Per arm, from its `metrics.jsonl`: the per-step
+`nvfp4`; docs/design.md, "Number formats"). Per arm, from its `metrics.jsonl`: the per-step
 series of mismatch (k1 and k3 KL between the sampler's and the learner's
 log-probs of the sampled tokens, max |delta logp|), the fraction of tokens
 masked (MIS) or truncated (TIS), the mean reward, and the held-out greedy
@@ -58,7 +58,7 @@ __all__ = ["ARMS", "DEFAULT_ARMS", "FORMATS", "KINDS", "arm_overrides", "run_mat
 FORMATS: tuple[str, ...] = ("fp8", "mxfp8", "mxfp4", "nvfp4")
 KINDS: tuple[str, ...] = ("matched", "unmatched", "unmatched_tis", "unmatched_mis")
 ARMS: tuple[str, ...] = ("f32", *(f"{f}_{k}" for f in FORMATS for k in KINDS))
-# The learner of the unmatched arms (SPEC section 7: a bf16 learner, an FP8/FP4 sampler).
+# The learner of the unmatched arms: a bf16 learner beside an FP8/FP4 sampler.
 UNMATCHED_LEARNER = "bf16"
 DEFAULT_STEPS = 6
 # Every arm by default: 17 short runs. A subset (`--arms`) trades formats for steps.

@@ -4,7 +4,7 @@ A small model is trained (the supervised warm-start of `jaxrl-lp train`, no
 GRPO) with a learner policy that quantizes every matmul weight to ternary
 (BitNet b1.58: `gamma = mean|W|`, codes in {-1, 0, 1}) with straight-through
 gradients to f32 latent weights (`TERNARY_POLICY`). The trained latents are
-then exported by the three paths of `jaxrl_lp.sync.ternary` (SPEC section 5):
+then exported by the three paths of `jaxrl_lp.sync.ternary` (docs/design.md, "Weight export and sync"):
 
 - `bf16_then_quantize`: the legacy path (bf16 latents, bf16 quantizer);
 - `direct_codes`: the training quantizer's own codes and scale;
