@@ -43,3 +43,34 @@ def test_no_citation_of_a_document_outside_the_repository():
     assert not found, "\n".join(found[:20])
     assert SPEC_CITATION.search("(SPEC section 11)") and SPEC_CITATION.search("SPEC 2.1's")
     assert not SPEC_CITATION.search('metavar="SPEC"')
+
+
+# `docs/design.md, "Number formats"`: a page of docs/ and a section of it, the name quoted
+# as the page writes it: a heading's title (up to its ": ..." or " (`files`)") or, in a
+# list of decisions, a bold label. The quote may wrap across comment or docstring lines.
+DOC_CITATION = re.compile(r'docs/([\w/-]+\.md),\s+"([^"]+)"')
+
+
+def _section_names(page):
+    names = set()
+    for line in page.read_text().splitlines():
+        if line.startswith("#"):
+            title = line.lstrip("#").strip()
+            names |= {title, re.split(r": | \(", title)[0]}
+        names |= set(re.findall(r"\*\*([^*]+)\*\*", line))
+    return names
+
+
+def test_every_cited_section_is_on_its_page():
+    root = Path(jaxrl_lp.__file__).parent
+    docs = root.parent / "docs"
+    found = []
+    for p in sorted(root.rglob("*.py")):
+        text = re.sub(r"\s*\n\s*(#\s?)?", " ", p.read_text())
+        for page, name in DOC_CITATION.findall(text):
+            if not (docs / page).is_file() or name not in _section_names(docs / page):
+                found.append(f"{p.relative_to(root.parent)}: docs/{page}, {name!r}")
+    assert not found, "\n".join(found[:20])
+    names = _section_names(docs / "design.md")
+    assert "Low precision on CPU" in names and "Number formats" in names
+    assert "Kernels on GPU" not in names
