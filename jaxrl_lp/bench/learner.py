@@ -127,18 +127,17 @@ def model_flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
 
 def peak_flops(override_tflops: float | None = None) -> tuple[float | None, str]:
     """(peak FLOP/s, where it comes from) of the default device."""
-    from jaxrl_lp.plan.targets import TARGETS
+    from jaxrl_lp.plan.targets import target_of_device
 
     if override_tflops:
         return override_tflops * 1e12, "--peak-tflops"
     dev = jax.devices()[0]
     if dev.platform == "cpu":
         return CPU_PEAK_FLOPS, "f32 matmul on the 2-core development CPUs (docs/design.md)"
-    kind = dev.device_kind.lower()
-    for name, t in TARGETS.items():
-        if name.replace("-", " ") in kind.replace("-", " "):
-            return t.peak_flops, f"plan.targets[{name!r}] (dense bf16) for {dev.device_kind}"
-    return None, f"no peak known for {dev.device_kind}; pass --peak-tflops"
+    t = target_of_device(dev.device_kind)
+    if t is None:
+        return None, f"no peak known for {dev.device_kind}; pass --peak-tflops"
+    return t.peak_flops, f"plan.targets[{t.name!r}] (dense bf16) for {dev.device_kind}"
 
 
 def _keep_first(fn):

@@ -90,14 +90,12 @@ def kv_bytes(cfg: ModelConfig, policy: Policy | str, batch: int, context: float,
 def device_bandwidth_gbps() -> tuple[float, str]:
     """(GB/s, where it comes from): the accelerator's HBM (`plan.targets`, by device name),
     else the development CPUs' figure (docs/design.md)."""
-    from jaxrl_lp.plan.targets import TARGETS
+    from jaxrl_lp.plan.targets import target_of_device
 
     dev = jax.devices()[0]
-    if dev.platform != "cpu":
-        kind = dev.device_kind.lower().replace("-", " ")
-        for name, t in TARGETS.items():
-            if name.replace("-", " ") in kind:
-                return t.hbm_bandwidth / 1e9, f"plan.targets[{name!r}] for {dev.device_kind}"
+    t = None if dev.platform == "cpu" else target_of_device(dev.device_kind)
+    if t is not None:
+        return t.hbm_bandwidth / 1e9, f"plan.targets[{t.name!r}] for {dev.device_kind}"
     return CPU_BANDWIDTH_GBPS, "a batch-8 f32 matrix-vector product on the 2-core development CPUs"
 
 

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-__all__ = ["TARGETS", "Target", "get_target"]
+__all__ = ["TARGETS", "Target", "get_target", "target_of_device"]
 
 
 class Target(NamedTuple):
@@ -63,6 +63,12 @@ TARGETS: dict[str, Target] = {t.name: t for t in (
            "Google Cloud TPU v6e documentation (per chip: 918 TFLOPS bf16; 1,640 GB/s; 32 GB "
            "HBM)", "tpu"),
 )}
+
+
+def target_of_device(device_kind: str) -> Target | None:
+    """The target whose name JAX's device kind contains (`NVIDIA H200` is `h200`), or None."""
+    kind = device_kind.lower().replace("-", " ")
+    return next((t for t in TARGETS.values() if t.name.replace("-", " ") in kind), None)
 
 
 def get_target(name: str) -> Target:
