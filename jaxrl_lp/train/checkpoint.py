@@ -259,15 +259,16 @@ class Checkpointer:
                 "run.out_dir")
         raise DamagedCheckpointError(step, self.dir / str(step), why)
 
+    def _read_recorded(self, step: int) -> dict:
+        """`step`'s whole state in the structure, shapes and dtypes it records."""
+        tree = self._read_manager().item_metadata(step)["state"]
+        tree = getattr(tree, "tree", tree)
+        return self.restore_part(
+            jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype), tree), step)
+
     def _readable(self, step: int) -> bool:
         """Whether every array of `step`'s state reads back in its own recorded structure."""
-        def read():
-            tree = self._read_manager().item_metadata(step)["state"]
-            tree = getattr(tree, "tree", tree)
-            self.restore_part(jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype),
-                                           tree), step)
-
-        return _attempt(read)[1] is None
+        return _attempt(lambda: self._read_recorded(step))[1] is None
 
     def reload(self) -> None:
         """Re-lists the steps on disk (after another process renamed one)."""
@@ -374,14 +375,7 @@ class Checkpointer:
           JSON metadata.
         """
         step = self.resolve_step(step)
-
-        def read():
-            tree = self._read_manager().item_metadata(step)["state"]
-            tree = getattr(tree, "tree", tree)
-            like = jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype), tree)
-            return self.restore_part(like, step)
-
-        state, why = _attempt(read)
+        state, why = _attempt(lambda: self._read_recorded(step))
         if why is not None:
             raise DamagedCheckpointError(step, self.dir / str(step), why)
         return state, self.meta(step)
