@@ -20,17 +20,8 @@ from jaxrl_lp.models.model import forward, init_params
 from jaxrl_lp.numerics.policy import Policy
 from jaxrl_lp.numerics.products import product
 from jaxrl_lp.plan.hotpath import dot_summary, dots, loop_weight_reads
-from jaxrl_lp.plan.programs import native
 
 BF16 = Policy.parse("bf16")
-
-
-@pytest.fixture
-def natively():
-    jax.clear_caches()
-    with native():
-        yield
-    jax.clear_caches()
 
 
 def test_the_reader_finds_a_loop_that_converts_its_weight_and_a_mixed_product():

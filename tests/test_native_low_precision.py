@@ -19,17 +19,8 @@ from helpers import exactness_grads
 
 from jaxrl_lp.bench.exactness import exactness_model, exactness_rollout, masked_max_abs_diff
 from jaxrl_lp.numerics.policy import Policy, native_low_precision
-from jaxrl_lp.plan.programs import native
 
 PROMPTS = ((1, 5, 7), (2, 9, 4, 11, 3, 8), (6,))
-
-
-@pytest.fixture
-def natively():
-    jax.clear_caches()
-    with native():
-        yield
-    jax.clear_caches()
 
 
 # By default the dense model without kernels and the looped one (deferred) with the GPU
