@@ -45,20 +45,6 @@ def _release_compiled_programs():
     jax.clear_caches()
 
 
-@pytest.fixture
-def natively():
-    """Low precision stored natively, as on GPU and TPU (`plan.programs.native`), for the test.
-
-    jit caches are dropped around it: a program traced in the other storage mode has the same
-    arguments and would be reused."""
-    from jaxrl_lp.plan.programs import native
-
-    jax.clear_caches()
-    with native():
-        yield
-    jax.clear_caches()
-
-
 @pytest.fixture(scope="session")
 def finished_runs(tmp_path_factory):
     """Two finished short runs that the tests reading runs share (read them, or copy them).

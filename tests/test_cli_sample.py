@@ -9,6 +9,7 @@ import pytest
 from jaxrl_lp.cli.main import main
 from jaxrl_lp.models import forward, get_preset, init_params
 from jaxrl_lp.models.tokenizer import CharTokenizer
+from jaxrl_lp.numerics.policy import Policy
 from jaxrl_lp.rollout import LoopSpec, SamplingConfig, generate
 
 
@@ -97,7 +98,7 @@ def test_hf_reference_model_has_our_weights():
         tokens = np.random.RandomState(0).randint(0, cfg.vocab_size, (2, 11))
         with torch.no_grad():
             ref = hf_model(cfg, params)(torch.from_numpy(tokens)).logits.numpy()
-        ours = np.asarray(forward(params, cfg, "fp32", tokens)[0])
+        ours = np.asarray(forward(params, cfg, Policy.parse("fp32"), tokens)[0])
         np.testing.assert_allclose(ours, ref, rtol=0, atol=1e-5)
 
 

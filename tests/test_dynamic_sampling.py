@@ -7,6 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jaxrl_lp.numerics.policy import FP32, Policy
 from jaxrl_lp.rl.advantages import zero_variance_groups
 from jaxrl_lp.rl.dynamic_sampling import refill_groups
 from jaxrl_lp.rollout.generate import Rollout, concat_rollouts, take_rows
@@ -109,7 +110,7 @@ def test_bad_rounds_and_bounds_are_refused():
         refill_groups(_Draws([_round(LIVE, LIVE)]), P, G, max_rounds=1)
 
 
-def _rollout(rows, width, seed, digest=(1, 2), version=3, policy="fp32", layout="as_stored"):
+def _rollout(rows, width, seed, digest=(1, 2), version=3, policy=FP32, layout="as_stored"):
     rs = np.random.RandomState(seed)
     n = 5
     lengths = rs.randint(1, width + 1, rows).astype(np.int32)
@@ -146,7 +147,7 @@ def test_concat_rollouts_keeps_each_rows_values_and_pads_prompts_on_the_left():
 
 @pytest.mark.parametrize("other, message", [
     (dict(digest=(1, 3)), "different weights"), (dict(version=4), "weights versions"),
-    (dict(policy="bf16"), "different policy"),
+    (dict(policy=Policy.parse("bf16")), "different policy"),
     (dict(layout="transposed"), "different decode_layout")])
 def test_concat_rollouts_refuses_rollouts_of_other_weights_or_numerics(other, message):
     with pytest.raises(ValueError, match=message):

@@ -21,7 +21,7 @@ from jaxrl_lp.numerics.policy import Policy
 from jaxrl_lp.numerics.products import product
 from jaxrl_lp.plan.hotpath import dot_summary, dots, loop_weight_reads
 
-BF16 = Policy.parse("bf16")
+BF16 = Policy.parse("bf16,s=native")  # stored as on a GPU or TPU
 
 
 def test_the_reader_finds_a_loop_that_converts_its_weight_and_a_mixed_product():
@@ -72,7 +72,6 @@ def test_bench_hotpath_finds_bf16_reads_and_bf16_products(tmp_path, capsys):
     assert "--rows must be >= 1" in capsys.readouterr().err
 
 
-@pytest.mark.usefixtures("natively")
 @pytest.mark.parametrize("preset", ["tiny-qwen3", "tiny-ouro"])
 def test_decode_weights_are_bf16_and_the_forward_is_the_same_bits(preset):
     cfg = get_preset(preset)
@@ -85,11 +84,10 @@ def test_decode_weights_are_bf16_and_the_forward_is_the_same_bits(preset):
     run = jax.jit(lambda p: forward(p, cfg, BF16, tokens)[0])
     np.testing.assert_array_equal(np.asarray(run(copy)), np.asarray(run(params)))
     # f16 params under bf16 compute would round twice: left as they are.
-    other = Policy.parse("p=f16,c=bf16")
+    other = Policy.parse("p=f16,c=bf16,s=native")
     assert decode_weights(params, other) is params
 
 
-@pytest.mark.usefixtures("natively")
 def test_product_backward_multiplies_bf16_and_rounds_the_cotangent():
     """Where the forward rounds its accumulator, the gradient is autodiff's bit for bit; where
     the accumulator is read in f32, the backward multiplies the cotangent rounded to bf16."""

@@ -65,7 +65,7 @@ def _abstract(b, h, kh, s, dh, dtype=jnp.bfloat16):
 def test_fp32_kernel_matches_the_reference(shape, chunk, mode):
     q, ck, cv, q_pos, k_pos = _case(**shape)
     ref = attention(q, ck, cv, q_pos, k_pos, Policy.parse("fp32"))
-    out = jax.jit(lambda *a: decode_attention(*a, f"fp32,k={mode}", chunk=chunk))(
+    out = jax.jit(lambda *a: decode_attention(*a, Policy.parse(f"fp32,k={mode}"), chunk=chunk))(
         q, ck, cv, q_pos, k_pos)
     assert out.shape == ref.shape and out.dtype == ref.dtype
     np.testing.assert_allclose(out, ref, atol=1e-6, rtol=0)
@@ -78,16 +78,16 @@ def test_fp32_kernel_matches_the_reference(shape, chunk, mode):
 def test_tpu_version_under_the_tpu_interpreter(shape):
     q, ck, cv, q_pos, k_pos = _case(**shape)
     ref = attention(q, ck, cv, q_pos, k_pos, Policy.parse("fp32"))
-    out = jax.jit(lambda *a: decode_attention(*a, "fp32,k=interpret-tpu"))(q, ck, cv, q_pos, k_pos)
+    pol = Policy.parse("fp32,k=interpret-tpu")
+    out = jax.jit(lambda *a: decode_attention(*a, pol))(q, ck, cv, q_pos, k_pos)
     np.testing.assert_allclose(out, ref, atol=1e-6, rtol=0)
 
 
 @pytest.mark.parametrize("mode", MODES)
-def test_bf16_kernel_is_within_one_ulp_of_the_reference_and_deterministic(mode, monkeypatch):
-    monkeypatch.setenv("JAXRL_LP_NATIVE_LOW_PRECISION", "1")  # bf16 arrays, as on a device
+def test_bf16_kernel_is_within_one_ulp_of_the_reference_and_deterministic(mode):
     q, ck, cv, q_pos, k_pos = _case(s=300, dtype=jnp.bfloat16)
-    pol = Policy.parse(f"bf16,k={mode}")
-    ref = attention(q, ck, cv, q_pos, k_pos, Policy.parse("bf16"))
+    pol = Policy.parse(f"bf16,k={mode},s=native")  # bf16 arrays, as on a device
+    ref = attention(q, ck, cv, q_pos, k_pos, Policy.parse("bf16,s=native"))
     run = jax.jit(lambda *a: decode_attention(*a, pol))
     out = run(q, ck, cv, q_pos, k_pos)
     assert out.dtype == ref.dtype == jnp.bfloat16
@@ -107,7 +107,8 @@ def test_the_gradient_is_the_references(mode):
         return jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(q, ck, cv)
 
     want = grads(lambda q, k, v: attention(q, k, v, q_pos, k_pos, Policy.parse("fp32")))
-    got = grads(lambda q, k, v: decode_attention(q, k, v, q_pos, k_pos, f"fp32,k={mode}", chunk=16))
+    pol = Policy.parse(f"fp32,k={mode}")
+    got = grads(lambda q, k, v: decode_attention(q, k, v, q_pos, k_pos, pol, chunk=16))
     for a, b in zip(got, want, strict=True):
         np.testing.assert_allclose(a, b, atol=1e-6, rtol=0)
         assert float(jnp.abs(b).max()) > 0.1
@@ -118,23 +119,23 @@ def test_the_policy_picks_the_kernel_in_the_decode_step_only():
     the tpu branch holds it (cuda's version is retired, `kernels.dispatch.RETIRED`) and
     lowering for cpu keeps the reference."""
     q, ck, cv, q_pos, k_pos = _case()
-    names = lambda pol: pallas_kernels(lambda *a: decode_attention(*a, pol), q, ck, cv, q_pos, k_pos)
+    names = lambda pol: pallas_kernels(lambda *a: decode_attention(*a, Policy.parse(pol)), q, ck, cv,
+                                       q_pos, k_pos)
     assert names("fp32,k=interpret") == names("fp32,k=interpret-tpu") == ["decode_attention"]
     assert names("fp32,k=off") == []
     assert names("fp32") == ["decode_attention"]
-    traced = trace_for(lambda *a: decode_attention(*a, "fp32"), [q, ck, cv, q_pos, k_pos])
+    traced = trace_for(lambda *a: decode_attention(*a, Policy.parse("fp32")), [q, ck, cv, q_pos, k_pos])
     assert "custom_call" not in lower_for(traced, "cpu")
 
 
 # ---------------------------------------------------------------- lowering at the preset shapes
 @pytest.mark.parametrize("case", list(LOWERED))
-def test_kernel_lowers_for_tpu_and_refuses_cuda_at_preset_shapes(case, monkeypatch):
+def test_kernel_lowers_for_tpu_and_refuses_cuda_at_preset_shapes(case):
     """bf16 q, k, v (native low precision) under `on`: one trace lowers for tpu (v5p) with the
     kernel call, and so does its gradient, and refuses cuda (retired); `auto` lowered for cpu
     and cuda calls none."""
-    monkeypatch.setenv("JAXRL_LP_NATIVE_LOW_PRECISION", "1")
     args = _abstract(*LOWERED[case])
-    attend = lambda pol: lambda *a: decode_attention(*a, pol)
+    attend = lambda pol: lambda *a: decode_attention(*a, Policy.parse(f"{pol},s=native"))
     traced = trace_for(attend("bf16,k=on"), args, targets=["h100", "tpu-v5p"])
     with pytest.raises(KernelUnavailableError, match="retired"):
         lower_for(traced, "cuda", "h100")
@@ -171,8 +172,8 @@ def test_kernels_on_where_the_platform_has_no_kernel_is_an_error():
     q, ck, cv, q_pos, k_pos = _case()
     with pytest.raises(KernelUnavailableError, match=r"'decode_attention' \(kernels=on\) has no "
                                                      r"version for cpu.*kernels=interpret"):
-        decode_attention(q, ck, cv, q_pos, k_pos, "fp32,k=on")
-    traced = trace_for(lambda *a: decode_attention(*a, "fp32,k=on"), [q, ck, cv, q_pos, k_pos])
+        decode_attention(q, ck, cv, q_pos, k_pos, Policy.parse("fp32,k=on"))
+    traced = trace_for(lambda *a: decode_attention(*a, Policy.parse("fp32,k=on")), [q, ck, cv, q_pos, k_pos])
     with pytest.raises(KernelUnavailableError, match="'decode_attention'.*has no version for cpu"):
         lower_for(traced, "cpu")
     with pytest.raises(KernelUnavailableError, match="no compiled version for cuda: .*retired"):
@@ -183,13 +184,13 @@ def test_kernels_on_where_the_platform_has_no_kernel_is_an_error():
 def test_head_widths_our_gpu_version_never_took_run_the_reference():
     """Head width 96: under auto the reference runs (here, where it runs: the same values)."""
     q, ck, cv, q_pos, k_pos = _case(dh=96)
-    np.testing.assert_array_equal(decode_attention(q, ck, cv, q_pos, k_pos, "fp32"),
+    np.testing.assert_array_equal(decode_attention(q, ck, cv, q_pos, k_pos, Policy.parse("fp32")),
                                   attention(q, ck, cv, q_pos, k_pos, Policy.parse("fp32")))
 
 
 def test_bad_shapes_and_chunks_are_one_clear_error():
     q, ck, cv, q_pos, k_pos = _case()
     with pytest.raises(ValueError, match=r"needs k and v \[B, K, S, Dh\] with K dividing H"):
-        decode_attention(q, ck[:, :, :, :8], cv, q_pos, k_pos, "fp32,k=interpret")
+        decode_attention(q, ck[:, :, :, :8], cv, q_pos, k_pos, Policy.parse("fp32,k=interpret"))
     with pytest.raises(ValueError, match="chunk must be >= 1; got 0"):
-        decode_attention(q, ck, cv, q_pos, k_pos, "fp32,k=interpret", chunk=0)
+        decode_attention(q, ck, cv, q_pos, k_pos, Policy.parse("fp32,k=interpret"), chunk=0)

@@ -98,7 +98,7 @@ def test_kernel_equals_reference_and_keeps_dtypes():
     h = h.astype(jnp.bfloat16)
     outs = {}
     for impl in IMPLS:
-        fn = lambda h, w, impl=impl: fused_logprobs(h, w, tokens, TAU, f"fp32,k={impl}",
+        fn = lambda h, w, impl=impl: fused_logprobs(h, w, tokens, TAU, Policy.parse(f"fp32,k={impl}"),
                                                     mask_T=mask, block_v=32, block_t=8)
         outs[impl] = _value_and_grads(fn, h, w, g)
     (lp_r, ent_r), (dh_r, dw_r) = outs["off"]
@@ -119,7 +119,7 @@ def _abstract(t, d, v, dtype):
 
 def _loss(policy, **tiles):
     def f(h, w, tokens):
-        lp, ent = fused_logprobs(h, w, tokens, 1.0, policy, **tiles)
+        lp, ent = fused_logprobs(h, w, tokens, 1.0, Policy.parse(policy), **tiles)
         return jnp.sum(lp) + jnp.sum(ent)
     return jax.grad(f, (0, 1))
 
@@ -141,7 +141,7 @@ def test_kernels_on_where_the_platform_has_no_kernel_is_an_error():
     h, w, tokens, _, _ = _inputs(4, 16, 40)
     # Eagerly on this CPU, and when a program holding it is lowered for cpu ...
     with pytest.raises(KernelUnavailableError, match="'logprob' .*has no version for cpu"):
-        fused_logprobs(h, w, tokens, 1.0, "fp32,k=on")
+        fused_logprobs(h, w, tokens, 1.0, Policy.parse("fp32,k=on"))
     traced = trace_for(_loss("fp32,k=on"), _abstract(64, 128, 1024, jnp.float32))
     with pytest.raises(KernelUnavailableError, match="has no version for cpu"):
         lower_for(traced, "cpu")
@@ -149,14 +149,15 @@ def test_kernels_on_where_the_platform_has_no_kernel_is_an_error():
     with pytest.raises(KernelUnavailableError, match="no compiled version for cuda: .*retired"):
         lower_for(traced, "cuda")
     assert len(kernel_calls(lower_for(traced, "tpu"), "tpu")) == 3
-    assert fused_readout("bf16,k=on") and fused_readout("fp32") and fused_readout("fp32,k=interpret")
-    assert not fused_readout("fp32,k=off")
-    assert not fused_readout("fp32,k=interpret,mm=mxfp8")  # the lm head's quantized matmul
+    readout = lambda spec: fused_readout(Policy.parse(spec))
+    assert readout("bf16,k=on") and readout("fp32") and readout("fp32,k=interpret")
+    assert not readout("fp32,k=off")
+    assert not readout("fp32,k=interpret,mm=mxfp8")  # the lm head's quantized matmul
 
 
 def test_tiles_that_do_not_fit_are_one_clear_error():
     h, w, tokens, _, _ = _inputs(4, 32, 100)
-    call = lambda **kw: fused_logprobs(h, w, tokens, 1.0, "fp32,k=interpret", **kw)
+    call = lambda **kw: fused_logprobs(h, w, tokens, 1.0, Policy.parse("fp32,k=interpret"), **kw)
     with pytest.raises(ValueError, match="block_d=24 does not divide the reduction axis D=32"):
         call(block_d=24)
     with pytest.raises(ValueError, match="block_v must be a positive int; got 0"):
@@ -164,7 +165,7 @@ def test_tiles_that_do_not_fit_are_one_clear_error():
     with pytest.raises(ValueError, match="block_t must be a positive int"):
         call(block_t=2.5)
     with pytest.raises(ValueError, match="quantizes matmuls"):
-        fused_logprobs(h, w, tokens, 1.0, "fp32,mm=mxfp8,k=interpret")
+        fused_logprobs(h, w, tokens, 1.0, Policy.parse("fp32,mm=mxfp8,k=interpret"))
     # What a compiled (GPU) kernel needs on top: lane-wide, power-of-two tiles.
     assert "block_v=192 is not a power of two" in check_gpu_tiles(1024, 151936, GpuTiles(16, 192, 64))
     assert "multiple of the 128-wide lane" in check_gpu_tiles(1024, 151936, GpuTiles(16, 64, 64))
@@ -208,7 +209,8 @@ def test_grpo_like_loss_peak_memory_drops_by_more_than_the_f32_logits():
         return loss(lp, -jnp.sum(jnp.exp(lp2) * lp2, -1), adv)
 
     def fused(policy):
-        return lambda h, w, tokens, adv: loss(*fused_logprobs(h, w, tokens, 1.0, policy), adv)
+        return lambda h, w, tokens, adv: loss(*fused_logprobs(h, w, tokens, 1.0,
+                                                              Policy.parse(policy)), adv)
 
     args = (jax.ShapeDtypeStruct((t, d), jnp.float32), jax.ShapeDtypeStruct((d, v), jnp.float32),
             jax.ShapeDtypeStruct((t,), jnp.int32), jax.ShapeDtypeStruct((t,), jnp.float32))

@@ -48,7 +48,7 @@ SLOW_CASES = {("fp32", "dense"), ("bf16", "looped_dense")}
 CI_CASES = {("fp32", "looped_dense")}
 CASES = [pytest.param(pol, kind, marks=pytest.mark.slow if (pol, kind) in SLOW_CASES else
                       (pytest.mark.slow, pytest.mark.ci) if (pol, kind) in CI_CASES else ())
-         for pol in POLICIES for kind in KINDS]
+         for pol in (p.name for p in POLICIES) for kind in KINDS]
 # Dense (parallel) learner against the sampler, absolute on log-probs: the two
 # differ by kernel-shape rounding only. Measured on XLA:CPU, max |dlogp| over
 # 54-55 tokens: f32 9.5e-7 (dense, looped deferred) and 1.2e-6 (looped dense),
@@ -181,7 +181,7 @@ def test_learner_refuses_a_rollout_sampled_with_another_loop_spec_or_policy():
 
     from jaxrl_lp.rl import LossConfig, make_grpo_step
     step = make_grpo_step(cfg, policy, LossConfig(), optax.sgd(0.1), loop=loop,
-                          sampler_policy="bf16")
+                          sampler_policy=Policy.parse("bf16"))
     adv = jnp.zeros(ro.logprobs.shape[:1])
     with pytest.raises(ValueError, match="sampled under policy .*c=f32.* built for rollouts of .*c=bf16"):
         step(jax.tree.map(jnp.copy, params), optax.sgd(0.1).init(params), ro, adv, ro.logprobs)

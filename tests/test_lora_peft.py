@@ -16,6 +16,7 @@ from jaxrl_lp.lora import LoraConfig, LoraParams, LoraWeights
 from jaxrl_lp.lora.peft import CONFIG_FILE, WEIGHTS_FILE, load_peft, peft_names, save_peft
 from jaxrl_lp.models.hf_io import load_hf_params, read_hf_config
 from jaxrl_lp.models.model import forward
+from jaxrl_lp.numerics.policy import FP32
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -51,7 +52,7 @@ def test_peft_loads_our_adapters_onto_the_base_and_gives_our_logits(tmp_path, ta
     files = save_peft(out, mcfg, adapters, spec, str(base_dir))
     assert sorted(files) == sorted([CONFIG_FILE, WEIGHTS_FILE])
     tokens = np.random.RandomState(0).randint(0, 96, (2, 13))
-    ours = np.asarray(forward(weights.materialize(LoraParams(train.base, adapters)), mcfg, "fp32",
+    ours = np.asarray(forward(weights.materialize(LoraParams(train.base, adapters)), mcfg, FP32,
                               jnp.asarray(tokens))[0])
     hf = transformers.AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32).eval()
     with torch.no_grad():

@@ -31,6 +31,7 @@ from jaxrl_lp.lora import LoraWeights, hold_base
 from jaxrl_lp.models.hf_io import from_pretrained, load_hf_params, save_hf_checkpoint
 from jaxrl_lp.models.model import forward, init_params
 from jaxrl_lp.numerics.fingerprint import tree_fingerprint
+from jaxrl_lp.numerics.policy import Policy
 from jaxrl_lp.train import apply_overrides, default_config, run_train
 from jaxrl_lp.train.checkpoint import Checkpointer
 from jaxrl_lp.train.logger import without_wall_clock
@@ -94,7 +95,7 @@ def test_lora_on_a_pretrained_base_resumes_exactly_evaluates_and_exports(tmp_pat
     lora, spec = read_lora_params(ref, params, meta, mcfg)
     weights = LoraWeights(spec, mcfg)
     tokens = np.random.RandomState(0).randint(1, mcfg.vocab_size, (2, 11))
-    ours = np.asarray(forward(weights.materialize(lora), mcfg, "fp32", jnp.asarray(tokens))[0])
+    ours = np.asarray(forward(weights.materialize(lora), mcfg, Policy.parse("fp32"), jnp.asarray(tokens))[0])
     # convert run-to-peft: PEFT on the base (init_from itself: held in f32) gives our logits.
     torch, transformers, peft = (pytest.importorskip(m) for m in ("torch", "transformers", "peft"))
     assert cli_main(["convert", "run-to-peft", "--run", str(ref), "--out",

@@ -20,6 +20,7 @@ import pytest
 from jaxrl_lp.bench.lowering import KERNEL_CASES, kernel_family, report
 from jaxrl_lp.cli.main import main
 from jaxrl_lp.models.config import get_preset
+from jaxrl_lp.numerics.policy import Policy
 from jaxrl_lp.plan.programs import PROGRAMS
 
 PRESETS = ("qwen3-0.6b", "qwen3-4b", "ouro-1.4b")
@@ -57,7 +58,7 @@ def _assert_cells(row: dict, platforms=("cuda", "tpu")):
 
 @pytest.mark.parametrize(("preset", "policy", "layers"), CELLS)
 def test_every_program_lowers_for_cuda_and_tpu_with_its_kernels(preset, policy, layers):
-    out = report([preset], [policy], ("cuda", "tpu"), kernel_rows=False, layers=layers)
+    out = report([preset], [Policy.parse(policy)], ("cuda", "tpu"), kernel_rows=False, layers=layers)
     want_layers = layers or get_preset(preset).num_layers
     assert out["layers"] == {preset: want_layers}
     row = out["programs"][preset][policy]
@@ -76,7 +77,7 @@ def test_every_program_lowers_for_cuda_and_tpu_with_its_kernels(preset, policy, 
 
 
 def test_the_cpu_lowering_of_the_same_trace_carries_no_kernel():
-    out = report(["qwen3-0.6b"], ["bf16"], ("cpu", "cuda", "tpu"),
+    out = report(["qwen3-0.6b"], [Policy.parse("bf16")], ("cpu", "cuda", "tpu"),
                  ["grpo_step_hybrid", "sampler_decode", "replay"], kernel_rows=False,
                  layers=SHALLOW)
     for prog, cell in out["programs"]["qwen3-0.6b"]["bf16"].items():
@@ -124,10 +125,10 @@ def test_expected_kernels_follow_the_model_and_the_policy():
     from jaxrl_lp.bench.lowering import expected_kernels
 
     ouro, qwen = get_preset("ouro-1.4b"), get_preset("qwen3-0.6b")
-    assert expected_kernels("sft_step", qwen, "bf16") == {"logprob"}
-    assert expected_kernels("sft_step", ouro, "bf16") == set()  # the expected read-out
-    assert expected_kernels("replay", qwen, "nvfp4") == {"decode_attention", "quantize"}
-    assert expected_kernels("replay", qwen, "bf16,k=off") == set()
+    assert expected_kernels("sft_step", qwen, Policy.parse("bf16")) == {"logprob"}
+    assert expected_kernels("sft_step", ouro, Policy.parse("bf16")) == set()  # the expected read-out
+    assert expected_kernels("replay", qwen, Policy.parse("nvfp4")) == {"decode_attention", "quantize"}
+    assert expected_kernels("replay", qwen, Policy.parse("bf16,k=off")) == set()
 
 
 @pytest.mark.parametrize(("preset", "policy"), [("qwen3-0.6b", "bf16"), ("ouro-1.4b", "bf16"),
@@ -156,17 +157,16 @@ def test_the_samplers_decode_loop_carries_the_attention_kernel(preset, policy):
     params = jax.eval_shape(lambda: init_params(cfg, jax.random.PRNGKey(0)))
     rows, prompt = 8, 64
     ints = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)
-    with native():
-        forced = Forced(ints(rows, 64), ints(rows, 64), jax.ShapeDtypeStruct((), jnp.bool_))
-        traced = sampler_program.trace(
-            params, ints(rows, prompt), ints(rows, prompt), ints(rows), jax.random.PRNGKey(0),
-            ints(), forced,
-            cfg=cfg, policy=Policy.parse(policy), loop=LoopSpec().resolve(cfg),
-            sampling=SamplingConfig(temperature=1.0), max_new_tokens=64, eos_id=cfg.eos_token_id,
-            pad_id=cfg.pad_token_id)
-        for platform in ("cuda", "tpu"):
-            families = {kernel_family(k) for k in kernel_calls(lower_for(traced, platform),
-                                                               platform)}
-            # GPU versions are retired from compiled use (`kernels.dispatch.RETIRED`).
-            want = {"decode_attention"} if policy == "bf16" and platform == "tpu" else set()
-            assert families == want, (platform, families)
+    forced = Forced(ints(rows, 64), ints(rows, 64), jax.ShapeDtypeStruct((), jnp.bool_))
+    traced = sampler_program.trace(
+        params, ints(rows, prompt), ints(rows, prompt), ints(rows), jax.random.PRNGKey(0),
+        ints(), forced,
+        cfg=cfg, policy=native(Policy.parse(policy)), loop=LoopSpec().resolve(cfg),
+        sampling=SamplingConfig(temperature=1.0), max_new_tokens=64, eos_id=cfg.eos_token_id,
+        pad_id=cfg.pad_token_id)
+    for platform in ("cuda", "tpu"):
+        families = {kernel_family(k) for k in kernel_calls(lower_for(traced, platform),
+                                                           platform)}
+        # GPU versions are retired from compiled use (`kernels.dispatch.RETIRED`).
+        want = {"decode_attention"} if policy == "bf16" and platform == "tpu" else set()
+        assert families == want, (platform, families)

@@ -113,16 +113,16 @@ def test_looped_matches_reference_all_readouts(loops):
     np.testing.assert_allclose(pdf, hand, atol=1e-6)
 
     fwd = jax.jit(forward, static_argnames=("cfg", "policy", "loop", "readout"))
-    last, _, out = fwd(params, cfg, "fp32", toks)
+    last, _, out = fwd(params, cfg, Policy.parse("fp32"), toks)
     np.testing.assert_allclose(last[0], step_logits[-1], atol=REF_TOL)
     np.testing.assert_allclose(out.exit_pdf[0], hand, atol=1e-5)
-    expected, _, _ = fwd(params, cfg, "fp32", toks, readout="expected")
+    expected, _, _ = fwd(params, cfg, Policy.parse("fp32"), toks, readout="expected")
     np.testing.assert_allclose(expected[0], np.einsum("rtv,tr->tv", step_logits, hand), atol=REF_TOL)
     for k in range(1, loops + 1):
-        fixed, _, out = fwd(params, cfg, "fp32", toks, loop=LoopSpec(f"fixed:{k}"))
+        fixed, _, out = fwd(params, cfg, Policy.parse("fp32"), toks, loop=LoopSpec(f"fixed:{k}"))
         np.testing.assert_allclose(fixed[0], step_logits[k - 1], atol=REF_TOL)
         assert (np.asarray(out.exit_steps) == k - 1).all()
-    thr, _, out = fwd(params, cfg, "fp32", toks, loop=LoopSpec("threshold:0.5"))
+    thr, _, out = fwd(params, cfg, Policy.parse("fp32"), toks, loop=LoopSpec("threshold:0.5"))
     cum = np.cumsum(hand, -1)
     want = np.where((cum >= 0.5).any(-1), np.argmax(cum >= 0.5, -1), loops - 1)
     np.testing.assert_array_equal(out.exit_steps[0], want)
@@ -136,12 +136,13 @@ def test_looped_r1_is_sandwich_decoder_and_dense_has_no_loop_options():
     params = _params(cfg)
     toks = _tokens(cfg, b=1, t=6)
     _, step_logits = np_looped(params, cfg, toks[0])
-    logits, _, out = forward(params, cfg, "fp32", toks, readout="expected")
+    logits, _, out = forward(params, cfg, Policy.parse("fp32"), toks, readout="expected")
     np.testing.assert_allclose(logits[0], step_logits[0], atol=REF_TOL)
     np.testing.assert_allclose(out.exit_pdf, 1.0)
     dense = get_preset("tiny-qwen3")
     with pytest.raises(ValueError, match="looped models only"):
-        forward(init_params(dense, jax.random.PRNGKey(0)), dense, "fp32", toks, readout="expected")
+        forward(init_params(dense, jax.random.PRNGKey(0)), dense, Policy.parse("fp32"), toks,
+                readout="expected")
 
 
 @pytest.mark.parametrize(
@@ -165,10 +166,10 @@ def test_incremental_decoding_equals_full_forward(preset, kwargs, layout):
     # whole-sequence matmuls stay ~1e-6, well inside the spec's 1e-5.
     params = _params(cfg, seed=2, scale=1.0)
     toks = _tokens(cfg, b=2, t=10, seed=3)
-    full, _, full_out = forward(params, cfg, "fp32", toks, **kwargs)
+    full, _, full_out = forward(params, cfg, Policy.parse("fp32"), toks, **kwargs)
 
     step = jax.jit(
-        lambda p, tk, c, i: forward(p, cfg, "fp32", tk, None, c, i, **kwargs),
+        lambda p, tk, c, i: forward(p, cfg, Policy.parse("fp32"), tk, None, c, i, **kwargs),
     )
     cache = init_cache(cfg, Policy.parse("fp32"), batch=2, max_len=16)
     if layout == "unstacked":  # what the sampler decodes with: per-layer weights and buffers
@@ -198,7 +199,7 @@ def test_causality_gradients_do_not_flow_from_the_future():
         kwargs = {"readout": "expected"} if cfg.is_looped else {}
 
         def loss(p, t, cfg=cfg, toks=toks, kwargs=kwargs):
-            logits, _, _ = forward(p, cfg, "bf16", toks, **kwargs)
+            logits, _, _ = forward(p, cfg, Policy.parse("bf16"), toks, **kwargs)
             return jax.nn.log_softmax(logits[0, t])[3]
 
         grad = jax.jit(jax.grad(loss))
@@ -213,7 +214,7 @@ def test_causality_gradients_do_not_flow_from_the_future():
 def test_no_recompile_on_second_call():
     cfg = get_preset("tiny-ouro")
     params = _params(cfg)
-    fn = jax.jit(lambda p, t: forward(p, cfg, "bf16", t)[0])
+    fn = jax.jit(lambda p, t: forward(p, cfg, Policy.parse("bf16"), t)[0])
     fn(params, _tokens(cfg, seed=0)).block_until_ready()
     fn(params, _tokens(cfg, seed=1)).block_until_ready()
     assert fn._cache_size() == 1
@@ -239,7 +240,7 @@ def test_policy_regions_move_the_rounding():
         lambda path, x: x + 0.3 * jnp.sin(jnp.arange(x.size).reshape(x.shape))
         if "norm" in str(path[-1]) else x, params)
     toks = _tokens(cfg)
-    run = lambda pol: np.asarray(forward(params, cfg, pol, toks)[0])
+    run = lambda pol: np.asarray(forward(params, cfg, Policy.parse(pol), toks)[0])
     # Under f32 compute the regions change nothing: every rounding site is the identity.
     exact = run("fp32")
     np.testing.assert_array_equal(exact, run(Policy.parse("fp32").replace(f32_regions=frozenset())))

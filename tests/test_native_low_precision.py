@@ -2,13 +2,12 @@
 
 On CPU a bf16 compute dtype is carried as f32 arrays of bf16 values
 (docs/design.md, "Low precision on CPU"); on GPU and TPU the arrays are bf16
-(`JAXRL_LP_NATIVE_LOW_PRECISION=1` selects that path anywhere,
-`plan.programs.native`). Before a device sees it,
+(a policy's `s=native` selects that path anywhere, `plan.programs.native`).
+Before a device sees it,
 the bf16-stored path is proven here at tiny sizes, kernels off and in Pallas
 interpret mode (the GPU and the TPU versions): the replay equals the sampler
 bit for bit, the hybrid log-probs' value is the sampler's and their gradient
-the dense one's, exactly. jit caches are dropped around each cell: a program
-traced in the other storage mode has the same arguments and would be reused.
+the dense one's, exactly.
 """
 
 import jax
@@ -18,14 +17,13 @@ import pytest
 from helpers import exactness_grads
 
 from jaxrl_lp.bench.exactness import exactness_model, exactness_rollout, masked_max_abs_diff
-from jaxrl_lp.numerics.policy import Policy, native_low_precision
+from jaxrl_lp.numerics.policy import Policy
 
 PROMPTS = ((1, 5, 7), (2, 9, 4, 11, 3, 8), (6,))
 
 
 # By default the dense model without kernels and the looped one (deferred) with the GPU
 # kernels; the other cells in CI's slow tier (17-25 s each cold on 2 cores).
-@pytest.mark.usefixtures("natively")
 @pytest.mark.parametrize("kind,kernels", [
     ("dense", "off"), ("looped_deferred", "interpret"),
     *(pytest.param(k, m, marks=(pytest.mark.slow, pytest.mark.ci)) for k, m in (
@@ -33,9 +31,9 @@ PROMPTS = ((1, 5, 7), (2, 9, 4, 11, 3, 8), (6,))
         ("looped_deferred", "interpret-tpu"),
         ("looped_dense", "off"), ("looped_dense", "interpret")))])
 def test_replay_and_hybrid_are_exact_with_bf16_stored(kind, kernels):
-    assert native_low_precision()
     cfg, params, loop = exactness_model(kind, loop_steps=4)
-    policy = Policy.parse(f"bf16,k={kernels}")
+    policy = Policy.parse(f"bf16,k={kernels},s=native")
+    assert policy.native
     ro = exactness_rollout(params, cfg, policy, loop, prompts=PROMPTS, num_samples=2,
                            max_new_tokens=8)
     traced = jax.jit(exactness_grads(cfg, policy, ro, loop)).trace(params)

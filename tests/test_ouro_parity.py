@@ -32,6 +32,7 @@ from jaxrl_lp.models import ExitSchedule, LoopSpec, forward, from_pretrained
 from jaxrl_lp.models.hf_config import read_hf_config
 from jaxrl_lp.models.hf_io import save_hf_checkpoint
 from jaxrl_lp.models.loop import exit_rule_from_hf
+from jaxrl_lp.numerics.policy import Policy
 
 FIXTURES = Path(__file__).parent / "fixtures" / "ouro"
 NAMES = sorted(p.parent.name for p in FIXTURES.glob("*/reference.npz"))
@@ -61,7 +62,7 @@ def fixture(name):
 @functools.partial(jax.jit, static_argnames=("cfg", "loop", "readout"))
 def _forward(params, tokens, readout_steps, *, cfg, loop, readout):
     schedule = None if readout_steps is None else ExitSchedule(readout_BxT=readout_steps)
-    logits, _, out = forward(params, cfg, "fp32", tokens, loop=loop, schedule=schedule,
+    logits, _, out = forward(params, cfg, Policy.parse("fp32"), tokens, loop=loop, schedule=schedule,
                              readout=readout)
     return logits, out.exit_steps, out.exit_pdf
 

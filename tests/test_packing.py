@@ -33,7 +33,7 @@ from jaxrl_lp.rl.logprobs import dense_logprobs, packed_rows_of
 @functools.cache
 def _sampled(kind):
     cfg, params, loop = exactness_model(kind)
-    return cfg, params, exactness_rollout(params, cfg, "fp32", loop)
+    return cfg, params, exactness_rollout(params, cfg, Policy.parse("fp32"), loop)
 
 
 def batch(pol, kind="dense"):

@@ -239,8 +239,8 @@ def test_sync_checks_and_hashes_on_a_sharded_export():
     served, _ = jax.jit(exporter.apply)(sharded, exporter.init(sharded))
     hashes = hash_served(served)
     tokens = jnp.asarray([[1, 5, 7, 9]], jnp.int32)
-    kw = dict(cfg=cfg, probe_tokens=tokens, learner_policy="fp32", master=sharded)
-    ok = run_sync_checks(served, hashes, SamplerState(served, 3, 3, "fp32"),
+    kw = dict(cfg=cfg, probe_tokens=tokens, learner_policy=Policy.parse("fp32"), master=sharded)
+    ok = run_sync_checks(served, hashes, SamplerState(served, 3, 3, Policy.parse("fp32")),
                          expected_layout(exporter, params), 3, **kw)
     assert ok.passed, str(ok)
     # The same export unsharded hashes otherwise (the digest covers the shard layout) but
@@ -250,7 +250,8 @@ def test_sync_checks_and_hashes_on_a_sharded_export():
         np.asarray(emb).view(np.uint32).__xor__(np.uint32(1) << 3 * (np.arange(emb.size)
                                                                      .reshape(emb.shape) == 0))
         .view(np.float32), emb.sharding)
-    bad = run_sync_checks(served, hashes, SamplerState({**served, "embed": flipped}, 3, 3, "fp32"),
+    bad = run_sync_checks(served, hashes, SamplerState({**served, "embed": flipped}, 3, 3,
+                                                    Policy.parse("fp32")),
                           expected_layout(exporter, params), 3, **kw)
     assert not bad.passed and "hashes" in str(bad)
 

@@ -32,6 +32,8 @@ def test_random_combinations_round_trip():
             f32_regions=regions,
             matmul_format=rng.choice((None, *MATMUL_FORMATS)),
             backward=rng.choice(("reuse", "fresh")),
+            kernels=rng.choice(("auto", "off", "interpret")),
+            storage=rng.choice(("auto", "native", "f32")),
         )
         s = str(p)
         assert Policy.parse(s) == p, s
@@ -54,6 +56,7 @@ def test_unspecified_keys_take_defaults():
         ("bwd=later", ["backward", "'later'", "reuse", "fresh"]),  # unknown backward
         ("mm=int3", ["matmul_format", "'int3'", "mxfp8", "ternary"]),  # unknown format
         ("p=f32,c", ["'c'", "key=value"]),
+        ("bf16,s=bf16", ["storage", "'bf16'", "native", "f32"]),  # unknown storage
     ],
 )
 def test_invalid_specs_name_the_field_and_allowed_values(spec, must_name):
@@ -70,6 +73,63 @@ def test_constructor_validates():
         Policy(accum_dtype="bf16")
     with pytest.raises(ValueError, match="f32_regions"):
         Policy(f32_regions=frozenset({"attention"}))
+
+
+def test_storage_is_the_policys_and_auto_follows_the_backend():
+    """Storage is a field: `native` stores bf16 arrays, `f32` the carrier, `auto` the backend's
+    choice (the f32 carrier on CPU); the rounded values are the same."""
+    x = jnp.asarray([1 + 2**-8, 3.14159, -2.5e-3], jnp.float32)
+    native, carried = Policy.parse("bf16,s=native"), Policy.parse("bf16,s=f32")
+    assert native.native and not carried.native
+    assert (native.carrier_dtype, carried.carrier_dtype) == (jnp.bfloat16, jnp.float32)
+    assert PRESETS["bf16"].native == (jax.default_backend() != "cpu")
+    assert native.round(x).dtype == jnp.bfloat16 and carried.round(x).dtype == jnp.float32
+    np.testing.assert_array_equal(np.asarray(native.round(x), np.float32),
+                                  np.asarray(carried.round(x)))
+    assert not Policy.parse("fp32,s=native").is_low_precision  # f32 stays f32 either way
+    assert Policy.parse("fp32,s=native").carrier_dtype == jnp.float32
+    assert str(PRESETS["bf16"]) == str(Policy.parse("bf16,s=auto"))  # the default is left out
+    assert native != PRESETS["bf16"]  # a different program: not the same policy
+
+
+def test_name_and_repr_read_back():
+    assert PRESETS["bf16"].name == "bf16" and Policy.parse("c=bf16").name == "bf16"
+    odd = Policy.parse("bf16,k=off")
+    assert odd.name == str(odd) and Policy.parse(odd.name) == odd
+    assert eval(repr(odd), {"Policy": Policy}) == odd
+
+
+def test_functions_below_the_boundary_refuse_a_string_naming_the_fix():
+    from jaxrl_lp.models.config import get_preset
+    from jaxrl_lp.models.model import forward, init_params
+    from jaxrl_lp.numerics import require
+    from jaxrl_lp.rollout import generate
+
+    cfg = get_preset("tiny-qwen3")
+    params = init_params(cfg, jax.random.PRNGKey(0))
+    with pytest.raises(TypeError, match=r"generate: the policy is the string 'bf16'; pass a "
+                                        r"Policy, .*Policy.parse\('bf16'\)"):
+        generate(params, cfg, [[1, 2]], policy="bf16", max_new_tokens=2)
+    with pytest.raises(TypeError, match=r"^forward: the policy is the string 'fp32'"):
+        forward(params, cfg, "fp32", jnp.ones((1, 3), jnp.int32))
+    with pytest.raises(TypeError, match="must be a Policy; got int"):
+        require(3, "here")
+    assert require(PRESETS["fp32"], "here") is PRESETS["fp32"]
+
+
+def test_the_retired_storage_switch_names_its_replacement():
+    import subprocess
+    import sys
+
+    env = {"JAX_PLATFORMS": "cpu", "JAXRL_LP_NATIVE_LOW_PRECISION": "1",
+           "PATH": "/usr/bin:/bin"}
+    r = subprocess.run([sys.executable, "-c", "import jaxrl_lp.numerics"], env=env,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode != 0 and "add s=native" in r.stderr.splitlines()[-1], r.stderr[-500:]
+    import jaxrl_lp.numerics as numerics
+
+    with pytest.raises(AttributeError, match="Policy.native"):
+        numerics.native_low_precision  # noqa: B018
 
 
 def test_round_gives_bf16_values():

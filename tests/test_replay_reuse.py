@@ -22,7 +22,7 @@ from helpers import LEARNS, short_run
 
 from jaxrl_lp.bench.exactness import EXIT_RULE, exactness_model, exactness_rollout
 from jaxrl_lp.numerics.fingerprint import fingerprint_equal, tree_fingerprint
-from jaxrl_lp.numerics.policy import Policy
+from jaxrl_lp.numerics.policy import FP32, Policy
 from jaxrl_lp.rl import LossConfig, make_grpo_step
 from jaxrl_lp.rollout import LoopSpec
 from jaxrl_lp.rollout.generate import split_rows, take_rows
@@ -116,7 +116,7 @@ def test_check_replay_equal_compares_bits_on_the_mask():
 
 
 # ---------------------------------------------------------------- the step on recorded values
-def _two_steps(cfg, params, ro, loop, *, policy="fp32", opt=None, **kw):
+def _two_steps(cfg, params, ro, loop, *, policy=FP32, opt=None, **kw):
     """(params, metrics) of one update with the replay and one with the recorded values."""
     opt = opt or optax.adam(1e-2)
     step = make_grpo_step(cfg, Policy.parse(policy), LossConfig(), opt, loop=loop, **kw)
@@ -172,7 +172,7 @@ def test_speculative_rollouts_on_recorded_logprobs():
 
     cfg, params, _ = _model("looped_dense")
     loop = LoopSpec(EXIT_RULE, "dense")
-    ro = speculative_generate(params, cfg, PROMPTS, "self:loops=1,k=2", policy="fp32",
+    ro = speculative_generate(params, cfg, PROMPTS, "self:loops=1,k=2", policy=Policy.parse("fp32"),
                               sampling=SamplingConfig(temperature=0.8), max_new_tokens=N,
                               num_samples=G, loop=loop, key=jax.random.PRNGKey(2))
     assert ro.verify_tokens == 3
@@ -193,7 +193,7 @@ def test_coded_weights_on_recorded_logprobs():
     weights = CodedWeights("binary")
     train = weights.from_params(params)
     served = jax.jit(weights.materialize)(train)
-    ro = generate(served, cfg, PROMPTS, policy="fp32", sampling=SamplingConfig(temperature=0.8),
+    ro = generate(served, cfg, PROMPTS, policy=Policy.parse("fp32"), sampling=SamplingConfig(temperature=0.8),
                   max_new_tokens=N, num_samples=G, eos_id=2, loop=loop,
                   key=jax.random.PRNGKey(4))
     # What the training program compares: the materialized train tree, as the sampler got it.
@@ -218,7 +218,7 @@ def test_sharded_step_on_recorded_logprobs():
     mesh = make_mesh("fsdp=8")
     sharded = put_tree(params, param_shardings(params, cfg, mesh))
     # Sampled on the mesh, as the training program samples on its mesh.
-    ro = generate(sharded, cfg, PROMPTS, policy="fp32", sampling=SamplingConfig(temperature=0.8),
+    ro = generate(sharded, cfg, PROMPTS, policy=FP32, sampling=SamplingConfig(temperature=0.8),
                   max_new_tokens=N, num_samples=G, eos_id=2, loop=loop,
                   key=jax.random.PRNGKey(4), mesh=mesh)
     # The fingerprint of the sharded weights is the one-device weights'.

@@ -62,8 +62,8 @@ def full_forward(params, tokens_BxT, exit_steps_BxT=None, readout_steps_BxT=None
                  compute_mode="dense"):
     """Cache-free f32 forward; looped: returns (logits, exit pdf) at the given read-out steps."""
     if not cfg.is_looped:
-        return forward(params, cfg, "fp32", tokens_BxT)[0], None
-    logits, _, out = forward(params, cfg, "fp32", tokens_BxT,
+        return forward(params, cfg, Policy.parse("fp32"), tokens_BxT)[0], None
+    logits, _, out = forward(params, cfg, Policy.parse("fp32"), tokens_BxT,
                              loop=LoopSpec("full", compute_mode),
                              schedule=ExitSchedule(exit_steps_BxT, readout_steps_BxT))
     return logits, out.exit_pdf
@@ -124,7 +124,7 @@ def test_dense_greedy_is_argmax_of_full_forward_and_logprobs_match():
     sampling = SamplingConfig(greedy=True)
     ro = generate(params, DENSE, PROMPTS, sampling=sampling, max_new_tokens=N)
     assert ro.completion_tokens.shape == (2, N) and ro.logprobs.dtype == jnp.float32
-    assert str(ro.loop) == "full/dense" and ro.temperature == 1.0 and ro.policy == str(Policy.parse("fp32"))
+    assert str(ro.loop) == "full/dense" and ro.temperature == 1.0 and ro.policy == (Policy.parse("fp32"))
     np.testing.assert_array_equal(ro.completion_mask, 1.0)
     np.testing.assert_array_equal(ro.exit_steps, 0)
     seq, p = sequence(ro, PROMPTS)

@@ -186,7 +186,7 @@ def test_inverse_cdf_never_draws_a_filtered_token_of_a_large_vocabulary():
 
 def test_an_inverse_cdf_rollout_replays_bit_for_bit():
     cfg, params, loop = exactness_model("dense")
-    kw = dict(policy="fp32", max_new_tokens=10, num_samples=2, eos_id=None, loop=loop,
+    kw = dict(policy=Policy.parse("fp32"), max_new_tokens=10, num_samples=2, eos_id=None, loop=loop,
               key=jax.random.PRNGKey(1))
     prompts = ((1, 5, 7), (2, 9, 4, 11, 3, 8), (6,))
     ro = generate(params, cfg, prompts, sampling=SamplingConfig(temperature=0.8,

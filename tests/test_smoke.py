@@ -8,11 +8,12 @@ import pytest
 
 from jaxrl_lp.bench import smoke
 from jaxrl_lp.cli.main import main
+from jaxrl_lp.numerics.policy import Policy
 
 
 @pytest.mark.slow
 def test_smoke_at_real_sizes():
-    out = smoke.run(argparse.Namespace(parts=",".join(smoke.PARTS), policy="bf16"))
+    out = smoke.run(argparse.Namespace(parts=",".join(smoke.PARTS), policy=Policy.parse("bf16")))
     qwen, ouro = out["qwen3-0.6b"], out["ouro-1.4b"]
     assert qwen["params"] > 5e8 and ouro["params"] > 1.4e9
     step = qwen["grpo_step"]
@@ -40,6 +41,6 @@ def test_smoke_command_at_tiny_sizes(tmp_path):
 
 def test_smoke_refuses_unknown_parts(capsys):
     with pytest.raises(ValueError, match="unknown smoke part"):
-        smoke.run(argparse.Namespace(parts="llama-70b", policy="bf16"))
+        smoke.run(argparse.Namespace(parts="llama-70b", policy=Policy.parse("bf16")))
     assert main(["bench", "smoke", "--parts", "llama-70b"]) == 2
     assert "unknown smoke part(s) ['llama-70b']" in capsys.readouterr().err

@@ -68,7 +68,7 @@ def greedy(spec):
 @jax.jit
 def full_logprobs(params, tokens_BxT):
     """log_softmax of one cache-free f32 forward (the model's default `full` read-out)."""
-    return jax.nn.log_softmax(forward(params, TARGET, "fp32", tokens_BxT)[0], axis=-1)
+    return jax.nn.log_softmax(forward(params, TARGET, Policy.parse("fp32"), tokens_BxT)[0], axis=-1)
 
 
 @pytest.mark.parametrize("spec", [SELF, DENSE])
@@ -95,7 +95,7 @@ def test_rows_accept_different_counts_and_logprobs_equal_full_forward():
 
 @pytest.mark.parametrize("policy", ["fp32", "bf16"])
 def test_replay_equals_sampler_bit_for_bit(policy):
-    ro, _ = spec_rollout(SELF, policy=policy, sampling=SamplingConfig(temperature=0.7),
+    ro, _ = spec_rollout(SELF, policy=Policy.parse(policy), sampling=SamplingConfig(temperature=0.7),
                          key=jax.random.PRNGKey(4)) if policy == "bf16" else greedy(SELF)
     replay = jit_learner_logprobs(TARGET, Policy.parse(policy), "replay")(target_params(), ro)
     mask = np.asarray(ro.completion_mask) > 0
@@ -125,7 +125,7 @@ def _conditionals(params, cfg, prompt, sampling, depth):
     grid = grid.reshape(-1, depth - 1)
     tokens = jnp.concatenate([jnp.broadcast_to(jnp.asarray(prompt), (len(grid), len(prompt))),
                               jnp.asarray(grid, jnp.int32)], axis=1)
-    logits = forward(params, cfg, "fp32", tokens)[0]
+    logits = forward(params, cfg, Policy.parse("fp32"), tokens)[0]
     p = len(prompt)
     out = []
     for t in range(depth):
@@ -291,12 +291,12 @@ def test_dense_drafter_cache_is_bounded_and_positions_rebased(monkeypatch):
         per_context[context] = seen[0]
     (short_d, short_slots, short_t), (long_d, long_slots, long_t) = per_context.values()
     assert long_t > short_t  # the target's cache holds the context; the probe sees its size
-    assert long_d == short_d == drafter_cache_bytes(spec, DRAFTER, "fp32", 2) > 0
+    assert long_d == short_d == drafter_cache_bytes(spec, DRAFTER, Policy.parse("fp32"), 2) > 0
     assert long_slots == short_slots == spec.sink + spec.window
     # k and v [B=2, kv heads, 7 slots, head dim] f32 per layer, and the slots' int32 positions.
     assert short_d == DRAFTER.num_layers * 2 * (2 * DRAFTER.num_kv_heads * 7
                                                 * DRAFTER.head_dim * 4) + 2 * 7 * 4
-    assert drafter_cache_bytes(SpecConfig.parse(SELF), None, "fp32", 1) == 0
+    assert drafter_cache_bytes(SpecConfig.parse(SELF), None, Policy.parse("fp32"), 1) == 0
 
 
 def test_bad_input_gives_one_clear_error_each():
@@ -365,7 +365,7 @@ def _train_affine(length, steps, seed):
     @jax.jit
     def step(params, state, tokens):
         def loss(p):  # positions 2.. are determined by the key and the previous token
-            lp = jax.nn.log_softmax(forward(p, cfg, "fp32", tokens)[0][:, 1:-1])
+            lp = jax.nn.log_softmax(forward(p, cfg, Policy.parse("fp32"), tokens)[0][:, 1:-1])
             return -jnp.mean(jnp.take_along_axis(lp, tokens[:, 2:, None], axis=-1))
 
         g = jax.grad(loss)(params)

@@ -39,6 +39,7 @@ from jaxrl_lp.sync import (
 
 CFG = get_preset("tiny-qwen3")
 BF16 = jnp.bfloat16
+BF16_POLICY = Policy.parse("bf16")
 VERSION = 5
 PROBE = np.random.default_rng(0).integers(0, CFG.vocab_size, (2, 8))
 
@@ -83,11 +84,11 @@ def _transfer(tree):
 
 
 def _checks(written, held, master, *, version=VERSION, cache_version=VERSION,
-            sampler_policy="bf16", expected=None, **kwargs):
+            sampler_policy=BF16_POLICY, expected=None, **kwargs):
     sampler = SamplerState(held, version, cache_version, sampler_policy)
     return run_sync_checks(written, hash_served(written), sampler,
                            expected or expected_layout(EXPORTERS["mxfp8"], master), VERSION,
-                           master=master, cfg=CFG, probe_tokens=PROBE, learner_policy="bf16",
+                           master=master, cfg=CFG, probe_tokens=PROBE, learner_policy=BF16_POLICY,
                            **kwargs)
 
 
@@ -306,7 +307,7 @@ FAULTS = {
     "codes_not_fixed_point": (None, lambda t: _map_leaf(t, ("layers", "q_proj"),
                                                         lambda q: _scale(q, 4.0)), {},
                               "requantize_fixed_point"),
-    "sampler_policy": (None, None, {"sampler_policy": "bf16-engine"}, "probe_logprobs"),
+    "sampler_policy": (None, None, {"sampler_policy": Policy.parse("bf16-engine")}, "probe_logprobs"),
 }
 
 
@@ -365,9 +366,9 @@ def test_requantize_allows_only_the_mx_renormalization():
 
 def test_probe_tolerance_for_unmatched_policies(master, clean):
     held = _transfer(clean)
-    report = _checks(clean, held, master, sampler_policy="bf16-engine", matched=False)
+    report = _checks(clean, held, master, sampler_policy=Policy.parse("bf16-engine"), matched=False)
     assert report.passed, str(report)  # differs, but within PROBE_ATOL
-    report = _checks(clean, held, master, sampler_policy="bf16-engine", matched=False, atol=0.0)
+    report = _checks(clean, held, master, sampler_policy=Policy.parse("bf16-engine"), matched=False, atol=0.0)
     assert [r.name for r in report.failures] == ["probe_logprobs"], str(report)
 
 

@@ -7,6 +7,7 @@ import pytest
 
 from jaxrl_lp.models import get_preset, param_shapes
 from jaxrl_lp.numerics import QArray, quantize
+from jaxrl_lp.numerics.policy import Policy
 from jaxrl_lp.sync import (
     MATMUL_WEIGHTS,
     TERNARY_PATHS,
@@ -103,8 +104,8 @@ def test_ternary_paths_pass_sync_checks(path):
     ex = ternary(path)
     served, _ = jax.jit(ex.apply)(master, ex.init(master), 3)
     held = jax.tree.map(lambda x: jnp.asarray(np.asarray(x)), served)
-    report = run_sync_checks(served, hash_served(served), SamplerState(held, 3, None, "bf16"),
+    report = run_sync_checks(served, hash_served(served), SamplerState(held, 3, None, Policy.parse("bf16")),
                              expected_layout(ex, master), 3, master=master, cfg=cfg,
                              probe_tokens=rng.integers(0, cfg.vocab_size, (2, 8)),
-                             learner_policy="bf16")
+                             learner_policy=Policy.parse("bf16"))
     assert report.passed, str(report)

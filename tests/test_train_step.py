@@ -68,7 +68,7 @@ def batch(kind):
                  prompt_lengths=jnp.asarray(PROMPT_LENGTHS, jnp.int32),
                  completion_tokens=jnp.asarray(tokens), completion_mask=jnp.asarray(mask),
                  logprobs=f32(sampler), exit_steps=jnp.asarray(exits * mask, jnp.int32),
-                 loop_evals=jnp.int32(0), weights_version=jnp.int32(0), policy=str(POLICY),
+                 loop_evals=jnp.int32(0), weights_version=jnp.int32(0), policy=POLICY,
                  loop=loop, temperature=1.0)
     adv = jnp.asarray(rng.standard_normal(B), jnp.float32)
     return ro, adv, f32(old), f32(learner)

@@ -32,6 +32,8 @@ import time
 import jax
 import numpy as np
 
+from jaxrl_lp.numerics.policy import policy_arg, require
+
 __all__ = ["DEFAULT_PROGRAMS", "add_arguments", "compile_seconds", "report", "run"]
 
 # `sampler_generate` is the sampler's whole program (`rollout.generate`: the prefill, then a
@@ -44,7 +46,7 @@ DEFAULT_PROGRAMS = (GENERATE, "sampler_decode", "grpo_step_dense", "grpo_step_hy
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--presets", default="qwen3-0.6b", help="model presets, comma-separated")
-    parser.add_argument("--policy", default="bf16", help="the precision policy")
+    parser.add_argument("--policy", default="bf16", type=policy_arg, help="the precision policy")
     parser.add_argument("--depths", default="1,2,4,8", help="decoder layer counts")
     parser.add_argument("--programs", default=",".join(DEFAULT_PROGRAMS),
                         help="programs of plan.programs, comma-separated")
@@ -106,7 +108,6 @@ def report(presets, policy: str = "bf16", depths=(1, 2, 4, 8),
       ValueError: an unknown program, fewer than two depths or a depth below 1.
     """
     from jaxrl_lp.models.config import get_preset
-    from jaxrl_lp.numerics.policy import Policy
     from jaxrl_lp.plan.programs import PROGRAMS, ProgramShapes
 
     depths = sorted(set(int(d) for d in depths))
@@ -116,7 +117,7 @@ def report(presets, policy: str = "bf16", depths=(1, 2, 4, 8),
         if name not in (GENERATE, *PROGRAMS):
             raise ValueError(f"--programs: unknown program {name!r}; choose from "
                              f"{[GENERATE, *PROGRAMS]}")
-    pol = Policy.parse(policy)
+    pol = require(policy, "bench compile")
     shapes = shapes or ProgramShapes()
     out = {"target": "compile", "jax": jax.__version__, "backend": jax.default_backend(),
            "platform": f"{platform.machine()} {platform.system().lower()}, "

@@ -46,7 +46,7 @@ import numpy as np
 
 from jaxrl_lp.models.config import ModelConfig, get_preset
 from jaxrl_lp.models.model import init_params
-from jaxrl_lp.numerics.policy import Policy
+from jaxrl_lp.numerics.policy import PRESETS, Policy, policy_list_arg
 from jaxrl_lp.rl.logprobs import learner_logprobs, replay_logprobs
 from jaxrl_lp.rollout.generate import Rollout, generate
 from jaxrl_lp.rollout.sampling import SamplingConfig
@@ -67,7 +67,7 @@ __all__ = [
 ]
 
 KINDS: tuple[str, ...] = ("dense", "looped_dense", "looped_deferred")
-POLICIES: tuple[str, ...] = ("fp32", "bf16")
+POLICIES: tuple[Policy, ...] = (PRESETS["fp32"], PRESETS["bf16"])
 EXIT_RULE = "threshold:0.5"
 EOS_ID = 3
 TEMPERATURE = 0.8
@@ -106,7 +106,7 @@ def exactness_model(kind: str, *, loop_steps: int = 4, seed: int = 0, gate_scale
     return cfg, params, loop
 
 
-def exactness_rollout(params: dict, cfg: ModelConfig, policy: Policy | str, loop: LoopSpec, *,
+def exactness_rollout(params: dict, cfg: ModelConfig, policy: Policy, loop: LoopSpec, *,
                       prompts: Sequence[Sequence[int]] = PROMPTS, num_samples: int = 2,
                       max_new_tokens: int = 12, eos_id: int = EOS_ID,
                       temperature: float = TEMPERATURE,
@@ -159,11 +159,10 @@ def _median_seconds(fn, *args, repeats: int) -> float:
     return statistics.median(times)
 
 
-def _prepare(pol: str, kind: str, *, loop_steps: int, max_new_tokens: int, num_samples: int,
+def _prepare(policy: Policy, kind: str, *, loop_steps: int, max_new_tokens: int, num_samples: int,
              seed: int) -> dict:
     """Samples one entry's rollouts and compiles its three learner programs (thread-safe)."""
     cfg, params, loop = exactness_model(kind, loop_steps=loop_steps, seed=seed)
-    policy = Policy.parse(pol)
     ro = exactness_rollout(params, cfg, policy, loop, max_new_tokens=max_new_tokens,
                            num_samples=num_samples, seed=seed + 1)
     adv = jax.random.normal(jax.random.PRNGKey(seed + 2), ro.logprobs.shape[:1])
@@ -202,7 +201,7 @@ def _measure(e: dict, repeats: int) -> dict:
     }
 
 
-def run_exactness(*, policies: Sequence[str] = POLICIES, kinds: Sequence[str] = KINDS,
+def run_exactness(*, policies: Sequence[Policy] = POLICIES, kinds: Sequence[str] = KINDS,
                   loop_steps: int = 4, max_new_tokens: int = 32, num_samples: int = 2,
                   repeats: int = 5, seed: int = 0, jobs: int | None = None) -> dict:
     """Measures every (policy, kind): learner-vs-sampler log-prob differences and step times.
@@ -221,7 +220,7 @@ def run_exactness(*, policies: Sequence[str] = POLICIES, kinds: Sequence[str] = 
       "wall_s": ...}` with the fields of the module docstring per entry.
 
     Examples:
-      >>> out = run_exactness(policies=["fp32"], kinds=["dense"], repeats=3)
+      >>> out = run_exactness(policies=[FP32], kinds=["dense"], repeats=3)
       >>> out["results"]["fp32"]["dense"]["max_abs_diff_replay"]
       0.0
     """
@@ -233,9 +232,9 @@ def run_exactness(*, policies: Sequence[str] = POLICIES, kinds: Sequence[str] = 
     with concurrent.futures.ThreadPoolExecutor(max_workers=jobs) as pool:
         prepared = list(pool.map(lambda e: prepare(*e), entries))
     t_prepared = time.perf_counter()
-    results: dict = {pol: {} for pol in policies}
+    results: dict = {pol.name: {} for pol in policies}
     for (pol, kind), e in zip(entries, prepared, strict=True):
-        results[pol][kind] = _measure(e, repeats)
+        results[pol.name][kind] = _measure(e, repeats)
     config = {
         "models": {"dense": "tiny-qwen3", "looped": f"tiny-ouro, loop_steps={loop_steps}"},
         "exit_rule": EXIT_RULE, "prompts": len(PROMPTS), "num_samples": num_samples,
@@ -249,7 +248,8 @@ def run_exactness(*, policies: Sequence[str] = POLICIES, kinds: Sequence[str] = 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The options of `jaxrl-lp bench exactness`."""
-    parser.add_argument("--policies", default=",".join(POLICIES),
+    parser.add_argument("--policies", default=",".join(p.name for p in POLICIES),
+                        type=policy_list_arg,
                         help="comma-separated precision policies (default: %(default)s)")
     parser.add_argument("--kinds", default=",".join(KINDS),
                         help="comma-separated model kinds (default: %(default)s)")
@@ -270,9 +270,7 @@ def run(args: argparse.Namespace) -> dict:
     kinds = [k for k in args.kinds.split(",") if k]
     if bad := [k for k in kinds if k not in KINDS]:
         raise ValueError(f"--kinds: unknown model kind(s) {bad}; allowed: {', '.join(KINDS)}")
-    policies = [p for p in args.policies.split(",") if p]
-    for p in policies:
-        Policy.parse(p)  # a clear error before anything compiles
+    policies = args.policies
     for name in ("loop_steps", "max_new_tokens", "num_samples", "repeats", "jobs"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1; got {getattr(args, name)}")

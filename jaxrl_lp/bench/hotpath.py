@@ -38,6 +38,8 @@ import time
 import jax
 import jax.numpy as jnp
 
+from jaxrl_lp.numerics.policy import policy_list_arg, require
+
 __all__ = ["F32_SHARE", "LEARNER_PROGRAMS", "add_arguments", "learner_cell", "main", "report", "sampler_cell"]
 
 LEARNER_PROGRAMS = ("grpo_step_dense", "grpo_step_hybrid", "sft_step")
@@ -50,7 +52,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The options of `jaxrl-lp bench hotpath`."""
     parser.add_argument("--presets", default="qwen3-0.6b,ouro-1.4b",
                         help="comma-separated model presets (default: %(default)s)")
-    parser.add_argument("--policies", default="bf16,fp32",
+    parser.add_argument("--policies", default="bf16,fp32", type=policy_list_arg,
                         help="comma-separated precision policies (default: %(default)s)")
     parser.add_argument("--platform", default="cuda", choices=("cuda", "tpu", "cpu"),
                         help="the platform whose branches are read (default: %(default)s)")
@@ -130,22 +132,20 @@ def report(presets, policies, platform: str = "cuda", rows: int = 32, prompt_len
            new_tokens: int = 256) -> dict:
     """Every (preset, policy) cell (module docstring), with its `problems`."""
     from jaxrl_lp.models.config import get_preset
-    from jaxrl_lp.numerics.policy import Policy
     from jaxrl_lp.plan.programs import native
 
     cells = []
     for preset in presets:
         cfg = get_preset(preset)
         for pol in policies:
-            policy = Policy.parse(pol)
+            policy = native(require(pol, "bench hotpath"))
             t0 = time.perf_counter()
-            with native():
-                cell = {"preset": preset, "policy": pol,
-                        "sampler": sampler_cell(cfg, policy, platform, rows, prompt_len,
-                                                new_tokens)}
-                for name in LEARNER_PROGRAMS:
-                    cell[name] = learner_cell(name, cfg, policy, platform, rows, prompt_len,
-                                              new_tokens)
+            cell = {"preset": preset, "policy": pol.name,
+                    "sampler": sampler_cell(cfg, policy, platform, rows, prompt_len,
+                                            new_tokens)}
+            for name in LEARNER_PROGRAMS:
+                cell[name] = learner_cell(name, cfg, policy, platform, rows, prompt_len,
+                                          new_tokens)
             cell["problems"] = _problems(cell, policy)
             cell["trace_s"] = round(time.perf_counter() - t0, 1)
             cells.append(cell)
@@ -172,7 +172,7 @@ def _commit() -> str | None:
 def main(args: argparse.Namespace) -> int:
     """`jaxrl-lp bench hotpath`: prints the report's JSON; exit 1 when a cell has problems."""
     presets = [p for p in args.presets.split(",") if p]
-    policies = [p for p in args.policies.split(",") if p]
+    policies = args.policies
     for n, v in (("--rows", args.rows), ("--prompt-len", args.prompt_len),
                  ("--new-tokens", args.new_tokens)):
         if v < 1:

@@ -106,7 +106,7 @@ from jaxrl_lp.models.config import ModelConfig, get_preset
 from jaxrl_lp.models.hf_io import save_hf_checkpoint
 from jaxrl_lp.models.model import init_params
 from jaxrl_lp.models.recorded import take_product_rows
-from jaxrl_lp.numerics.policy import Policy
+from jaxrl_lp.numerics.policy import policy_arg
 from jaxrl_lp.plan.hlo_cost import hlo_cost
 from jaxrl_lp.rl.advantages import group_advantages
 from jaxrl_lp.rl.logprobs import jit_learner_logprobs
@@ -323,7 +323,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--methods", default="hybrid,dense,products",
                         help="ours: hybrid, dense, products (hybrid with "
                              "grpo.reuse_products; dense presets only)")
-    parser.add_argument("--policy", default="fp32",
+    parser.add_argument("--policy", default="fp32", type=policy_arg,
                         help="our precision policy (fp32 on CPU: docs/design.md); Tunix gets "
                              "its compute dtype")
     parser.add_argument("--draws", default="gumbel",
@@ -448,7 +448,7 @@ def _preset_race(cfg, policy, args, mbs, methods, draws, layouts, optimizer, tun
 def run(args: argparse.Namespace) -> dict:
     """Runs the benchmark; returns one JSON-serializable dict."""
     mbs, methods, draws, layouts = _check(args)
-    policy = Policy.parse(args.policy)
+    policy = args.policy
     optimizer = optax.chain(optax.clip_by_global_norm(1.0), optax.adam(1e-6))
     why_not = "--no-tunix" if args.no_tunix else tunix_ref.unavailable()
     info = {

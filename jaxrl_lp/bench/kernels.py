@@ -48,7 +48,7 @@ from jaxrl_lp.kernels.decode_attention import decode_attention, plan_chunk
 from jaxrl_lp.kernels.dispatch import interpreting
 from jaxrl_lp.kernels.logprob import BLOCK_V, fused_logprobs
 from jaxrl_lp.models.attention import attention
-from jaxrl_lp.numerics.policy import Policy
+from jaxrl_lp.numerics.policy import PRESETS, Policy, policy_arg
 from jaxrl_lp.plan.roofline import memory_figures
 
 __all__ = ["FORMATS", "SHAPES", "add_arguments", "device_peaks", "run"]
@@ -256,11 +256,15 @@ def _shape_set(name: str, policy: Policy, mode: str, *, timed: bool, repeats: in
 
 
 # ----------------------------------------------------------------- CLI
+def _policy_or_auto(text: str) -> Policy | str:
+    return "auto" if text == "auto" else policy_arg(text)
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The options of `jaxrl-lp bench kernels`."""
     parser.add_argument("--shapes", default="small,full",
                         help=f"shape sets, comma-separated, of {list(SHAPES)} (module SHAPES)")
-    parser.add_argument("--policy", default="auto",
+    parser.add_argument("--policy", default="auto", type=_policy_or_auto,
                         help="precision policy (no matmul_format); 'auto': bf16 where Pallas "
                              "compiles (native bf16 on GPU), fp32 on CPU. Its k= is replaced "
                              "by --kernels")
@@ -296,7 +300,7 @@ def run(args: argparse.Namespace) -> dict:
     # Whether this host runs compiled kernels: a question about the machine the benchmark
     # times on (the programs themselves choose by the platform they are lowered for).
     compiles = kernel_backend() is not None
-    policy = Policy.parse(("bf16" if compiles else "fp32") if args.policy == "auto" else args.policy)
+    policy = PRESETS["bf16" if compiles else "fp32"] if args.policy == "auto" else args.policy
     if policy.matmul_format is not None:
         raise ValueError(f"--policy {policy}: the fused log-prob takes no matmul_format")
     mode = args.kernels if args.kernels != "auto" else ("on" if compiles else "interpret")

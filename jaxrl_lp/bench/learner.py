@@ -63,7 +63,7 @@ from jaxrl_lp.bench.sampler import LOOPED_SIZES, _race  # the one alternating ra
 from jaxrl_lp.models.config import ModelConfig, get_preset
 from jaxrl_lp.models.hf_io import save_hf_checkpoint
 from jaxrl_lp.models.model import init_params
-from jaxrl_lp.numerics.policy import Policy
+from jaxrl_lp.numerics.policy import Policy, policy_arg
 from jaxrl_lp.plan.hlo_cost import hlo_cost
 from jaxrl_lp.plan.roofline import memory_figures
 from jaxrl_lp.rl.advantages import group_advantages
@@ -104,7 +104,7 @@ def grpo_batch(cfg: ModelConfig, policy: Policy, params: dict, *, batch: int, pr
                  completion_mask=jnp.asarray(mask, jnp.float32), logprobs=zeros,
                  exit_steps=jnp.full((batch, n), cfg.loop_steps - 1 if cfg.is_looped else 0,
                                      jnp.int32),
-                 loop_evals=jnp.int32(0), weights_version=jnp.int32(0), policy=str(policy),
+                 loop_evals=jnp.int32(0), weights_version=jnp.int32(0), policy=policy,
                  loop=LoopSpec().resolve(cfg), decode_layout=decode_layout(params, policy))
     # The sampler's log-probs stand in as the learner's own at these weights (what an
     # on-policy rollout records up to kernel rounding).
@@ -196,7 +196,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seq-len", type=int, default=128, help="tokens T (prompt + completion)")
     parser.add_argument("--prompt-len", type=int, default=16)
     parser.add_argument("--group", type=int, default=4, help="GRPO group size G (divides B)")
-    parser.add_argument("--policy", default="fp32",
+    parser.add_argument("--policy", default="fp32", type=policy_arg,
                         help="precision policy of our step; Tunix gets its compute dtype")
     parser.add_argument("--methods", default="dense,hybrid,hybrid-recorded",
                         help="our steps to time: dense, hybrid (the replay runs: a later "
@@ -244,7 +244,7 @@ def run(args: argparse.Namespace) -> dict:
     if bad := [m for m in methods if m not in allowed]:
         raise ValueError(f"--methods: unknown {bad}; allowed: {', '.join(allowed)}")
     cfg = _model(args.size, args.looped)
-    policy = Policy.parse(args.policy)
+    policy = args.policy
     params = init_params(cfg, jax.random.PRNGKey(args.seed))
     ro, adv = grpo_batch(cfg, policy, params, batch=args.batch, prompt_len=args.prompt_len,
                          seq_len=args.seq_len, group=args.group, seed=args.seed)

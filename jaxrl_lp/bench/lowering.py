@@ -31,6 +31,9 @@ from collections import Counter
 import jax
 import jax.numpy as jnp
 
+from jaxrl_lp.numerics.policy import PRESETS as POLICY_PRESETS
+from jaxrl_lp.numerics.policy import Policy, policy_list_arg, require
+
 __all__ = ["KERNEL_CASES", "add_arguments", "expected_kernels", "kernel_family", "lower_cell",
            "main", "report", "table"]
 
@@ -52,7 +55,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     from jaxrl_lp.plan.programs import PROGRAMS
 
     parser.add_argument("--presets", default=",".join(PRESETS), help="model presets")
-    parser.add_argument("--policies", default=",".join(POLICIES), help="precision policies")
+    parser.add_argument("--policies", default=",".join(POLICIES), type=policy_list_arg,
+                        help="precision policies")
     parser.add_argument("--platforms", default=",".join(PLATFORMS), help="cuda, tpu (and cpu)")
     parser.add_argument("--programs", default=",".join(PROGRAMS), help="programs to lower")
     parser.add_argument("--targets", default=",".join(TARGETS),
@@ -84,9 +88,8 @@ def expected_kernels(program: str, cfg, policy) -> set[str]:
     """The kernel families `program` of model `cfg` carries under `policy` when lowered for a
     platform with kernels (`kernels=auto`, tiles that fit)."""
     from jaxrl_lp.kernels.logprob import fused_readout
-    from jaxrl_lp.numerics.policy import Policy
 
-    policy = Policy.parse(policy)
+    policy = require(policy, "expected_kernels")
     if policy.kernels == "off":
         return set()
     fams = set()
@@ -126,7 +129,7 @@ def lower_cell(traced, platform: str, target: str | None, expected: set[str]) ->
             "seconds": round(time.perf_counter() - t0, 2)}
 
 
-def _kernel_case(case: str, policy: str):
+def _kernel_case(case: str, policy: Policy):
     """(fn, abstract args) of a kernels-alone row, in native bf16 (`policy` sets kernels)."""
     from jaxrl_lp.kernels import quantize as kq
     from jaxrl_lp.kernels.decode_attention import decode_attention
@@ -163,7 +166,7 @@ def main(args) -> int:
     """Prints the report as JSON (or, with `--markdown`, its table); `--out` gets the JSON."""
     import json
 
-    out = report(_split(args.presets), _split(args.policies), _split(args.platforms),
+    out = report(_split(args.presets), args.policies, _split(args.platforms),
                  _split(args.programs), _split(args.targets), kernels=args.kernels,
                  kernel_rows=not args.no_kernel_rows, layers=args.layers)
     text = json.dumps(out, indent=2)
@@ -190,7 +193,6 @@ def report(presets, policies, platforms=PLATFORMS, programs=None, targets=TARGET
     from jaxrl_lp.kernels.lowering import trace_for
     from jaxrl_lp.kernels.targets import KERNEL_TARGETS
     from jaxrl_lp.models.config import get_preset
-    from jaxrl_lp.numerics.policy import Policy
     from jaxrl_lp.plan.programs import PROGRAMS, ProgramShapes, build_program, native
 
     programs = list(PROGRAMS) if programs is None else list(programs)
@@ -210,7 +212,8 @@ def report(presets, policies, platforms=PLATFORMS, programs=None, targets=TARGET
     cfgs = {p: get_preset(p) for p in presets}
     if layers is not None:
         cfgs = {p: dataclasses.replace(c, num_layers=layers) for p, c in cfgs.items()}
-    pols = {p: Policy.parse(p).replace(kernels=kernels) for p in policies}
+    policies = [require(p, "bench lowering") for p in policies]
+    pols = {p.name: native(p.replace(kernels=kernels)) for p in policies}
     t_all = time.perf_counter()
     out = {"jax": jax.__version__, "kernels_mode": kernels,
            "pallas_backends": {"cuda": "none: our GPU versions are retired from compiled use "
@@ -218,29 +221,28 @@ def report(presets, policies, platforms=PLATFORMS, programs=None, targets=TARGET
            "targets": {p: _target_for(p, targets) for p in platforms},
            "layers": {p: c.num_layers for p, c in cfgs.items()},
            "shapes": ProgramShapes()._asdict(), "kernels": {}, "programs": {}}
-    with native():
-        if kernel_rows:
-            for case in KERNEL_CASES:
-                fn, fargs = _kernel_case(case, "bf16,k=on")
-                traced = trace_for(fn, fargs, targets)
-                out["kernels"][case] = {p: lower_cell(traced, p, _target_for(p, targets),
-                                                      {kernel_family(case)}) for p in platforms}
-        for preset, cfg in cfgs.items():
-            for pol_name, pol in pols.items():
-                row = out["programs"].setdefault(preset, {}).setdefault(pol_name, {})
-                for prog in programs:
-                    t0 = time.perf_counter()
-                    try:
-                        fn, fargs = build_program(prog, cfg, pol)
-                        traced = trace_for(fn, fargs, targets)
-                    except Exception as e:  # a program that does not even trace
-                        row[prog] = {"trace_error": f"{type(e).__name__}: {e}"[:600]}
-                        continue
-                    cell = {"trace_s": round(time.perf_counter() - t0, 2)}
-                    want = expected_kernels(prog, cfg, pol)
-                    for p in platforms:
-                        cell[p] = lower_cell(traced, p, _target_for(p, targets), want)
-                    row[prog] = cell
+    if kernel_rows:
+        for case in KERNEL_CASES:
+            fn, fargs = _kernel_case(case, native(POLICY_PRESETS["bf16"].replace(kernels="on")))
+            traced = trace_for(fn, fargs, targets)
+            out["kernels"][case] = {p: lower_cell(traced, p, _target_for(p, targets),
+                                                  {kernel_family(case)}) for p in platforms}
+    for preset, cfg in cfgs.items():
+        for pol_name, pol in pols.items():
+            row = out["programs"].setdefault(preset, {}).setdefault(pol_name, {})
+            for prog in programs:
+                t0 = time.perf_counter()
+                try:
+                    fn, fargs = build_program(prog, cfg, pol)
+                    traced = trace_for(fn, fargs, targets)
+                except Exception as e:  # a program that does not even trace
+                    row[prog] = {"trace_error": f"{type(e).__name__}: {e}"[:600]}
+                    continue
+                cell = {"trace_s": round(time.perf_counter() - t0, 2)}
+                want = expected_kernels(prog, cfg, pol)
+                for p in platforms:
+                    cell[p] = lower_cell(traced, p, _target_for(p, targets), want)
+                row[prog] = cell
     cells = [c[p] for c in _all_cells(out) for p in platforms if p in c]
     traced_ok = sum(1 for _ in _all_cells(out)) - len(out["kernels"])
     out["summary"] = {

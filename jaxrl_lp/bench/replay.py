@@ -41,7 +41,7 @@ import numpy as np
 
 from jaxrl_lp.models.config import ModelConfig, get_preset
 from jaxrl_lp.models.model import init_params
-from jaxrl_lp.numerics.policy import Policy
+from jaxrl_lp.numerics.policy import Policy, policy_list_arg
 from jaxrl_lp.rl.logprobs import traced_replay_logprobs
 from jaxrl_lp.rollout.generate import (
     Rollout,
@@ -176,12 +176,12 @@ def run_replay(*, presets, policies, prompts: int, samples: int, prompt_len: int
     for pol in policies:
         for preset in presets:
             first = preset == presets[0] and pol == policies[0]
-            cell = replay_cell(preset, Policy.parse(pol), prompts=prompts, samples=samples,
+            cell = replay_cell(preset, pol, prompts=prompts, samples=samples,
                                prompt_len=prompt_len, new_tokens=new_tokens, seed=seed,
                                traced=traced, cost=cost and first, repeats=repeats)
-            results.setdefault(preset, {})[pol] = cell
+            results.setdefault(preset, {})[pol.name] = cell
             if progress is not None:
-                progress(json.dumps({"preset": preset, "policy": pol, **cell}))
+                progress(json.dumps({"preset": preset, "policy": pol.name, **cell}))
     exact = all(c[k]["differ"] == 0 for p in results.values() for c in p.values()
                 for k in ("whole", "slices_2", "slices_4", "rows_shuffled", "stale_1"))
     dev = jax.devices()[0]
@@ -196,7 +196,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The options of `jaxrl-lp bench replay`."""
     parser.add_argument("--presets", default="qwen3-0.6b,ouro-1.4b",
                         help="comma-separated model presets (default: %(default)s)")
-    parser.add_argument("--policies", default="bf16,fp32",
+    parser.add_argument("--policies", default="bf16,fp32", type=policy_list_arg,
                         help="comma-separated precision policies (default: %(default)s)")
     parser.add_argument("--prompts", type=int, default=16, help="(default: %(default)s)")
     parser.add_argument("--samples", type=int, default=2,
@@ -219,9 +219,7 @@ def run(args: argparse.Namespace) -> dict:
     presets = [p for p in args.presets.split(",") if p]
     for p in presets:
         get_preset(p)  # a clear error before anything compiles
-    policies = [p for p in args.policies.split(",") if p]
-    for p in policies:
-        Policy.parse(p)
+    policies = args.policies
     for name in ("prompts", "samples", "prompt_len", "new_tokens", "repeats"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1; got {getattr(args, name)}")

@@ -43,9 +43,9 @@ import jax.numpy as jnp
 from jaxrl_lp.bench.sampler import weight_bytes
 from jaxrl_lp.models.config import ModelConfig
 from jaxrl_lp.models.layers import TransposedWeight, dot
-from jaxrl_lp.numerics.policy import Policy
+from jaxrl_lp.numerics.policy import FP32
 
-F32 = Policy.parse("fp32")
+F32 = FP32
 
 __all__ = ["add_bounds", "best_machine", "decode_matrices", "measure_machine",
            "measure_matmul_rate", "measure_weight_stream", "phase_bounds"]

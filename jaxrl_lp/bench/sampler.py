@@ -41,7 +41,7 @@ import numpy as np
 from jaxrl_lp.models.blocks import decode_weights
 from jaxrl_lp.models.config import ModelConfig, get_preset
 from jaxrl_lp.models.model import init_params
-from jaxrl_lp.numerics.policy import Policy
+from jaxrl_lp.numerics.policy import FP32, Policy, policy_arg
 from jaxrl_lp.rollout import LoopSpec, SamplingConfig, generate
 
 __all__ = ["LOOPED_SIZES", "add_arguments", "bench_dense", "bench_looped", "device_bandwidth_gbps",
@@ -54,12 +54,12 @@ LOOPED_SIZES = {
     for name, preset in DENSE_PRESETS.items()
 }
 CPU_BANDWIDTH_GBPS = 15.0  # a batch-8 f32 matrix-vector product on the development CPUs
-POLICY = "fp32"
+POLICY = FP32
 MAX_RUNS = 200  # timed runs of one configuration at most (tiny runs take milliseconds)
 
 
 def weight_bytes(cfg: ModelConfig, params: dict, loop_steps: float | None = None,
-                 policy: Policy | str | None = None) -> int:
+                 policy: Policy | None = None) -> int:
     """Bytes of weights one decode step reads: every layer (per loop step run) and the head.
 
     The embedding table is gathered (a few rows), not streamed, unless it is
@@ -68,7 +68,7 @@ def weight_bytes(cfg: ModelConfig, params: dict, loop_steps: float | None = None
     natively); without, as `params` holds them.
     """
     if policy is not None:
-        params = jax.eval_shape(lambda p: decode_weights(p, Policy.parse(policy)), params)
+        params = jax.eval_shape(lambda p: decode_weights(p, policy), params)
     nbytes = lambda tree: sum(x.size * x.dtype.itemsize for x in jax.tree_util.tree_leaves(tree))
     layers = nbytes(params["layers"])
     head = nbytes(params["embed"] if cfg.tie_embeddings else params["lm_head"])
@@ -77,12 +77,12 @@ def weight_bytes(cfg: ModelConfig, params: dict, loop_steps: float | None = None
     return int(round(layers * steps + head + other * steps))
 
 
-def kv_bytes(cfg: ModelConfig, policy: Policy | str, batch: int, context: float,
+def kv_bytes(cfg: ModelConfig, policy: Policy, batch: int, context: float,
              loop_steps: float | None = None) -> int:
     """Bytes of keys and values a decode step reads at `context` tokens: every layer's (per loop
     step run), at the cache's dtype (`models.cache.init_cache`)."""
     steps = (cfg.loop_steps if loop_steps is None else loop_steps) if cfg.is_looped else 1
-    item = np.dtype(Policy.parse(policy).carrier_dtype).itemsize
+    item = np.dtype(policy.carrier_dtype).itemsize
     return int(round(2 * cfg.num_layers * steps * batch * cfg.num_kv_heads * cfg.head_dim
                      * context * item))
 
@@ -173,7 +173,7 @@ def _hf_threads(model, prompt_BxP, choice: str) -> int:
 
 def bench_dense(size: str, *, batch: int, prompt_len: int, new_tokens: int, repeats: int,
                 min_time: float, hf: bool, hf_threads: str, bandwidth_gbps: float,
-                seed: int, policy: str = POLICY) -> dict:
+                seed: int, policy: Policy = POLICY) -> dict:
     """Greedy decoding tokens/s of our sampler and of `transformers` on one dense preset.
 
     After a warm-up of each, timed runs of the two alternate, so that a change
@@ -206,7 +206,7 @@ def bench_dense(size: str, *, batch: int, prompt_len: int, new_tokens: int, repe
     kv = kv_bytes(cfg, policy, batch, prompt_len + (new_tokens - 1) / 2)
     out = {
         "preset": preset, "params": cfg.param_count(), "batch": batch,
-        "prompt_len": prompt_len, "new_tokens": new_tokens, "policy": policy,
+        "prompt_len": prompt_len, "new_tokens": new_tokens, "policy": policy.name,
         "compile_s": round(first - ours_s, 3), "ours_s": round(ours_s, 4),
         "ours_runs": len(ours_times),
         "ours_ms_per_step": round(1e3 * ours_s / new_tokens, 3),
@@ -247,7 +247,7 @@ def looped_params(cfg: ModelConfig, seed: int, gate_bias: float, gate_scale: flo
 
 def bench_looped(size: str, *, batches, prompt_len: int, new_tokens: int, repeats: int,
                  min_time: float, exit_rule: str, gate_bias: float, gate_scale: float,
-                 bandwidth_gbps: float, seed: int, policy: str = POLICY) -> dict:
+                 bandwidth_gbps: float, seed: int, policy: Policy = POLICY) -> dict:
     """Dense against deferred compute mode on a looped model whose exits come early."""
     cfg = LOOPED_SIZES[size] if size in LOOPED_SIZES else get_preset(size)
     r = cfg.loop_steps
@@ -258,7 +258,7 @@ def bench_looped(size: str, *, batches, prompt_len: int, new_tokens: int, repeat
     out = {
         "model": (f"{DENSE_PRESETS[size]} shapes as a looped (ouro) model, R={r}"
                   if size in LOOPED_SIZES else f"{size}, R={r}"),
-        "params": cfg.param_count(), "policy": policy, "exit_rule": exit_rule,
+        "params": cfg.param_count(), "policy": policy.name, "exit_rule": exit_rule,
         "gate": f"random kernel, gate logits ~ N({gate_bias}, {gate_scale}^2): under {exit_rule} "
                 f"tokens exit early (mean_exit_depth, of {r}) and at different steps",
         "sampling": "temperature 1.0, fixed key", "prompt_len": prompt_len,
@@ -353,7 +353,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--bandwidth-gbps", type=float, default=None,
                         help="memory bandwidth for the bound (default: the accelerator's HBM "
                              "by device name, plan.targets; on CPU the development CPUs' 15 GB/s)")
-    parser.add_argument("--policy", default=POLICY,
+    parser.add_argument("--policy", default=POLICY.name, type=policy_arg,
                         help="precision policy of our sampler (fp32 on CPU: docs/design.md; bf16 "
                              "on GPU, where it is stored natively)")
     parser.add_argument("--seed", type=int, default=0)
@@ -397,7 +397,7 @@ def run(args: argparse.Namespace) -> dict:
         "target": "sampler",
         "platform": f"{platform.machine()} {jax.default_backend()}, {os.cpu_count()} cores",
         "jax": jax.__version__, "loadavg_start": round(os.getloadavg()[0], 2),
-        "policy": args.policy,
+        "policy": args.policy.name,
         "device": jax.devices()[0].device_kind,
         "note": "default policy fp32: XLA's bf16 matmuls on CPU are much slower than f32 (docs/design.md); "
                 "bounds are batch * bandwidth / bytes read per decode step (the weights as the "

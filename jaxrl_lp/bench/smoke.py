@@ -29,6 +29,8 @@ import subprocess
 import sys
 import time
 
+from jaxrl_lp.numerics.policy import PRESETS, Policy, policy_arg
+
 __all__ = ["PARTS", "add_arguments", "run", "run_part"]
 
 PARTS = ("qwen3-0.6b", "ouro-1.4b")
@@ -39,7 +41,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="comma-separated model presets to run (a dense one samples and "
                              "takes a GRPO step, a looped one samples in deferred mode; "
                              "tiny-qwen3,tiny-ouro for a check in seconds)")
-    parser.add_argument("--policy", default="bf16", help="the precision policy")
+    parser.add_argument("--policy", default="bf16", type=policy_arg, help="the precision policy")
 
 
 def _timed(fn):
@@ -72,7 +74,7 @@ def _check_parts(parts) -> None:
         raise ValueError(f"unknown smoke part(s) {bad}; choose model presets from {sorted(PRESETS)}")
 
 
-def run_part(part: str, policy: str = "bf16") -> dict:
+def run_part(part: str, policy: Policy = PRESETS["bf16"]) -> dict:
     """Runs one part in this process; its timings (seconds) and peak RSS (bytes)."""
     import jax
     import jax.numpy as jnp
@@ -80,13 +82,12 @@ def run_part(part: str, policy: str = "bf16") -> dict:
 
     from jaxrl_lp.models.config import get_preset
     from jaxrl_lp.models.model import init_params
-    from jaxrl_lp.numerics.policy import Policy
     from jaxrl_lp.rl.loss import LossConfig
     from jaxrl_lp.rl.train_step import make_grpo_step
     from jaxrl_lp.rollout import LoopSpec
 
     _check_parts([part])
-    cfg, policy = get_preset(part), Policy.parse(policy)
+    cfg = get_preset(part)
     t0 = time.perf_counter()
     params = jax.block_until_ready(init_params(cfg, jax.random.PRNGKey(0)))
     out = {"params": cfg.param_count(), "policy": str(policy), "init_s": time.perf_counter() - t0}
@@ -130,7 +131,7 @@ def run(args) -> dict:
                        "python": platform.python_version()}}
     for part in parts:
         t0 = time.perf_counter()
-        proc = subprocess.run([sys.executable, "-m", "jaxrl_lp.bench.smoke", part, args.policy],
+        proc = subprocess.run([sys.executable, "-m", "jaxrl_lp.bench.smoke", part, str(args.policy)],
                               capture_output=True, text=True, check=False)
         if proc.returncode:
             raise RuntimeError(f"smoke part {part} failed:\n{proc.stderr[-3000:]}")
@@ -140,4 +141,4 @@ def run(args) -> dict:
 
 
 if __name__ == "__main__":
-    print(json.dumps(run_part(sys.argv[1], sys.argv[2] if len(sys.argv) > 2 else "bf16")))
+    print(json.dumps(run_part(sys.argv[1], policy_arg(sys.argv[2] if len(sys.argv) > 2 else "bf16"))))

@@ -51,7 +51,7 @@ from jaxrl_lp.bench.sampler import _race
 from jaxrl_lp.models.cache import init_cache
 from jaxrl_lp.models.config import ModelConfig
 from jaxrl_lp.models.model import init_params
-from jaxrl_lp.numerics.policy import Policy
+from jaxrl_lp.numerics.policy import FP32
 from jaxrl_lp.rollout import LoopSpec, SamplingConfig
 from jaxrl_lp.rollout.generate import call_inputs, one_device, pad_prompts, sampler_program
 from jaxrl_lp.rollout.rows import cache_bytes
@@ -89,7 +89,7 @@ def warm_start(mcfg: ModelConfig, task, steps: int, seq_len: int, seed: int = 0)
     from jaxrl_lp.rl.train_step import make_sft_step
 
     opt = optax.adam(3e-3)
-    step = make_sft_step(mcfg, Policy.parse("fp32"), opt)
+    step = make_sft_step(mcfg, FP32, opt)
     params = init_params(mcfg, jax.random.PRNGKey(seed))
     state = opt.init(params)
     it = iter(sft_loader(task.train, task.sft_example, 64, seed, task.tokenizer.pad_id,
@@ -110,7 +110,7 @@ def _arm(params, cfg, batches, spec, drafter, args, new_tokens, eos_id, pad_id):
     host wrappers' (about 1 ms a call here, the same for both).
     """
     sampling = SamplingConfig(greedy=True)
-    policy = Policy.parse("fp32")
+    policy = FP32
     loop = LoopSpec().resolve(cfg)
     dparams, dcfg = drafter if drafter is not None else (None, None)
     spec = spec.resolve(cfg, dcfg)
@@ -223,9 +223,9 @@ def run(args) -> dict:
     spec = dense_spec.resolve(mcfg, dcfg)
     lengths = (64, 65536)
     target_cache = {n: cache_bytes(jax.eval_shape(lambda n=n: init_cache(
-        dataclasses.replace(mcfg, max_position_embeddings=n), Policy.parse("fp32"), args.batch,
+        dataclasses.replace(mcfg, max_position_embeddings=n), FP32, args.batch,
         n))) for n in lengths}
-    out["drafter_cache_bytes"] = {str(n): drafter_cache_bytes(spec, dcfg, "fp32", args.batch)
+    out["drafter_cache_bytes"] = {str(n): drafter_cache_bytes(spec, dcfg, FP32, args.batch)
                                   for n in lengths}
     out["target_cache_bytes"] = {str(n): b for n, b in target_cache.items()}
     out["train_s"] = round(train_s, 1)

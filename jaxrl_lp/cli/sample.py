@@ -22,6 +22,7 @@ import numpy as np
 
 from jaxrl_lp.cli.help import show_defaults
 from jaxrl_lp.cli.main import UserError
+from jaxrl_lp.numerics.policy import policy_arg
 
 SPECIALS_NOTE = "ids the tokenizer does not know are shown as [#id]"
 
@@ -58,7 +59,8 @@ def add_parser(subparsers) -> None:
                         "threshold:T[:MIN_LOOPS]")
     p.add_argument("--compute-mode", default="dense", choices=("dense", "deferred"),
                    help="looped models: run every loop step, or stop each token at its exit")
-    p.add_argument("--policy", default="fp32", help="precision policy, e.g. fp32, bf16")
+    p.add_argument("--policy", default="fp32", type=policy_arg,
+                   help="precision policy, e.g. fp32, bf16")
     p.add_argument("--eos-id", type=int, default=None,
                    help="end-of-sequence id (default: the tokenizer's, else the config's; "
                         "-1 for none)")
@@ -195,7 +197,7 @@ def run(args) -> int:
         arrays = {k: np.asarray(getattr(ro, k)) for k in (
             "prompt_tokens", "prompt_lengths", "completion_tokens", "completion_mask", "logprobs",
             "exit_steps", "loop_evals", "weights_version")}
-        np.savez(args.out, **arrays, policy=np.array(ro.policy), loop=np.array(str(ro.loop)),
+        np.savez(args.out, **arrays, policy=np.array(str(ro.policy)), loop=np.array(str(ro.loop)),
                  temperature=np.array(ro.temperature), texts=np.array(texts, dtype=str))
         if not args.json:
             print(f"wrote {comp.shape[0]} rollouts to {args.out}")

@@ -77,7 +77,7 @@ from jax.experimental.pallas import triton as pltriton
 from jaxrl_lp.kernels import dispatch
 from jaxrl_lp.kernels.targets import budget_misfit
 from jaxrl_lp.models.attention import MASK_VALUE, attention
-from jaxrl_lp.numerics.policy import Policy
+from jaxrl_lp.numerics.policy import Policy, require
 
 __all__ = ["MAX_CHUNK", "MIN_CHUNK", "TARGET_CHUNKS", "chunk_slots", "decode_attention",
            "plan_chunk"]
@@ -99,7 +99,7 @@ def chunk_slots(num_slots: int) -> int:
 
 
 def decode_attention(q_BxTxHxDh: jax.Array, k_BxKxSxDh: jax.Array, v_BxKxSxDh: jax.Array,
-                     q_pos_BxT: jax.Array, k_pos_BxS: jax.Array, policy: Policy | str, *,
+                     q_pos_BxT: jax.Array, k_pos_BxS: jax.Array, policy: Policy, *,
                      chunk: int | None = None) -> jax.Array:
     """`models.attention.attention` over a KV cache, by the platform's flash-decoding kernel.
 
@@ -126,9 +126,9 @@ def decode_attention(q_BxTxHxDh: jax.Array, k_BxKxSxDh: jax.Array, v_BxKxSxDh: j
       ValueError: mismatched shapes, or a chunk < 1.
 
     Examples:
-      >>> o = decode_attention(q, ck, cv, pos, cache["pos"], "fp32,k=interpret")
+      >>> o = decode_attention(q, ck, cv, pos, cache["pos"], FP32.replace(kernels="interpret"))
     """
-    policy = Policy.parse(policy)
+    policy = require(policy, "decode_attention")
     if policy.kernels == "off":
         return attention(q_BxTxHxDh, k_BxKxSxDh, v_BxKxSxDh, q_pos_BxT, k_pos_BxS, policy)
     return dispatch.once_per_shape(_dispatch, q_BxTxHxDh, k_BxKxSxDh, v_BxKxSxDh, q_pos_BxT,

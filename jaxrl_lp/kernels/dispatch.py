@@ -51,7 +51,7 @@ import jax.numpy as jnp
 from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
 
-from jaxrl_lp.numerics.policy import KERNEL_MODES, Policy
+from jaxrl_lp.numerics.policy import KERNEL_MODES, Policy, require
 
 __all__ = ["KERNEL_PLATFORMS", "RETIRED", "KernelUnavailableError", "Version", "by_platform",
            "interpreting",
@@ -144,13 +144,14 @@ def kernel_backend() -> str | None:
 
 # ----------------------------------------------------------------- the dispatch
 def interpreting(policy: Policy | str) -> str | None:
-    """The platform whose version `policy` (or a kernels mode) interprets (`cuda` for `interpret`, `tpu` for
-    `interpret-tpu`), or None when it interprets none."""
-    mode = policy if policy in KERNEL_MODES else Policy.parse(policy).kernels
+    """The platform whose version `policy` (or a kernels mode, `KERNEL_MODES`) interprets
+    (`cuda` for `interpret`, `tpu` for `interpret-tpu`), or None when it interprets none."""
+    mode = policy if isinstance(policy, str) and policy in KERNEL_MODES \
+        else require(policy, "interpreting").kernels
     return {"interpret": "cuda", "interpret-tpu": "tpu"}.get(mode)
 
 
-def by_platform(name: str, policy: Policy | str, reference: Callable[[], T], *,
+def by_platform(name: str, policy: Policy, reference: Callable[[], T], *,
                 cuda: Version | None = None, tpu: Version | None = None) -> T:
     """The value of kernel `name` under `policy` (module table), traced for every platform.
 
@@ -174,7 +175,7 @@ def by_platform(name: str, policy: Policy | str, reference: Callable[[], T], *,
         version to interpret (at once); `kernels=on` lowered for a platform
         with no version or with a misfit (at lowering, naming both).
     """
-    mode = Policy.parse(policy).kernels
+    mode = require(policy, f"kernel {name}").kernels
     versions = {"cuda": cuda, "tpu": tpu}
     if mode == "off":
         return reference()
@@ -271,13 +272,12 @@ def _divides(mesh, spec, shape) -> bool:
 def _trace_context() -> tuple:
     """What a kernel's trace reads besides its arguments: the active mesh and rules
     (`per_shard`), the kernel targets its tiles are planned for (`kernels.targets`) and
-    whether low precision is stored natively (`numerics.policy`)."""
+    the backend, which a policy's `storage=auto` reads (`numerics.policy`)."""
     from jaxrl_lp.kernels.targets import current_target
-    from jaxrl_lp.numerics.policy import native_low_precision
     from jaxrl_lp.parallel.context import current_mesh
 
     return (current_mesh(), current_target("cuda").name, current_target("tpu").name,
-            native_low_precision())
+            jax.default_backend())
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1, 2))

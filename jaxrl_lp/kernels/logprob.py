@@ -62,7 +62,7 @@ from jaxrl_lp.kernels.logprob_tiles import (  # the tile maths, shared with the 
     tempered,
     tile_dlogits,
 )
-from jaxrl_lp.numerics.policy import Policy
+from jaxrl_lp.numerics.policy import Policy, require
 
 __all__ = ["BLOCK_V", "LogprobPlan", "fused_logprobs", "fused_readout", "readout_logprobs",
            "reference_backward", "reference_forward"]
@@ -70,7 +70,7 @@ __all__ = ["BLOCK_V", "LogprobPlan", "fused_logprobs", "fused_readout", "readout
 BLOCK_V = 512  # vocabulary columns per tile of the reference scan
 
 
-def fused_readout(policy: Policy | str) -> bool:
+def fused_readout(policy: Policy) -> bool:
     """Whether a model's log-probs are read out from the hidden state by `readout_logprobs`.
 
     True unless the policy turns the kernels off or quantizes matmuls (the lm
@@ -79,7 +79,7 @@ def fused_readout(policy: Policy | str) -> bool:
     Which implementation a fused read-out runs is decided per platform when
     the program is lowered (`readout_logprobs`).
     """
-    policy = Policy.parse(policy)
+    policy = require(policy, "fused_readout")
     return policy.kernels != "off" and policy.matmul_format is None
 
 
@@ -224,7 +224,7 @@ def _by_platform(h, w, tokens, mask, temperature, policy: Policy, reference, til
 
 
 def fused_logprobs(h_TxD: jax.Array, w_DxV: jax.Array, tokens_T: jax.Array, temperature: float,
-                   policy: Policy | str, *, mask_T: jax.Array | None = None,
+                   policy: Policy, *, mask_T: jax.Array | None = None,
                    block_v: int | None = None, block_t: int | None = None,
                    block_d: int | None = None, tpu_tiles=None):
     """Log-prob of the chosen tokens and entropy of `softmax(round_logits(h @ W) / tau)`, f32.
@@ -264,9 +264,9 @@ def fused_logprobs(h_TxD: jax.Array, w_DxV: jax.Array, tokens_T: jax.Array, temp
         mismatched shapes or a temperature <= 0.
 
     Examples:
-      >>> lp, ent = fused_logprobs(h, params["lm_head"], tokens, 1.0, "fp32", block_v=256)
+      >>> lp, ent = fused_logprobs(h, params["lm_head"], tokens, 1.0, FP32, block_v=256)
     """
-    policy = Policy.parse(policy)
+    policy = require(policy, "fused_logprobs")
     _check(h_TxD, w_DxV, tokens_T, temperature, policy, block_v, block_t, block_d)
     w = policy.round_params(w_DxV)
     tokens = tokens_T.astype(jnp.int32)
@@ -279,7 +279,7 @@ def fused_logprobs(h_TxD: jax.Array, w_DxV: jax.Array, tokens_T: jax.Array, temp
 
 
 def readout_logprobs(h_TxD: jax.Array, w_DxV: jax.Array, tokens_T: jax.Array,
-                     temperature: float, policy: Policy | str, *, plain,
+                     temperature: float, policy: Policy, *, plain,
                      mask_T: jax.Array | None = None, entropy: bool = True):
     """A model's read-out of the chosen tokens' log-probs (and entropies) from its hidden state.
 
@@ -300,7 +300,7 @@ def readout_logprobs(h_TxD: jax.Array, w_DxV: jax.Array, tokens_T: jax.Array,
       `(logp [T] f32, entropy [T] f32)`, or `logp` alone without `entropy`.
       Rows off `mask_T` are 0 from the kernel and whatever `plain` gives.
     """
-    policy = Policy.parse(policy)
+    policy = require(policy, "readout_logprobs")
     if not fused_readout(policy):
         return plain()
     _check(h_TxD, w_DxV, tokens_T, temperature, policy, None, None, None)

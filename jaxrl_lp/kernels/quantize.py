@@ -93,7 +93,7 @@ from jaxrl_lp.kernels.quantize_plan import (
     views,
 )
 from jaxrl_lp.numerics import formats
-from jaxrl_lp.numerics.policy import KERNEL_MODES, PRESETS, Policy
+from jaxrl_lp.numerics.policy import KERNEL_MODES, PRESETS, Policy, require
 from jaxrl_lp.numerics.qarray import QArray, get_format
 from jaxrl_lp.numerics.qarray import dequantize as dequantize_reference
 
@@ -101,14 +101,14 @@ __all__ = ["CUDA_TILES", "TPU_TILES", "QuantTiles", "dequantize", "kernels_mode"
 
 
 def kernels_mode(kernels: str | Policy) -> str:
-    """The kernels mode (`KERNEL_MODES`) of a mode name, policy or policy string."""
+    """The kernels mode (`KERNEL_MODES`) of a mode name or a policy."""
     if isinstance(kernels, Policy):
         return kernels.kernels
     if isinstance(kernels, str) and kernels in KERNEL_MODES:
         return kernels
     if isinstance(kernels, str) and ("=" in kernels or kernels.partition(",")[0] in PRESETS):
-        return Policy.parse(kernels).kernels
-    raise ValueError(f"kernels {kernels!r} is not one of {list(KERNEL_MODES)} (or a policy)")
+        require(kernels, "quantize: kernels")  # a policy string: raises, naming the fix
+    raise ValueError(f"kernels {kernels!r} is not one of {list(KERNEL_MODES)} (or a Policy)")
 
 
 def quantize(x: jax.Array, fmt: str, axis: int = 0, batch_axes: Sequence[int] = (), *,

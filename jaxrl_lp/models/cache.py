@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxrl_lp.models.config import ModelConfig
-from jaxrl_lp.numerics.policy import Policy
+from jaxrl_lp.numerics.policy import Policy, require
 from jaxrl_lp.parallel.context import constrain
 
 __all__ = ["init_cache", "unstack_cache", "write_positions"]
@@ -30,6 +30,7 @@ __all__ = ["init_cache", "unstack_cache", "write_positions"]
 
 def init_cache(cfg: ModelConfig, policy: Policy, batch: int, max_len: int) -> dict:
     """An empty cache for `batch` sequences of up to `max_len` tokens."""
+    policy = require(policy, "init_cache")
     if max_len > cfg.max_position_embeddings:
         raise ValueError(
             f"cache length {max_len} exceeds the model's context "

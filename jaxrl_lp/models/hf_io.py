@@ -309,7 +309,8 @@ def from_pretrained(path: str | os.PathLike, policy: Any = "fp32", *, strict: bo
 
     Args:
       path: directory with `config.json` and safetensors weights.
-      policy: precision policy (a `Policy` or its string form, e.g. `"bf16"`).
+      policy: precision policy, a `Policy` or its string form (e.g. `"bf16"`),
+        parsed here: loading a checkpoint is where a policy string enters.
       strict: unexpected tensors raise (True) or warn (False).
 
     Returns:
@@ -320,6 +321,8 @@ def from_pretrained(path: str | os.PathLike, policy: Any = "fp32", *, strict: bo
       >>> logits_BxTxV = model(tokens_BxT)
     """
     from jaxrl_lp.models.model import CausalLM  # lazy: checkpoint I/O needs no model code
+    from jaxrl_lp.numerics.policy import Policy
 
     config = read_hf_config(path)
-    return CausalLM(config, load_hf_params(path, config, strict=strict), policy=policy)
+    return CausalLM(config, load_hf_params(path, config, strict=strict),
+                    policy=Policy.parse(policy))

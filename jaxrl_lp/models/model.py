@@ -24,7 +24,7 @@ from jaxrl_lp.models.dense import dense_forward
 from jaxrl_lp.models.loop import MODEL_DEFAULT, ExitRule, ExitSchedule, LoopSpec
 from jaxrl_lp.models.looped import LoopedOutput, looped_forward
 from jaxrl_lp.models.packing import Packing
-from jaxrl_lp.numerics.policy import Policy
+from jaxrl_lp.numerics.policy import FP32, Policy, require
 
 __all__ = ["CausalLM", "forward", "init_params", "param_shapes"]
 
@@ -71,7 +71,7 @@ def init_params(cfg: ModelConfig, key: jax.Array) -> dict:
     return jax.tree_util.tree_unflatten(treedef, leaves)
 
 
-def forward(params: dict, cfg: ModelConfig, policy: Policy | str, tokens_BxT: jax.Array,
+def forward(params: dict, cfg: ModelConfig, policy: Policy, tokens_BxT: jax.Array,
             positions_BxT: jax.Array | None = None, cache: dict | None = None,
             cache_index: jax.Array | int = 0, *, loop: LoopSpec | None = None,
             schedule: ExitSchedule | None = None, readout: str = "exit",
@@ -90,7 +90,7 @@ def forward(params: dict, cfg: ModelConfig, policy: Policy | str, tokens_BxT: ja
     receives a dense model's weight products (`dense_forward`).
     Not jitted itself; the options are Python values, static for the caller.
     """
-    policy = Policy.parse(policy)
+    policy = require(policy, "forward")
     if cfg.is_looped and tape is not None:
         raise ValueError("forward: tape (recorded weight products) is for dense models")
     if cfg.is_looped:
@@ -130,9 +130,9 @@ class CausalLM(nnx.Module):
     """
 
     def __init__(self, config: ModelConfig, params: dict | None = None, *,
-                 policy: Policy | str = "fp32", rngs: nnx.Rngs | None = None):
+                 policy: Policy = FP32, rngs: nnx.Rngs | None = None):
         self.config = config
-        self.policy = Policy.parse(policy)
+        self.policy = require(policy, "Model")
         if params is None:
             rngs = rngs if rngs is not None else nnx.Rngs(0)
             params = init_params(config, rngs.params())

@@ -15,12 +15,14 @@ so they live a floor up, in `jaxrl_lp.kernels.fake_quant`.
 from jaxrl_lp.numerics.formats import TERNARY_EPS, quantize
 from jaxrl_lp.numerics.policy import (
     ALL_REGIONS,
+    FP32,
     MATMUL_FORMATS,
     PRESETS,
     Policy,
     dtype_name,
-    native_low_precision,
     parse_dtype,
+    policy_arg,
+    require,
 )
 from jaxrl_lp.numerics.products import precision_for, product
 from jaxrl_lp.numerics.qarray import FORMATS, FormatSpec, QArray, dequantize
@@ -29,6 +31,7 @@ from jaxrl_lp.numerics.rounding import error_feedback_round, round_nearest, roun
 __all__ = [
     "ALL_REGIONS",
     "FORMATS",
+    "FP32",
     "MATMUL_FORMATS",
     "PRESETS",
     "TERNARY_EPS",
@@ -38,12 +41,20 @@ __all__ = [
     "dequantize",
     "dtype_name",
     "error_feedback_round",
-    "native_low_precision",
     "parse_dtype",
+    "policy_arg",
     "precision_for",
     "product",
     "quantize",
+    "require",
     "round_nearest",
     "round_stochastic",
     "ulp",
 ]
+
+
+def __getattr__(name: str):
+    if name == "native_low_precision":
+        raise AttributeError("jaxrl_lp.numerics.native_low_precision is gone: storage is the "
+                             "policy's own field; read Policy.native (set it with s=native)")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -17,13 +17,21 @@ of two bf16 (or fp16) values are exact in f32 and accumulation is f32 either
 way, so on CPU a low-precision compute dtype is *carried* as f32 arrays holding
 values rounded to the compute dtype: every rounding site still rounds (x ->
 bf16 -> f32), only the storage differs.
-On GPU and TPU the values are stored in the compute dtype itself. Both the
-sampler and the learner call the same functions, so they take the same path.
-Set ``JAXRL_LP_NATIVE_LOW_PRECISION=1`` (or ``0``) to force the choice.
+On GPU and TPU the values are stored in the compute dtype itself. Which storage
+a program uses is the policy's `storage` field: `auto` (native where the program
+is traced for a GPU or TPU backend, the f32 carrier on CPU), `native` or `f32`
+(forced, for example to trace a GPU program on CPU). Both the sampler and the
+learner call the same functions with their policy, so they take the same path.
+
+Typed inside, strings at the edge: a policy string is parsed once where it
+enters (a config's `policies`, a command's `policy_arg`, a checkpoint's or a
+rollout file's metadata) and travels as a `Policy`. Functions below take the
+object and refuse a string with one line naming `Policy.parse` (`require`).
 """
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import os
 from collections.abc import Iterable
@@ -36,14 +44,22 @@ import numpy as np
 
 __all__ = [
     "ALL_REGIONS",
+    "FP32",
     "KERNEL_MODES",
     "PRESETS",
     "Policy",
     "Region",
+    "STORAGE_MODES",
     "dtype_name",
-    "native_low_precision",
     "parse_dtype",
+    "policy_arg",
+    "policy_list_arg",
+    "require",
 ]
+
+if "JAXRL_LP_NATIVE_LOW_PRECISION" in os.environ:
+    raise RuntimeError("JAXRL_LP_NATIVE_LOW_PRECISION is no longer read: storage is part of the "
+                       "policy; unset it and add s=native (or s=f32) to the policy string")
 
 Region = Literal["rope", "swiglu", "norm", "residual", "softmax"]
 # The non-matmul regions a policy may keep in f32 (`f32=rope+norm+...`).
@@ -55,6 +71,9 @@ BACKWARD_MODES: tuple[str, ...] = ("reuse", "fresh")
 # cannot run), `off` (the reference), `interpret` / `interpret-tpu` (the GPU / TPU
 # version in Pallas interpret mode: for checking kernels on CPU).
 KERNEL_MODES: tuple[str, ...] = ("auto", "on", "off", "interpret", "interpret-tpu")
+# How arrays of a low-precision compute dtype are stored (module docstring): `auto` by the
+# backend a program is traced for, `native` in the compute dtype, `f32` in the f32 carrier.
+STORAGE_MODES: tuple[str, ...] = ("auto", "native", "f32")
 # Number formats a policy may apply to matmul operands (docs/design.md, "Number formats").
 MATMUL_FORMATS: tuple[str, ...] = (
     "fp8",  # per-tensor E4M3
@@ -107,15 +126,7 @@ def dtype_name(dt: Any) -> str:
     raise ValueError(f"unsupported dtype {dt}")
 
 
-def native_low_precision() -> bool:
-    """Whether low-precision compute dtypes are stored natively (GPU/TPU) or carried as f32 (CPU)."""
-    env = os.environ.get("JAXRL_LP_NATIVE_LOW_PRECISION")
-    if env is not None:
-        return env not in ("0", "false", "False", "")
-    return jax.default_backend() != "cpu"
-
-
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, repr=False)
 class Policy:
     """Numerics of one forward pass.
 
@@ -136,6 +147,10 @@ class Policy:
       kernels: where the hot-path kernels run (`KERNEL_MODES`): part of the
         policy because a kernel rounds where its tiles end, so the sampler and
         the learner must make the same choice to agree bit for bit.
+      storage: how a low-precision compute dtype is stored (`STORAGE_MODES`):
+        `auto` natively on a GPU or TPU backend and in the f32 carrier on CPU,
+        or forced `native` / `f32`. The rounded values are the same; the
+        programs differ, so the sampler and the learner share the choice.
 
     Examples:
       >>> p = Policy.parse("bf16")
@@ -151,6 +166,7 @@ class Policy:
     matmul_format: str | None = None
     backward: str = "reuse"
     kernels: str = "auto"
+    storage: str = "auto"
 
     def __post_init__(self):
         for f in ("param_dtype", "compute_dtype", "accum_dtype", "logits_dtype"):
@@ -181,6 +197,10 @@ class Policy:
             raise ValueError(
                 f"Policy field 'kernels': {self.kernels!r} is not one of {list(KERNEL_MODES)}"
             )
+        if self.storage not in STORAGE_MODES:
+            raise ValueError(
+                f"Policy field 'storage': {self.storage!r} is not one of {list(STORAGE_MODES)}"
+            )
 
     # ----------------------------------------------------------------- string form
     def __str__(self) -> str:
@@ -191,9 +211,22 @@ class Policy:
         parts.append(f"bwd={self.backward}")
         regions = [r for r in ALL_REGIONS if r in self.f32_regions]
         parts.append(f"f32={'+'.join(regions) if regions else 'none'}")
-        if self.kernels != "auto":  # the default is left out: older strings stay valid
+        if self.kernels != "auto":  # defaults are left out: older strings stay valid
             parts.append(f"k={self.kernels}")
+        if self.storage != "auto":
+            parts.append(f"s={self.storage}")
         return ",".join(parts)
+
+    @property
+    def name(self) -> str:
+        """The preset name if the policy is one (`bf16`), else the string form."""
+        for name, preset in PRESETS.items():
+            if preset == self:
+                return name
+        return str(self)
+
+    def __repr__(self) -> str:
+        return f"Policy.parse({str(self)!r})"
 
     def to_string(self) -> str:
         """The short string form; `Policy.parse(p.to_string()) == p`."""
@@ -206,8 +239,9 @@ class Policy:
         Keys: `p` (param dtype), `c` (compute), `a` (accum), `l` (logits),
         `mm` (matmul format or `none`), `bwd` (`reuse`/`fresh`), `f32`
         (regions joined by `+`, or `none`), `k` (kernels: `auto`, `on`, `off`,
-        `interpret`, `interpret-tpu`). Unnamed keys take their defaults. A preset name may be
-        followed by overrides: `bf16,k=interpret`.
+        `interpret`, `interpret-tpu`), `s` (storage: `auto`, `native`, `f32`). Unnamed
+        keys take their defaults. A preset name may be followed by overrides:
+        `bf16,k=interpret`.
         """
         if isinstance(spec, Policy):
             return spec
@@ -226,7 +260,7 @@ class Policy:
             )
         keys = {"p": "param_dtype", "c": "compute_dtype", "a": "accum_dtype", "l": "logits_dtype",
                 "mm": "matmul_format", "bwd": "backward", "f32": "f32_regions",
-                "k": "kernels"}
+                "k": "kernels", "s": "storage"}
         kwargs: dict[str, Any] = {}
         for item in spec.split(","):
             if "=" not in item:
@@ -254,9 +288,17 @@ class Policy:
         return self.compute_dtype != _DTYPES["f32"]
 
     @property
+    def native(self) -> bool:
+        """Whether a low-precision compute dtype is stored natively (`storage`), for the
+        backend a program is traced for now when `storage` is `auto`."""
+        if self.storage == "auto":
+            return jax.default_backend() != "cpu"
+        return self.storage == "native"
+
+    @property
     def carrier_dtype(self) -> np.dtype:
         """The dtype arrays of compute precision are stored in (see module docstring)."""
-        if self.is_low_precision and native_low_precision():
+        if self.is_low_precision and self.native:
             return self.compute_dtype
         return _DTYPES["f32"]
 
@@ -284,6 +326,29 @@ class Policy:
                 return jnp.asarray(x).astype(self.param_dtype)
             return x
         return jax.tree.map(cast, tree)
+
+
+def require(policy: Any, where: str) -> Policy:
+    """`policy` if it is a `Policy`; a string or anything else raises one line naming the fix."""
+    if isinstance(policy, Policy):
+        return policy
+    if isinstance(policy, str):
+        raise TypeError(f"{where}: the policy is the string {policy!r}; pass a Policy, parsed "
+                        f"once where the string enters: Policy.parse({policy!r})")
+    raise TypeError(f"{where}: policy must be a Policy; got {type(policy).__name__}")
+
+
+def policy_arg(text: str) -> Policy:
+    """An argparse `type`: a policy string parsed at the command line."""
+    try:
+        return Policy.parse(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def policy_list_arg(text: str) -> tuple[Policy, ...]:
+    """An argparse `type`: comma-separated preset names (`bf16,fp32`), each parsed."""
+    return tuple(policy_arg(p) for p in text.split(",") if p)
 
 
 def _round_to(x: jax.Array, dtype: np.dtype, carrier: np.dtype) -> jax.Array:
@@ -316,3 +381,12 @@ PRESETS: dict[str, Policy] = {
     "mxfp4": _preset(compute_dtype="bf16", matmul_format="mxfp4"),
     "nvfp4": _preset(compute_dtype="bf16", matmul_format="nvfp4"),
 }
+# The default policy of the library's functions: f32 throughout.
+FP32: Policy = PRESETS["fp32"]
+
+
+def __getattr__(name: str):
+    if name == "native_low_precision":
+        raise AttributeError("native_low_precision is gone: storage is the policy's own field; "
+                             "read Policy.native (set it with s=native)")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

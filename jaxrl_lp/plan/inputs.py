@@ -67,7 +67,7 @@ def abstract_rollout(rows: int, prompt_len: int, max_new: int, policy: Policy, l
         completion_tokens=s((rows, max_new), i32), completion_mask=s((rows, max_new), f32),
         logprobs=s((rows, max_new), f32), exit_steps=s((rows, max_new), i32),
         loop_evals=s((), i32), weights_version=s((), i32),
-        policy=str(policy), loop=loop, temperature=temperature)
+        policy=policy, loop=loop, temperature=temperature)
     return abstract(ro, batch_shardings(ro, mesh, rules))
 
 

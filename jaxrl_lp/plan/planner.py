@@ -45,7 +45,7 @@ fine-tuning's on the same mesh (`full_fine_tuning`, from shapes: the full
 model's GRPO optimizer state is not compiled).
 
 Low-precision compute dtypes are planned as they are stored on GPU/TPU
-(natively, `JAXRL_LP_NATIVE_LOW_PRECISION=1`), not as the f32 carrier used on
+(natively, `plan.programs.native`), not as the f32 carrier used on
 CPU. The sizes and the model come from `plan.request` (no data or weights are
 read). The programs are the CPU compiler's, which is what can compile for N
 simulated devices; a GPU or TPU compiler fuses differently (the CPU one, for
@@ -66,7 +66,6 @@ from jax.sharding import NamedSharding
 from jaxrl_lp.kernels.targets import for_target
 from jaxrl_lp.models.blocks import unstack_layers
 from jaxrl_lp.models.config import ModelConfig
-from jaxrl_lp.numerics.policy import Policy
 from jaxrl_lp.parallel import MeshSpec, make_mesh, param_shardings, spec_for, use_mesh
 from jaxrl_lp.parallel.shard import replicated
 from jaxrl_lp.plan.inputs import (
@@ -163,7 +162,7 @@ def plan(cfg: TrainConfig, mesh: str, devices: int, target: str = "h100", *,
 
     m = make_mesh(spec, jax.devices()[:devices])
     g = cfg.grpo
-    lpol, spol = Policy.parse(g.learner_policy), Policy.parse(g.sampler_policy)
+    lpol, spol = (native(p) for p in g.policies)
     loop = LoopSpec(g.exit_rule, g.compute_mode).resolve(mcfg)
     grpo_opt = make_optimizers(cfg)[1]
     from jaxrl_lp.train.lora_run import lora_plan
@@ -174,7 +173,7 @@ def plan(cfg: TrainConfig, mesh: str, devices: int, target: str = "h100", *,
 
         check_rank_splits(lora.spec, mesh, "--mesh")
     lowered_for: dict = {}
-    with native(), for_target(tgt.name):
+    with for_target(tgt.name):
         params, psh = abstract_params(mcfg, m)
         full_opt = abstract_state(grpo_opt.init, params, psh, m)
         if lora is None:
@@ -332,8 +331,7 @@ def iteration_updates(cfg: TrainConfig, stale: bool = False) -> dict:
     """
     g = cfg.grpo
     updates = g.mu * g.minibatches
-    lpol, spol = Policy.parse(g.learner_policy), Policy.parse(g.sampler_policy)
-    rule = ReplayRule(g.replay, g.logprobs, matched=str(lpol) == str(spol))
+    rule = ReplayRule(g.replay, g.logprobs, matched=g.policies.matched)
     exporter = cfg.sync.exporter != "none"
     on_served = exporter and cfg.sync.loss_on_served
     verify = 1.0 / g.verify_every if g.verify_every else 0.0

@@ -4,8 +4,9 @@
 function exactly as the training program, the sampler or the sync hooks jit
 it, and `jax.ShapeDtypeStruct` arguments (nothing allocated), so
 `kernels.lowering` can lower it for `cpu`, `cuda` and `tpu` from any host.
-Low-precision compute dtypes are stored natively while a program is built
-and traced (`native`), as on a GPU or TPU. The programs (`PROGRAMS`):
+Low-precision compute dtypes are stored natively, as on a GPU or TPU, unless the
+policy forces the f32 carrier (`native`: a policy's `storage=auto` becomes
+`native`). The programs (`PROGRAMS`):
 
 - `grpo_step_dense`, `grpo_step_hybrid`: one GRPO optimizer update
   (`make_grpo_step`, clipped AdamW) with dense or hybrid learner log-probs; a
@@ -31,8 +32,6 @@ k = 4 drafts; a looped model runs its own exit rule in dense mode.
 
 from __future__ import annotations
 
-import contextlib
-import os
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -44,7 +43,7 @@ from jaxrl_lp.models.blocks import unstack_layers
 from jaxrl_lp.models.cache import init_cache, unstack_cache
 from jaxrl_lp.models.config import ModelConfig
 from jaxrl_lp.models.model import init_params
-from jaxrl_lp.numerics.policy import Policy
+from jaxrl_lp.numerics.policy import Policy, require
 
 __all__ = ["PROGRAMS", "ProgramShapes", "build_program", "native"]
 
@@ -62,19 +61,10 @@ class ProgramShapes(NamedTuple):
     drafts: int = 4  # k, speculative drafts per verification
 
 
-@contextlib.contextmanager
-def native():
-    """Low-precision compute dtypes stored natively (`JAXRL_LP_NATIVE_LOW_PRECISION=1`), as
-    on GPU and TPU, while the block runs; the previous setting after."""
-    old = os.environ.get("JAXRL_LP_NATIVE_LOW_PRECISION")
-    os.environ["JAXRL_LP_NATIVE_LOW_PRECISION"] = "1"
-    try:
-        yield
-    finally:
-        if old is None:
-            del os.environ["JAXRL_LP_NATIVE_LOW_PRECISION"]
-        else:
-            os.environ["JAXRL_LP_NATIVE_LOW_PRECISION"] = old
+def native(policy: Policy) -> Policy:
+    """`policy` stored as on a GPU or TPU: `storage=auto` becomes `native`; a forced
+    storage stays."""
+    return policy.replace(storage="native") if policy.storage == "auto" else policy
 
 
 def _s(shape, dtype) -> jax.ShapeDtypeStruct:
@@ -98,7 +88,7 @@ def _rollout(cfg: ModelConfig, policy: Policy, loop, shp: ProgramShapes, tempera
     return Rollout(prompt_tokens=_s((b, p), i32), prompt_lengths=_s((b,), i32),
                    completion_tokens=_s((b, n), i32), completion_mask=_s((b, n), f32),
                    logprobs=_s((b, n), f32), exit_steps=_s((b, n), i32), loop_evals=_s((), i32),
-                   weights_version=_s((), i32), policy=str(policy), loop=loop,
+                   weights_version=_s((), i32), policy=policy, loop=loop,
                    temperature=temperature)
 
 
@@ -268,16 +258,15 @@ _BUILDERS: dict[str, Callable] = {
 }
 
 
-def build_program(name: str, cfg: ModelConfig, policy: Policy | str,
+def build_program(name: str, cfg: ModelConfig, policy: Policy,
                   shapes: ProgramShapes | None = None):
-    """`(jitted, abstract args)` of program `name` (module table) for `cfg` under `policy`.
-
-    Call it, and trace the result, inside `native()` (the carrier dtype of a
-    low-precision policy is read at both).
+    """`(jitted, abstract args)` of program `name` (module table) for `cfg` under
+    `native(policy)`.
 
     Raises:
       ValueError: an unknown program (the message lists them).
     """
     if name not in _BUILDERS:
         raise ValueError(f"unknown program {name!r}; choose from {list(PROGRAMS)}")
-    return _BUILDERS[name](cfg, Policy.parse(policy), shapes or ProgramShapes())
+    policy = native(require(policy, "build_program"))
+    return _BUILDERS[name](cfg, policy, shapes or ProgramShapes())

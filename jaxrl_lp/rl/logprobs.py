@@ -45,7 +45,7 @@ from jaxrl_lp.models.loop import ExitSchedule
 from jaxrl_lp.models.model import forward
 from jaxrl_lp.models.packing import gather_rows, make_packing, unpack
 from jaxrl_lp.models.recorded import Products, with_products
-from jaxrl_lp.numerics.policy import Policy
+from jaxrl_lp.numerics.policy import Policy, require
 from jaxrl_lp.parallel.context import use_mesh
 from jaxrl_lp.parallel.rules import DEFAULT_RULES, ShardingRules
 from jaxrl_lp.rl.packed_rows import PACK_BUCKETS, pack_groups, packed_rows_for, packed_rows_of
@@ -301,6 +301,7 @@ def learner_logprobs(params: dict, cfg: ModelConfig, policy: Policy, ro: Rollout
         for this rollout (`models.recorded`); the dense gradient's forward
         then reads them (`recorded_logprobs`) instead of computing them.
     """
+    policy = require(policy, "learner_logprobs")
     rollout_loop(ro, cfg, loop)  # refuses a rollout sampled otherwise than expected
     if replay_BxN is not None and method != "hybrid":
         raise ValueError(f"replay_BxN is the hybrid's value; method={method!r} does not use it")
@@ -403,6 +404,7 @@ def jit_learner_logprobs(cfg: ModelConfig, policy: Policy, method: LogprobMethod
     (`pack_groups`). Nothing is donated. Called by the training program for
     the behaviour log-probs and its verifications, and by the tests.
     """
+    policy = require(policy, "jit_learner_logprobs")
     if method in ("replay", "hybrid"):
         return ReplayProgram(cfg, policy, loop=loop, mesh=mesh, rules=rules)
     if method != "dense":

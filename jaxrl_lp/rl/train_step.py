@@ -29,7 +29,7 @@ from jaxrl_lp.models.blocks import lm_head, lm_logits
 from jaxrl_lp.models.config import ModelConfig
 from jaxrl_lp.models.model import forward
 from jaxrl_lp.models.recorded import Products, split_products
-from jaxrl_lp.numerics.policy import Policy
+from jaxrl_lp.numerics.policy import Policy, require
 from jaxrl_lp.parallel.context import constrain_params
 from jaxrl_lp.parallel.rules import DEFAULT_RULES, ShardingRules
 from jaxrl_lp.parallel.shard import to_host
@@ -127,7 +127,7 @@ def _apply_if_finite(optimizer, grads, opt_state, params, loss):
 
 def make_grpo_step(cfg: ModelConfig, policy: Policy, loss_cfg: LossConfig,
                    optimizer: optax.GradientTransformation, *, loop: LoopSpec | None = None,
-                   sampler_policy: Policy | str | None = None, method: str = "hybrid",
+                   sampler_policy: Policy | None = None, method: str = "hybrid",
                    micro_batches: int = 1, remat: bool = False, mesh: Mesh | None = None,
                    rules: ShardingRules = DEFAULT_RULES, weights=None,
                    pack_buckets: int = PACK_BUCKETS):
@@ -220,7 +220,8 @@ def make_grpo_step(cfg: ModelConfig, policy: Policy, loss_cfg: LossConfig,
         return loss, m
 
     grad_fn = jax.value_and_grad(mb_loss, has_aux=True)
-    want_policy = str(Policy.parse(policy if sampler_policy is None else sampler_policy))
+    policy = require(policy, "make_grpo_step")
+    want_policy = policy if sampler_policy is None else require(sampler_policy, "make_grpo_step")
     packs = pack_buckets > 0 and method in ("dense", "hybrid")
 
     def step(params, opt_state, ro: Rollout, adv_B, old_logp_BxN, ref_logp_BxN=None,
@@ -235,8 +236,9 @@ def make_grpo_step(cfg: ModelConfig, policy: Policy, loss_cfg: LossConfig,
         rollout_loop(ro, cfg, loop)
         if ro.policy != want_policy:
             raise ValueError(
-                f"rollout was sampled under policy {ro.policy!r} but this learner step was built "
-                f"for rollouts of {want_policy!r}; build it with sampler_policy={ro.policy!r} "
+                f"rollout was sampled under policy '{ro.policy}' but this learner step was "
+                f"built for rollouts of '{want_policy}'; build it with sampler_policy="
+                "ro.policy "
                 "(an unmatched learner) or sample under the expected policy")
         cweights, keep, cmetrics = correction_weights(old_logp_BxN, ro.logprobs,
                                                       ro.completion_mask, loss_cfg)
@@ -295,7 +297,7 @@ def make_grpo_step(cfg: ModelConfig, policy: Policy, loss_cfg: LossConfig,
     prepare = None
     if method == "hybrid":
         model_params = None if weights is None else jax.jit(weights.materialize)
-        replay_policy = Policy.parse(policy)
+        replay_policy = policy
 
         def prepare(args):
             if (len(args) > 7 and args[7] is not None) or (len(args) > 8 and args[8] is not None):
@@ -342,6 +344,7 @@ def make_sft_step(cfg: ModelConfig, policy: Policy, optimizer: optax.GradientTra
     compilation per bucket. A looped model's loss reads out every loop step
     (the expected read-out) and computes every slot.
     """
+    policy = require(policy, "make_sft_step")
     fused = fused_readout(policy) and not cfg.is_looped
     packs = pack_buckets > 0 and not cfg.is_looped
 

@@ -35,7 +35,7 @@ from jaxrl_lp.models.recorded import (
     empty_products,
 )
 from jaxrl_lp.numerics.fingerprint import tree_fingerprint
-from jaxrl_lp.numerics.policy import Policy
+from jaxrl_lp.numerics.policy import FP32, Policy, require
 from jaxrl_lp.parallel.context import use_mesh
 from jaxrl_lp.parallel.rules import DEFAULT_RULES, ShardingRules
 from jaxrl_lp.parallel.shard import batch_shardings, put_tree, replicated
@@ -204,7 +204,7 @@ def _sample(params, prompt_BxP, positions_BxP, lengths_B, key, version, forced: 
         prompt_tokens=prompt_BxP, prompt_lengths=lengths_B, completion_tokens=s.tokens,
         completion_mask=s.mask, logprobs=s.logprobs, exit_steps=s.exit_steps,
         loop_evals=s.loop_evals, weights_version=jnp.asarray(version, jnp.int32),
-        policy=str(policy), loop=loop, temperature=sampling.temperature, products=s.products,
+        policy=policy, loop=loop, temperature=sampling.temperature, products=s.products,
         decode_layout=layout,
         call_rows=jnp.stack([jnp.zeros((b,), jnp.int32), jnp.arange(b, dtype=jnp.int32)], 1),
     )
@@ -215,7 +215,7 @@ def generate(
     cfg: ModelConfig,
     prompts: Sequence[Sequence[int]],
     *,
-    policy: Policy | str = "fp32",
+    policy: Policy = FP32,
     sampling: SamplingConfig = SamplingConfig(greedy=True),
     max_new_tokens: int = 32,
     num_samples: int = 1,
@@ -289,7 +289,7 @@ def generate(
     req = check_request(prompts, cfg, sampling=sampling, max_new_tokens=max_new_tokens,
                         num_samples=num_samples, eos_id=eos_id, pad_id=pad_id, key=key,
                         prompt_width=prompt_width)
-    policy = Policy.parse(policy)
+    policy = require(policy, "generate")
     loop = LoopSpec.parse(loop).resolve(cfg)
     if record_products and (cfg.is_looped or mesh is not None):
         raise ValueError("generate: record_products keeps a dense model's weight products on one "

@@ -51,7 +51,7 @@ from jaxrl_lp.models.blocks import unstack_layers
 from jaxrl_lp.models.cache import init_cache, unstack_cache
 from jaxrl_lp.models.config import ModelConfig
 from jaxrl_lp.models.loop import MODEL_DEFAULT
-from jaxrl_lp.numerics.policy import Policy
+from jaxrl_lp.numerics.policy import Policy, require
 from jaxrl_lp.parallel.context import use_mesh
 from jaxrl_lp.parallel.rules import DEFAULT_RULES, ShardingRules, param_shardings
 from jaxrl_lp.parallel.shard import put_tree, to_host
@@ -123,6 +123,7 @@ def traced_replay_logprobs(params: dict, cfg: ModelConfig, policy: Policy, ro: R
     Differentiable except in deferred mode (its early-stopping loop is a
     `while_loop`); use `hybrid` for gradients there.
     """
+    policy = require(policy, "traced_replay_logprobs")
     loop = rollout_loop(ro, cfg, loop)
     if ro.verify_tokens:  # a speculative rollout: re-run its verification chunks
         return replay_speculative(params, cfg, policy, ro, loop)
@@ -225,6 +226,7 @@ def replay_logprobs(params: dict, cfg: ModelConfig, policy: Policy, ro: Rollout,
       >>> ro = generate(params, cfg, prompts, key=key, sampling=SamplingConfig())
       >>> lp = replay_logprobs(params, cfg, policy, take_rows(ro, np.arange(2)))
     """
+    policy = require(policy, "replay_logprobs")
     _refuse_traced(params, ro)
     loop = rollout_loop(ro, cfg, loop)
     if ro.verify_tokens:  # a speculative rollout: its verification chunks, re-traced

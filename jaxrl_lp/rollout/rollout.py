@@ -21,6 +21,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 from jaxrl_lp.models.recorded import Products, split_products, take_product_rows
+from jaxrl_lp.numerics.policy import FP32, Policy
 from jaxrl_lp.rollout.sampling import SamplingConfig
 from jaxrl_lp.rollout.step import LoopSpec
 
@@ -74,7 +75,7 @@ class Rollout:
         input token stopped computing); 0 for dense models.
       loop_evals: [] int32 loop-step evaluations of the decode steps (counted).
       weights_version: [] int32 learner step whose weights sampled this.
-      policy: the sampler's precision policy string (static).
+      policy: the sampler's precision `Policy` (static).
       loop: the `LoopSpec` the rollout was sampled with, resolved (static):
         the learner replays `exit_steps` with it and refuses another.
       temperature: the temperature the log-probs were taken at (static).
@@ -112,7 +113,7 @@ class Rollout:
     exit_steps: jax.Array
     loop_evals: jax.Array
     weights_version: jax.Array
-    policy: str = dataclasses.field(default="fp32", metadata={"static": True})
+    policy: Policy = dataclasses.field(default=FP32, metadata={"static": True})
     loop: LoopSpec = dataclasses.field(default=LoopSpec("full", "dense"),
                                        metadata={"static": True})
     temperature: float = dataclasses.field(default=1.0, metadata={"static": True})

@@ -55,7 +55,7 @@ from jaxrl_lp.models.blocks import unstack_layers
 from jaxrl_lp.models.cache import init_cache, unstack_cache
 from jaxrl_lp.models.config import ModelConfig
 from jaxrl_lp.numerics.fingerprint import tree_fingerprint
-from jaxrl_lp.numerics.policy import Policy
+from jaxrl_lp.numerics.policy import FP32, Policy, require
 from jaxrl_lp.rollout.drafter import DraftState, draft, init_draft, sampling_probs
 from jaxrl_lp.rollout.generate import Rollout
 from jaxrl_lp.rollout.request import check_request
@@ -240,7 +240,7 @@ def _speculate(params, dparams, prompt_BxP, positions_BxP, lengths_B, key, versi
         logprobs=jnp.where(mask, s.logprobs[:, :n], 0.0),
         exit_steps=jnp.where(mask, s.exit_steps[:, :n], 0),
         loop_evals=s.loop_evals, weights_version=jnp.asarray(version, jnp.int32),
-        policy=str(policy), loop=loop, temperature=sampling.temperature,
+        policy=policy, loop=loop, temperature=sampling.temperature,
         verify_counts=s.counts, verify_tokens=k + 1, decode_layout=layout)
     stats = SpecStats(iterations=s.it, proposed=s.proposed, accepted=s.accepted,
                       committed=jnp.sum(s.counts), draft_steps=s.draft.steps,
@@ -248,7 +248,7 @@ def _speculate(params, dparams, prompt_BxP, positions_BxP, lengths_B, key, versi
     return ro, stats
 
 
-def drafter_cache_bytes(spec: SpecConfig, drafter_cfg: ModelConfig | None, policy: Policy | str,
+def drafter_cache_bytes(spec: SpecConfig, drafter_cfg: ModelConfig | None, policy: Policy,
                         batch: int) -> int:
     """Bytes of the drafter's own KV cache (0 for self-speculation, which shares the target's).
 
@@ -256,7 +256,7 @@ def drafter_cache_bytes(spec: SpecConfig, drafter_cfg: ModelConfig | None, polic
     """
     if spec.drafter == "self":
         return 0
-    shapes = jax.eval_shape(lambda: init_cache(drafter_cfg, Policy.parse(policy), batch,
+    shapes = jax.eval_shape(lambda: init_cache(drafter_cfg, policy, batch,
                                                spec.sink + spec.window))
     return int(sum(np.prod(x.shape) * x.dtype.itemsize for x in jax.tree_util.tree_leaves(shapes)))
 
@@ -277,7 +277,7 @@ def speculative_generate(
     spec: SpecConfig | str,
     *,
     drafter: tuple[dict, ModelConfig] | None = None,
-    policy: Policy | str = "fp32",
+    policy: Policy = FP32,
     sampling: SamplingConfig = SamplingConfig(greedy=True),
     max_new_tokens: int = 32,
     num_samples: int = 1,
@@ -333,7 +333,7 @@ def speculative_generate(
     if spec.drafter == "self" and drafter is not None:
         raise ValueError("self-speculation drafts with the target itself; pass no drafter")
     spec = spec.resolve(cfg, dcfg)
-    policy = Policy.parse(policy)
+    policy = require(policy, "speculative_generate")
     loop = LoopSpec.parse(loop).resolve(cfg)
     if loop.compute_mode != "dense":
         raise ValueError(f"speculative rollouts verify in dense compute mode; got loop spec {loop}")

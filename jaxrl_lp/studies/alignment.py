@@ -80,7 +80,7 @@ MISMATCH_KEYS = ("mismatch_k1", "mismatch_k3", "mismatch_max_abs_dlogp", "mismat
 
 def arm_policy(arm: str) -> Policy:
     """The sampler policy of an arm (module docstring); a ValueError names the valid arms."""
-    base = Policy.parse(LEARNER_POLICY)
+    base = PRESETS[LEARNER_POLICY]
     if arm == "all":
         return base
     if arm == "bf16-engine":
@@ -130,7 +130,7 @@ def measure_mismatch(params: dict, mcfg, task, loop, arms, *, num_prompts: int, 
     from jaxrl_lp.rollout.generate import generate
     from jaxrl_lp.rollout.sampling import SamplingConfig
 
-    lpol = Policy.parse(LEARNER_POLICY)
+    lpol = PRESETS[LEARNER_POLICY]
     tok = task.tokenizer
     prompts = [task.prompt_ids(task.heldout[i])
                for i in range(min(num_prompts, len(task.heldout)))]
@@ -307,7 +307,7 @@ def run_alignment(out_dir: str | Path = "runs/study-alignment", *, steps: int | 
     _plot(mismatch, all_series, out)
     result = {
         "study": "alignment",
-        "learner_policy": str(Policy.parse(LEARNER_POLICY)),
+        "learner_policy": str(PRESETS[LEARNER_POLICY]),
         "mismatch": mismatch,
         "arms": result_arms,
         "setup": {

@@ -62,7 +62,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from jaxrl_lp.numerics.policy import Policy
+from jaxrl_lp.numerics.policy import FP32, Policy
 from jaxrl_lp.studies import common
 from jaxrl_lp.studies.common import QUICK_OVERRIDES, make_config, remove_outputs
 
@@ -85,7 +85,7 @@ def arm_policy(fmt: str, backward: str) -> Policy:
     """`p=f32,c=f32,mm=<fmt>,bwd=<backward>`; a ValueError names the valid formats."""
     if fmt not in ARMS:
         raise ValueError(f"backward-state: unknown format {fmt!r}; formats are {','.join(ARMS)}")
-    return Policy.parse(f"p=f32,c=f32,mm={fmt},bwd={backward}")
+    return Policy(matmul_format=None if fmt == "none" else fmt, backward=backward)
 
 
 # Config keys the study sets itself (per arm); an override of one would be silently replaced.
@@ -339,7 +339,7 @@ def run_backward_state(out_dir: str | Path = "runs/study-backward-state", *,
 
     def accuracy(params):
         # Served in f32 for every arm: one sampler program (what the weights learned).
-        return evaluate(params, mcfg, task, Policy.parse("fp32"), loop, cfg.run.eval_size, max_new)
+        return evaluate(params, mcfg, task, FP32, loop, cfg.run.eval_size, max_new)
 
     timings = {}
     curves: dict[str, dict] = {}
@@ -359,9 +359,9 @@ def run_backward_state(out_dir: str | Path = "runs/study-backward-state", *,
         return snap
 
     # The f32 run first: the gradients are measured at its weights after `at` steps.
-    f32_arm = ArmStep(mcfg, Policy.parse("fp32"), sft_opt)
+    f32_arm = ArmStep(mcfg, FP32, sft_opt)
     weights = curve("f32", f32_arm)
-    f32 = Policy.parse("fp32")
+    f32 = FP32
     # `none-reuse` is the f32 policy itself (`p=f32,c=f32,mm=none,bwd=reuse`): its step and run.
     arms_by_policy = {(f, b): f32_arm if arm_policy(f, b) == f32 else
                       ArmStep(mcfg, arm_policy(f, b), sft_opt) for f in arms for b in BACKWARDS}

@@ -94,7 +94,7 @@ def remove_outputs(out: Path, names: list[str] | tuple[str, ...]) -> None:
 
 
 def _policies(cfg: TrainConfig) -> tuple[Policy, Policy]:
-    return Policy.parse(cfg.grpo.learner_policy), Policy.parse(cfg.grpo.sampler_policy)
+    return cfg.grpo.policies
 
 
 def restore_state(cfg: TrainConfig) -> tuple[dict, dict, Any, Any, SyncHooks]:

@@ -85,7 +85,7 @@ def run_ternary_export(out_dir: str | Path = "runs/study-ternary-export", *,
     Returns:
       The JSON-able result (also in `ternary_export.json`).
     """
-    from jaxrl_lp.numerics.policy import Policy
+    from jaxrl_lp.numerics.policy import FP32
     from jaxrl_lp.rollout.step import LoopSpec
     from jaxrl_lp.sync import EmptyState, served_params_for_forward
     from jaxrl_lp.sync.layout import flatten_served, matmul_weight_paths
@@ -114,7 +114,7 @@ def run_ternary_export(out_dir: str | Path = "runs/study-ternary-export", *,
     size, max_new = cfg.run.eval_size, g.max_new_tokens or task.max_completion_tokens
 
     def acc(params, policy):
-        return evaluate(params, mcfg, task, Policy.parse(policy), loop, size, max_new)
+        return evaluate(params, mcfg, task, policy, loop, size, max_new)
 
     flat = flatten_served(latents)
     sizes = {p: int(np.size(flat[p])) for p in matmul_weight_paths(latents, head)}
@@ -128,15 +128,15 @@ def run_ternary_export(out_dir: str | Path = "runs/study-ternary-export", *,
             t_rates = code_disagreement(latents, served, consumer="training", include_lm_head=head)
             entry["code_disagreement_training_consumer"] = _weighted(t_rates, sizes)
             served = _consumer_view(served, head)
-        entry["accuracy"] = acc(served_params_for_forward(served), "fp32")
+        entry["accuracy"] = acc(served_params_for_forward(served), FP32)
         entry["per_tensor"] = rates
         paths[path] = entry
 
     result = {
         "study": "ternary-export",
         "paths": paths,
-        "reference_accuracy": acc(latents, TERNARY_POLICY),
-        "latent_f32_accuracy": acc(latents, "fp32"),
+        "reference_accuracy": acc(latents, cfg.grpo.policies.learner),
+        "latent_f32_accuracy": acc(latents, FP32),
         "setup": {
             "sft_steps": cfg.sft.steps, "sft_lr": cfg.sft.lr, "learner_policy": TERNARY_POLICY,
             "eval_size": size, "quick": quick, "overrides": settings,

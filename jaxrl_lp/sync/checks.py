@@ -40,7 +40,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxrl_lp.numerics.formats import quantize as quantize_array
-from jaxrl_lp.numerics.policy import Policy
+from jaxrl_lp.numerics.policy import Policy, require
 from jaxrl_lp.numerics.qarray import FORMATS, dequantize
 from jaxrl_lp.sync.export import Exporter, served_params_for_forward, straight_through_served
 from jaxrl_lp.sync.layout import TensorSpec, flatten_served, hash_served, is_qarray, layout_of
@@ -286,7 +286,7 @@ def _probe_check(written, sampler, master, cfg, tokens, learner_policy, matched,
 def run_sync_checks(written: Any, written_hashes: dict[str, str], sampler: SamplerState,
                     expected: dict[str, TensorSpec], learner_version: int, *,
                     master: Any = None, cfg: Any = None, probe_tokens: Any = None,
-                    learner_policy: Policy | str | None = None, matched: bool = True,
+                    learner_policy: Policy | None = None, matched: bool = True,
                     atol: float = PROBE_ATOL, logprobs: tuple[Any, Any] | None = None
                     ) -> SyncReport:
     """Runs the seven checks (module docstring) and returns a `SyncReport`.
@@ -309,10 +309,10 @@ def run_sync_checks(written: Any, written_hashes: dict[str, str], sampler: Sampl
     Examples:
       >>> report = run_sync_checks(served, hash_served(served), SamplerState(held, 7),
       ...                          expected_layout(exporter, params), 7, cfg=cfg,
-      ...                          probe_tokens=tokens, learner_policy="bf16")
+      ...                          probe_tokens=tokens, learner_policy=Policy(compute_dtype="bf16"))
       >>> assert report.passed, str(report)
     """
-    lp = None if learner_policy is None else str(Policy.parse(learner_policy))
+    lp = None if learner_policy is None else require(learner_policy, "run_sync_checks")
     return SyncReport((
         check_layout(sampler.params, expected),
         check_hashes(written_hashes, sampler.params),

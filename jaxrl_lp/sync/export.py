@@ -273,7 +273,7 @@ def served_params_for_forward(served: Any, dtype: Any = jnp.float32) -> Any:
 
     Examples:
       >>> held = served_params_for_forward(served)       # what `generate` runs on
-      >>> ro = generate(held, cfg, prompts, policy="bf16")
+      >>> ro = generate(held, cfg, prompts, policy=PRESETS["bf16"])
     """
 
     def one(x):

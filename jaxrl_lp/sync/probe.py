@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxrl_lp.models.model import forward
-from jaxrl_lp.numerics.policy import Policy
+from jaxrl_lp.numerics.policy import Policy, require
 from jaxrl_lp.sync.report import CheckResult, result
 
 __all__ = ["PROBE_ATOL", "check_probe_logprobs", "probe_logprobs"]
@@ -33,17 +33,17 @@ def _probe(params, tokens_BxT, *, cfg, policy):
     return jnp.take_along_axis(lp, tokens_BxT[:, 1:, None], axis=-1)[..., 0]
 
 
-def probe_logprobs(params_dense: Any, cfg: Any, policy: Policy | str, tokens_BxT: Any) -> jax.Array:
+def probe_logprobs(params_dense: Any, cfg: Any, policy: Policy, tokens_BxT: Any) -> jax.Array:
     """Log-probs [B, T-1] (f32) of `tokens[:, 1:]` under one plain forward (jitted; cfg
     and policy static)."""
     return _probe(params_dense, jnp.asarray(tokens_BxT, jnp.int32), cfg=cfg,
-                  policy=Policy.parse(policy))
+                  policy=require(policy, "probe_logprobs"))
 
 
 def check_probe_logprobs(learner_lp: Any, sampler_lp: Any, *, matched: bool = True,
                          atol: float = PROBE_ATOL, mask: Any = None,
-                         learner_policy: str | None = None,
-                         sampler_policy: str | None = None) -> CheckResult:
+                         learner_policy: Policy | None = None,
+                         sampler_policy: Policy | None = None) -> CheckResult:
     """Check 7: probe log-probs bit-equal (matched policies) or within `atol` nats."""
     a, b = np.asarray(learner_lp, np.float32), np.asarray(sampler_lp, np.float32)
     if a.shape != b.shape:
@@ -51,9 +51,9 @@ def check_probe_logprobs(learner_lp: Any, sampler_lp: Any, *, matched: bool = Tr
     keep = np.ones(a.shape, bool) if mask is None else np.asarray(mask) > 0
     problems = []
     if matched and learner_policy is not None and sampler_policy is not None \
-            and Policy.parse(learner_policy) != Policy.parse(sampler_policy):
-        problems.append(f"sampler runs policy {Policy.parse(sampler_policy)} but the learner "
-                        f"runs {Policy.parse(learner_policy)} and the run expects them matched")
+            and learner_policy != sampler_policy:
+        problems.append(f"sampler runs policy {sampler_policy} but the learner "
+                        f"runs {learner_policy} and the run expects them matched")
     diff = np.abs(a - b)[keep]
     worst = float(np.nanmax(diff, initial=0.0)) if not np.isnan(diff).all() else float("nan")
     if np.isnan(diff).any():

@@ -5,6 +5,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from jaxrl_lp.numerics.policy import Policy, require
+
 __all__ = ["CheckResult", "SamplerState", "SyncReport"]
 
 _SHOW = 4  # problems listed in a check's details
@@ -28,13 +30,17 @@ class SamplerState:
       version: the learner step whose export it holds.
       cache_version: the weights version its caches (KV, prefix) were built on;
         None when it holds no cache.
-      policy: the precision policy it runs (string form), if known.
+      policy: the precision `Policy` it runs, if known.
     """
 
     params: Any
     version: int
     cache_version: int | None = None
-    policy: str | None = None
+    policy: Policy | None = None
+
+    def __post_init__(self):
+        if self.policy is not None:
+            require(self.policy, "SamplerState")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -6,8 +6,9 @@ Reading them from files and `--set a.b=c` overrides is `train.config_files`.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from pathlib import Path
-from typing import Literal
+from typing import Literal, NamedTuple
 
 from jaxrl_lp.fields import (
     check_bool,
@@ -18,13 +19,26 @@ from jaxrl_lp.fields import (
 )
 from jaxrl_lp.lora.config import LoraConfig
 from jaxrl_lp.models.config import ModelConfig
+from jaxrl_lp.numerics.policy import Policy
 from jaxrl_lp.parallel.distributed import DistributedConfig
 from jaxrl_lp.rl.loss import LossConfig
 from jaxrl_lp.rollout.sampling import DRAWS
 from jaxrl_lp.train.sync_hooks import SyncConfig
 
-__all__ = ["DistributedConfig", "GRPOConfig", "LoraConfig", "RunConfig", "SFTConfig", "SyncConfig",
-           "TaskConfig", "TrainConfig"]
+__all__ = ["DistributedConfig", "GRPOConfig", "LoraConfig", "RunConfig", "RunPolicies", "SFTConfig",
+           "SyncConfig", "TaskConfig", "TrainConfig"]
+
+
+class RunPolicies(NamedTuple):
+    """The learner's and the sampler's `Policy`, parsed once from a `GRPOConfig`."""
+
+    learner: Policy
+    sampler: Policy
+
+    @property
+    def matched(self) -> bool:
+        """Whether the two are the same policy (replay == sampler is then promised)."""
+        return self.learner == self.sampler
 
 
 @dataclasses.dataclass(frozen=True)
@@ -243,6 +257,11 @@ class GRPOConfig:
             raise ValueError(f"grpo.speculative={self.speculative!r}: the dense drafter's "
                              f"checkpoint directory {spec.path!r} does not exist")
 
+    @functools.cached_property
+    def policies(self) -> RunPolicies:
+        """The learner's and the sampler's policy strings, parsed (once: the config's boundary)."""
+        return RunPolicies(Policy.parse(self.learner_policy), Policy.parse(self.sampler_policy))
+
     def __post_init__(self):
         check_int("grpo.steps", self.steps, minimum=0)
         check_int("grpo.group_size", self.group_size, minimum=2,
@@ -289,12 +308,14 @@ class GRPOConfig:
                       "synchronous)")
         self._check_speculative()
         from jaxrl_lp.models.loop import LoopSpec
-        from jaxrl_lp.numerics.policy import Policy
 
         for key, parse, value in (
                 ("grpo.learner_policy", Policy.parse, self.learner_policy),
                 ("grpo.sampler_policy", Policy.parse, self.sampler_policy),
                 ("grpo.exit_rule", lambda v: LoopSpec(v, self.compute_mode), self.exit_rule)):
+            if key.endswith("_policy") and not isinstance(value, str):
+                raise ValueError(f"{key}={value!r}: a policy string such as 'bf16' (the config "
+                                 "keeps the string; GRPOConfig.policies holds the parsed Policy)")
             try:
                 parse(value)
             except (ValueError, TypeError) as e:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import numpy as np
 
-from jaxrl_lp.numerics.policy import Policy
 from jaxrl_lp.parallel.shard import to_host
 from jaxrl_lp.rollout.generate import generate
 from jaxrl_lp.rollout.sampling import SamplingConfig
@@ -78,7 +77,7 @@ def evaluate_run(cfg: TrainConfig, size: int | None = None, *, step: int | None 
     loop = LoopSpec(g.exit_rule, g.compute_mode).resolve(mcfg)
 
     def score(p):
-        return evaluate(p, mcfg, task, Policy.parse(g.sampler_policy), loop,
+        return evaluate(p, mcfg, task, g.policies.sampler, loop,
                         size or cfg.run.eval_size, g.max_new_tokens or task.max_completion_tokens)
 
     out = {"step": step, "accuracy": score(params)}

@@ -57,7 +57,7 @@ def probe_exactness(cfg, plan) -> dict | None:
     """
     g = cfg.grpo
     relies = (g.replay == "auto" and g.logprobs == "hybrid"
-              and str(plan.learner_policy) == str(plan.sampler_policy))
+              and plan.learner_policy == plan.sampler_policy)
     if not (g.start_probe and relies):
         return None
     task, tok = plan.task, plan.task.tokenizer

@@ -175,10 +175,10 @@ class SyncHooks:
         params = merge_adapters(params)  # a LoRA master: its merged f32 weights
         report = run_sync_checks(
             served, hash_served(served),
-            SamplerState(params=served, version=step, cache_version=step, policy=str(self.spol)),
+            SamplerState(params=served, version=step, cache_version=step, policy=self.spol),
             expected_layout(self.exporter, params), step, master=params, cfg=self.mcfg,
             probe_tokens=probe_tokens, learner_policy=self.lpol,
-            matched=(str(self.lpol) == str(self.spol)))
+            matched=self.lpol == self.spol)
         if not report.passed:
             raise SyncCheckError(f"sync checks failed at step {step}:\n{report}")
         return report.metrics()

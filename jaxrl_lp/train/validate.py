@@ -150,7 +150,7 @@ def validate(cfg: TrainConfig) -> RunPlan:
     task = build_task(cfg)
     mcfg = model_config(cfg, task)
     g = cfg.grpo
-    lpol, spol = Policy.parse(g.learner_policy), Policy.parse(g.sampler_policy)
+    lpol, spol = g.policies
     _check_kernels_run_here(("grpo.learner_policy", lpol), ("grpo.sampler_policy", spol))
     try:
         loop = LoopSpec(g.exit_rule, g.compute_mode).resolve(mcfg)
@@ -239,7 +239,7 @@ def _reuse_products(cfg: TrainConfig, mcfg: ModelConfig, weights) -> None:
                "set grpo.max_staleness=0")
     elif weights is not None or cfg.lora.enabled:
         why = "plain weights': set sft.optimizer=adamw and lora.rank=0"
-    elif Policy.parse(g.learner_policy) != Policy.parse(g.sampler_policy):
+    elif not g.policies.matched:
         why = ("a learner matched to its sampler's: set grpo.learner_policy equal to "
                "grpo.sampler_policy")
     if why:
