@@ -21,7 +21,7 @@ Each form runs `--steps` dependent steps in one jitted `fori_loop` (the input
 of every matmul depends on the previous step, so nothing is hoisted), the
 forms alternating, fastest of `--repeats`. It bounds what a faster decode
 layout could give the sampler and the hybrid learner's replay
-(docs/design.md, "Learner step time on CPU").
+(docs/design/learner_step.md, "Learner step time on CPU").
 
     python benchmarks/decode_matmuls.py [--preset small-qwen3] [--batch 8]
 """

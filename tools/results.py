@@ -422,7 +422,7 @@ def render() -> str:
         "`2core-cpu`); earlier runs are in git. Each section names its file, the machine and",
         "jax version and the date it records (or its last commit's date), and its headline",
         "figures. What each target measures, and the decisions the figures made, are in",
-        "[bench/README.md](bench/README.md) and [design.md](design.md).",
+        "[bench/README.md](bench/README.md) and [the design notes](design/index.md).",
         "",
     ]
     for target in sorted(by_target):

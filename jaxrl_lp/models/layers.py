@@ -40,11 +40,11 @@ class TransposedWeight:
     `dot(x, TransposedWeight(w.T), policy)` is `x @ w`, computed on CPU with the
     weight as the product's row operand: `w_NxK @ x.T`, `[N, rows]`, then
     transposed back. At a decode step's few rows XLA:CPU streams a weight
-    read that way about twice as fast as `x @ w` as stored (docs/design.md,
+    read that way about twice as fast as `x @ w` as stored (docs/design/hot_path.md,
     "The decode's weights"). Other platforms multiply `x @ w_NxK.T` as one
     product. The sums round as their own
     product does, not as `x @ w`'s: the sampler and the replay both read
-    this copy, so they agree bit for bit (docs/design.md, "The decode's
+    this copy, so they agree bit for bit (docs/design/hot_path.md, "The decode's
     weights").
     """
 
