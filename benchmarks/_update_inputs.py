@@ -1,7 +1,6 @@
-"""What the update benchmarks share: the iteration bench's update inputs on a preset.
+"""The iteration bench's update inputs on a preset.
 
-Imported by `profile_update.py`, `update_token_axis_ab.py`, `unstacked_update_ab.py`
-and `norm_grad.py` (run as scripts, so this folder is on `sys.path`).
+Imported by `profile_update.py` (run as a script, so this folder is on `sys.path`).
 """
 
 from __future__ import annotations

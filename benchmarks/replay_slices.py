@@ -6,7 +6,7 @@ A run replays its batch in `minibatches x micro_batches` row slices; the sampler
 whole batch. Per model kind and slice count, the completion tokens whose log-prob differs
 from the sampler's, and the largest difference, for
 - `exact`: `rollout.replay.replay_logprobs` (the sampler's own program, each row in its
-  place in the sampler's call: docs/design.md, "Replay == sampler by construction");
+  place in the sampler's call: docs/design/replay.md, "Replay == sampler by construction");
 - `traced`: the former construction, the sampler's steps traced into a program of the
   slice's shape (`traced_replay_logprobs`, jitted): on XLA:CPU a matmul's rounding depends
   on its row count.

@@ -23,7 +23,7 @@ CONFIGS = {"qwen3": QWEN3, "qwen3_tied": QWEN3_TIED, "qwen2": QWEN2, "ouro": OUR
 
 
 def random_params(cfg: ModelConfig, seed: int = 0) -> dict:
-    """Random params built from the table in docs/design.md (independently of hf_names)."""
+    """Random params built from the table in docs/design/parameters.md (independently of hf_names)."""
     rng = np.random.default_rng(seed)
     d, f, hd, L, v = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim, cfg.num_layers, \
         cfg.vocab_size
@@ -338,7 +338,7 @@ def test_save_rejects_params_that_do_not_match_the_config(tmp_path):
 
 
 # ------------------------------------------------------------------ against transformers
-# docs/design.md: HF module (per layer) -> our key; nn.Linear stores [out, in].
+# docs/design/parameters.md: HF module (per layer) -> our key; nn.Linear stores [out, in].
 LINEARS = {"self_attn.q_proj": "q_proj", "self_attn.k_proj": "k_proj",
            "self_attn.v_proj": "v_proj", "self_attn.o_proj": "o_proj",
            "mlp.gate_proj": "gate_proj", "mlp.up_proj": "up_proj", "mlp.down_proj": "down_proj"}

@@ -55,7 +55,7 @@ def test_a_module_in_a_fresh_interpreter():
     assert out.returncode == 0, out.stderr[-2000:]
 
 
-# The floors, lowest first (docs/design.md, "Floors"): a module imports, at its top level,
+# The floors, lowest first (docs/design/parameters.md, "Floors"): a module imports, at its top level,
 # only modules of its own floor or below, and so does every package __init__ on the way.
 FLOORS = (
     ("fields",), ("numerics",), ("models.config", "models.loop", "models.hf_names"),

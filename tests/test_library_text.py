@@ -45,7 +45,7 @@ def test_no_citation_of_a_document_outside_the_repository():
     assert not SPEC_CITATION.search('metavar="SPEC"')
 
 
-# `docs/design.md, "Number formats"`: a page of docs/ and a section of it, the name quoted
+# `docs/design/low_precision.md, "Number formats"`: a page of docs/ and a section of it, the name quoted
 # as the page writes it: a heading's title (up to its ": ..." or " (`files`)") or, in a
 # list of decisions, a bold label. The quote may wrap across comment or docstring lines.
 DOC_CITATION = re.compile(r'docs/([\w/-]+\.md),\s+"([^"]+)"')
@@ -61,16 +61,44 @@ def _section_names(page):
     return names
 
 
+ROOT = Path(jaxrl_lp.__file__).parent.parent
+DOCS = ROOT / "docs"
+# The repository's own text: the library, its tests, scripts and tools, and the docs pages.
+TEXT_FILES = ("README.md", "docs/**/*.md", "jaxrl_lp/**/*.py", "tests/**/*.py", "benchmarks/*",
+              "tools/*.py", "notebooks/src/*.py")
+
+
+def _missing_citations(text):
+    """The `docs/<page>.md, "<section>"` citations in `text` whose page or section does not exist."""
+    text = re.sub(r"\s*\n\s*(#\s?)?", " ", text)
+    return [f"docs/{page}, {name!r}" for page, name in DOC_CITATION.findall(text)
+            if not (DOCS / page).is_file() or name not in _section_names(DOCS / page)]
+
+
 def test_every_cited_section_is_on_its_page():
-    root = Path(jaxrl_lp.__file__).parent
-    docs = root.parent / "docs"
-    found = []
-    for p in sorted(root.rglob("*.py")):
-        text = re.sub(r"\s*\n\s*(#\s?)?", " ", p.read_text())
-        for page, name in DOC_CITATION.findall(text):
-            if not (docs / page).is_file() or name not in _section_names(docs / page):
-                found.append(f"{p.relative_to(root.parent)}: docs/{page}, {name!r}")
+    found = [f"{p.relative_to(ROOT)}: {c}" for pattern in TEXT_FILES for p in sorted(ROOT.glob(pattern))
+             if p.is_file() for c in _missing_citations(p.read_text())]
     assert not found, "\n".join(found[:20])
-    names = _section_names(docs / "design.md")
-    assert "Low precision on CPU" in names and "Number formats" in names
-    assert "Kernels on GPU" not in names
+
+
+def test_a_citation_of_a_missing_page_or_section_is_found():
+    # Written in two pieces, so that this file's own text cites nothing that is missing.
+    cite = "docs/" + "{}.md, \"{}\""
+    assert not _missing_citations(cite.format("design/low_precision", "Number formats"))
+    assert not _missing_citations("# (" + cite.format("design/kernels", "Kernels on GPU\n# and TPU") + ")")
+    assert _missing_citations(cite.format("design", "Number formats"))  # a page that is gone
+    assert _missing_citations(cite.format("design/kernels", "Kernels on GPU"))
+    assert _missing_citations(cite.format("design/low_precision", "Kernels on GPU and TPU"))
+
+
+# A path to a docs page (`docs/guide.md`, `docs/design/lora.md`), anywhere in the repository's
+# text: the page exists.
+DOC_PATH = re.compile(r"\bdocs/[\w/-]+\.md\b")
+
+
+def test_every_named_docs_page_exists():
+    found = [f"{p.relative_to(ROOT)}: {m}" for pattern in TEXT_FILES for p in sorted(ROOT.glob(pattern))
+             if p.is_file() for m in DOC_PATH.findall(p.read_text()) if not (ROOT / m).is_file()]
+    assert not found, "\n".join(found[:20])
+    assert DOC_PATH.findall("see docs/design/lora.md, docs/guide.md.") == [
+        "docs/design/lora.md", "docs/guide.md"]

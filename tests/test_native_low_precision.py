@@ -1,7 +1,7 @@
 """The exactness cells with low precision stored natively, as on GPU and TPU, here on CPU.
 
 On CPU a bf16 compute dtype is carried as f32 arrays of bf16 values
-(docs/design.md, "Low precision on CPU"); on GPU and TPU the arrays are bf16
+(docs/design/low_precision.md, "Low precision on CPU"); on GPU and TPU the arrays are bf16
 (a policy's `s=native` selects that path anywhere, `plan.programs.native`).
 Before a device sees it,
 the bf16-stored path is proven here at tiny sizes, kernels off and in Pallas

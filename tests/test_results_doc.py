@@ -63,6 +63,9 @@ def test_classification():
         == "jaxrl-lp train"
     assert target("sampler-draw-before-noise-2core-cpu.json", {}) == "benchmarks/sampler_draw.py"
     assert target("gpu-h200.json", {}) == "benchmarks/gpu.sh"
+    # A script that has left the tree is still the target of the JSONs it wrote.
+    assert not (ROOT / "benchmarks" / "norm_grad.py").exists()
+    assert target("norm-grad-2core-zen5.json", {}) == "benchmarks/norm_grad.py"
     assert target("replay-h200.json", {}) == "jaxrl-lp bench replay"
 
 

@@ -1,4 +1,6 @@
-"""The numerics studies (docs/design.md, "Numerics studies"): rounding-location alignment and backward state.
+"""The numerics studies: rounding-location alignment and backward state.
+
+The design: docs/design/studies.md, "Numerics studies".
 
 Fast versions at the quick size: the alignment measurement on random weights
 (no training), one CLI run of each study with a few arms, and the errors for

@@ -36,7 +36,7 @@ def test_merged_serving_mismatches_and_the_served_copy_loss_removes_it(tmp_path,
     assert series["nvfp4_merged_served"]["replay_verified"] == [1.0, 1.0, 1.0]
     merged = series["nvfp4_merged"]
     # Step 1 samples with B = 0: the merge is the base, re-quantized, and the same values
-    # computed by two programs (docs/design.md: within 7e-6 at full size; exactly 0 here
+    # computed by two programs (docs/design/lora.md: within 7e-6 at full size; exactly 0 here
     # until the norm weights' gradient moved the warm-start's bits, 9.5e-7 since).
     first = merged["mismatch_max_abs_dlogp"][0]
     assert first < 1e-5

@@ -57,14 +57,16 @@ def machine_kind(name: str) -> str:
 
 
 def _name_target(stem: str) -> str:
-    """The target the start of a file name names: a `benchmarks/` script or a bench module."""
+    """The target the start of a file name names: a `benchmarks/` script (in the tree, or one
+    `HEADLINES` names that has left it) or a bench module."""
     m = _MACHINE.search(stem)
     words = (stem[: m.start()] if m else stem).split("-")
     for n in range(len(words), 0, -1):
         base = "_".join(words[:n])
         for ext in ("py", "sh"):
-            if (ROOT / "benchmarks" / f"{base}.{ext}").is_file():
-                return f"benchmarks/{base}.{ext}"
+            script = f"benchmarks/{base}.{ext}"
+            if (ROOT / script).is_file() or script in HEADLINES:  # HEADLINES keeps removed ones
+                return script
         if (ROOT / "jaxrl_lp" / "bench" / f"{base}.py").is_file():
             return f"jaxrl-lp bench {base}"
     return "-".join(words)
@@ -188,6 +190,7 @@ HEADLINES: dict[str, list] = {
         Grid(("*",), ("ms_per_step", "weight_gb_per_s", "result_rel_diff"))],
     "benchmarks/fingerprint.py": [
         Figures(("speedup",)), Grid(("*",), ("seconds", "temp_bytes", "page_faults"))],
+    "benchmarks/nonfinite_skip.py": [],  # its top-level figures
     "benchmarks/norm_grad.py": [
         Grid(("weight_grad_ms", "*"), ("reduce", "product")),
         Grid(("update", "*"), ("min_s", "median_s", "temp_bytes")), Figures(("update", "same_bits"))],
@@ -422,11 +425,13 @@ def render() -> str:
         "`2core-cpu`); earlier runs are in git. Each section names its file, the machine and",
         "jax version and the date it records (or its last commit's date), and its headline",
         "figures. What each target measures, and the decisions the figures made, are in",
-        "[bench/README.md](bench/README.md) and [design.md](design.md).",
+        "[bench/README.md](bench/README.md) and [the design notes](design/index.md).",
         "",
     ]
     for target in sorted(by_target):
         parts += [f"## `{target}`", ""]
+        if target.startswith("benchmarks/") and not (ROOT / target).exists():
+            parts += ["The script has left the tree; git history has it.", ""]
         for path in sorted(by_target[target]):
             parts += _section(path, _load(path), machine_kind(path.name), dates)
     return "\n".join(parts).rstrip("\n") + "\n"

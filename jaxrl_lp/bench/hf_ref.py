@@ -2,7 +2,7 @@
 
 The reference implementation that the sampler benchmark races and that parity
 tests compare against. The mapping is `models.hf_names.hf_tensor_map` (the
-table of docs/design.md): our linear weights are `[in, out]`, HF's are
+table of docs/design/parameters.md): our linear weights are `[in, out]`, HF's are
 `[out, in]`, and our per-layer tensors are stacked along a leading axis `L`.
 
 Dense configs only (Qwen3 with QK-norm, Qwen2 with q/k/v biases, Llama with

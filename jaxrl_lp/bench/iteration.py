@@ -44,7 +44,7 @@ ids with `_reward`, a toy), metric buffering and logging.
 
 Each entry's fastest iteration also carries what it cost the process
 beyond its wall seconds (`getrusage`): `page_faults` (minor faults: fresh
-pages the kernel zeroed, docs/design.md "Host memory on CPU"),
+pages the kernel zeroed, docs/design/host_memory.md "Host memory on CPU"),
 `kernel_cpu_s` and `user_cpu_s` (both cores together).
 
 Sampling: temperature 1.0, no top-k/top-p (Tunix's `top_p=1.0` takes the
@@ -56,7 +56,7 @@ gumbel,inverse_cdf` races `grpo.draw=inverse_cdf` too (`<method>_mb<k>_inverse_c
 the same distribution, other tokens per key, `rollout.sampling.draw_categorical`).
 
 Our sampler decodes in the layout `generate` picks for the weights
-(`rollout.step.decode_layout`: `transposed` on CPU, docs/design.md "The
+(`rollout.step.decode_layout`: `transposed` on CPU, docs/design/hot_path.md "The
 decode's weights"); each entry says which (`decode_layout`). `--decode-layouts
 auto,as_stored` races the stored layout beside it (`<method>_mb<k>_as_stored`),
 the replays following each rollout's layout.
@@ -324,7 +324,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="ours: hybrid, dense, products (hybrid with "
                              "grpo.reuse_products; dense presets only)")
     parser.add_argument("--policy", default="fp32", type=policy_arg,
-                        help="our precision policy (fp32 on CPU: docs/design.md); Tunix gets "
+                        help="our precision policy (fp32 on CPU: docs/design/low_precision.md); Tunix gets "
                              "its compute dtype")
     parser.add_argument("--draws", default="gumbel",
                         help="our sampler's token draws to race (comma list of gumbel, "

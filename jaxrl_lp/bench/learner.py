@@ -77,7 +77,7 @@ __all__ = ["SIZES", "add_arguments", "grpo_batch", "model_flops_per_token", "pea
 
 SIZES = {"tiny": "tiny-qwen3", "small": "small-qwen3"}
 PAD_ID, EOS_ID = 0, 2  # random tokens are drawn from [3, V): no pad or EOS inside a sequence
-CPU_PEAK_FLOPS = 190e9  # f32 matmul on the 2-core development machines (docs/design.md)
+CPU_PEAK_FLOPS = 190e9  # f32 matmul on the 2-core development machines (docs/design/low_precision.md)
 LOSS = LossConfig(epsilon=0.2, aggregation="seq_mean_token_mean")
 TARGET_VS_TUNIX, TARGET_HYBRID_OVER_DENSE, TARGET_RECORDED_OVER_DENSE = 1.2, 1.5, 1.05
 
@@ -133,7 +133,7 @@ def peak_flops(override_tflops: float | None = None) -> tuple[float | None, str]
         return override_tflops * 1e12, "--peak-tflops"
     dev = jax.devices()[0]
     if dev.platform == "cpu":
-        return CPU_PEAK_FLOPS, "f32 matmul on the 2-core development CPUs (docs/design.md)"
+        return CPU_PEAK_FLOPS, "f32 matmul on the 2-core development CPUs (docs/design/low_precision.md)"
     t = target_of_device(dev.device_kind)
     if t is None:
         return None, f"no peak known for {dev.device_kind}; pass --peak-tflops"

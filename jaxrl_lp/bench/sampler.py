@@ -5,7 +5,8 @@ weights, same batch, prompt and new-token lengths, by our sampler and by
 `transformers` `generate` (`hf_ref.hf_model`), on CPU, in one process, after a
 warm-up; our compile time is reported apart (`compile_s`). Policy fp32 by
 default (`--policy`): on CPU XLA's bf16 matmuls are several times slower than
-f32 (docs/design.md, "Performance on the development CPUs"); on GPU `--policy bf16` runs natively.
+f32 (docs/design/low_precision.md, "Performance on the development CPUs"); on GPU
+`--policy bf16` runs natively.
 
 Looped: a random Ouro-style model whose exit gate (logits of std 0.5 around a
 bias of -0.6) makes a `threshold:0.5` rule exit after about 2 of 4 loop steps,
@@ -89,7 +90,7 @@ def kv_bytes(cfg: ModelConfig, policy: Policy, batch: int, context: float,
 
 def device_bandwidth_gbps() -> tuple[float, str]:
     """(GB/s, where it comes from): the accelerator's HBM (`plan.targets`, by device name),
-    else the development CPUs' figure (docs/design.md)."""
+    else the development CPUs' figure (docs/design/low_precision.md)."""
     from jaxrl_lp.plan.targets import target_of_device
 
     dev = jax.devices()[0]
@@ -354,8 +355,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="memory bandwidth for the bound (default: the accelerator's HBM "
                              "by device name, plan.targets; on CPU the development CPUs' 15 GB/s)")
     parser.add_argument("--policy", default=POLICY.name, type=policy_arg,
-                        help="precision policy of our sampler (fp32 on CPU: docs/design.md; bf16 "
-                             "on GPU, where it is stored natively)")
+                        help="precision policy of our sampler (fp32 on CPU: docs/design/low_precision.md; "
+                             "bf16 on GPU, where it is stored natively)")
     parser.add_argument("--seed", type=int, default=0)
 
 
@@ -399,7 +400,8 @@ def run(args: argparse.Namespace) -> dict:
         "jax": jax.__version__, "loadavg_start": round(os.getloadavg()[0], 2),
         "policy": args.policy.name,
         "device": jax.devices()[0].device_kind,
-        "note": "default policy fp32: XLA's bf16 matmuls on CPU are much slower than f32 (docs/design.md); "
+        "note": "default policy fp32: XLA's bf16 matmuls on CPU are much slower than f32 "
+                "(docs/design/low_precision.md); "
                 "bounds are batch * bandwidth / bytes read per decode step (the weights as the "
                 "loop reads them, and the KV cache at the mean context)",
         "bandwidth_gbps": bandwidth, "bandwidth_source": bandwidth_src,

@@ -1,4 +1,4 @@
-"""`jaxrl-lp study NAME`: the numerics studies built into the library (docs/design.md, "Numerics studies").
+"""`jaxrl-lp study NAME`: the library's numerics studies (docs/design/studies.md, "Numerics studies").
 
 Targets:
   fair-cast          bf16 export by nearest / stochastic / error-feedback rounding against

@@ -25,7 +25,7 @@ and compiled on an H200 the quantize kernels wrote wrong codes (NVFP4 at
 production shapes, every MX format at a ragged shape), so a GPU program takes
 the reference: XLA's own fusions, cuBLAS and cuDNN. The GPU versions stay
 for `interpret` (their maths checked on CPU) until a Mosaic GPU port replaces
-them (docs/design.md, "Kernels on GPU and TPU").
+them (docs/design/kernels.md, "Kernels on GPU and TPU").
 (`rocm` and any other platform take the reference under `auto` and are an
 error under `on`: no version of ours is tested there.) The errors of `on` are
 raised when the program is lowered for that platform (or at once, when the

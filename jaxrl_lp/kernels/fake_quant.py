@@ -3,7 +3,7 @@
 `fake_quant` rounds a tensor to a number format and back to f32 with a
 straight-through (identity) gradient. `quantized_matmul` multiplies
 fake-quantized operands and is a `jax.custom_vjp` whose backward follows the
-policy's backward-state rule (docs/design.md, "Numerics studies"):
+policy's backward-state rule (docs/design/studies.md, "Numerics studies"):
 
 - `reuse`: the backward reads the forward's rounded operands (their codes and
   scales are the residuals):  `dx = g @ wq.T`, `dw = xq.T @ g`.

@@ -25,7 +25,7 @@ Backend: Triton, named on every `pallas_call` by its compiler params (JAX
 0.10's default Pallas GPU backend is Mosaic GPU, which places each whole
 block in shared memory and needs Hopper's warpgroup shapes; Triton stages
 only what a `dot` reads, compiles for Ampere, Hopper and Blackwell alike, and
-fits the pointer-and-loop shape these kernels have; docs/design.md).
+fits the pointer-and-loop shape these kernels have; docs/design/kernels.md).
 
 dtypes. h arrives in compute precision, W as the policy rounded it (bf16, or
 f32); Triton's `dot` takes two operands of one dtype, so where they differ

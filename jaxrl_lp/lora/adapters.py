@@ -2,7 +2,7 @@
 
 A LoRA run holds `LoraParams(base, adapters)`:
 
-- `base`: the model's params tree (docs/design.md) as `hold_base` holds it:
+- `base`: the model's params tree (docs/design/parameters.md) as `hold_base` holds it:
   f32 as given, every tensor bf16, or the layer matmuls as `QArray` codes and
   scales (`fp8`, `mxfp8`, `mxfp4`, `nvfp4`, along the reduction axis, one
   per-tensor scale per layer, as the quantizing exporter does) with the rest

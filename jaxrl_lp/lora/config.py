@@ -26,7 +26,7 @@ from jaxrl_lp.fields import check_choice, check_int, check_number, check_str
 __all__ = ["BASE_FORMATS", "TARGETS", "LoraConfig"]
 
 # The layer matmuls an adapter may target, by short name (`lora.targets`), and their
-# weights in the params tree (docs/design.md).
+# weights in the params tree (docs/design/parameters.md).
 TARGETS: dict[str, str] = {
     "q": "q_proj", "k": "k_proj", "v": "v_proj", "o": "o_proj",
     "gate": "gate_proj", "up": "up_proj", "down": "down_proj",
@@ -54,7 +54,7 @@ class LoraConfig:
 
     Where the base comes from: a pretrained `init_from` checkpoint (LoRA from the first
     step, warm-start included), else the run's own full warm-start (LoRA from the first
-    GRPO step). docs/design.md, "LoRA".
+    GRPO step). docs/design/lora.md, "LoRA".
     """
 
     rank: int = 0

@@ -2,7 +2,7 @@
 
 import importlib
 
-# The package spans three floors (docs/design.md, "Floors"): `config` and `loop` sit
+# The package spans three floors (docs/design/parameters.md, "Floors"): `config` and `loop` sit
 # below `parallel`, `attention` below `kernels`, the rest above both. So its names
 # load on first use (PEP 562): importing `jaxrl_lp.models.config` runs nothing else.
 _WHERE = {

@@ -1,6 +1,6 @@
 """The attention and MLP blocks shared by the dense and looped decoders.
 
-`lp` is one layer's slice of `params["layers"]` (see docs/design.md).
+`lp` is one layer's slice of `params["layers"]` (see docs/design/parameters.md).
 """
 
 from __future__ import annotations

@@ -53,7 +53,7 @@ def dense_forward(
     decodes with) run as straight-line code, reading each weight in place.
 
     Args:
-      params: the parameter pytree (docs/design.md), layers stacked or unstacked.
+      params: the parameter pytree (docs/design/parameters.md), layers stacked or unstacked.
       cfg: the architecture.
       policy: the numerics.
       tokens_BxT: int token ids.

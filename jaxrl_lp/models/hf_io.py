@@ -1,6 +1,6 @@
 """Hugging Face safetensors checkpoints <-> our parameter pytree.
 
-The pytree layout and the name mapping are those of `docs/design.md`: HF linear
+The pytree layout and the name mapping are those of `docs/design/parameters.md`: HF linear
 weights are `[out, in]` and ours are `[in, out]` (`x @ W`), and the per-layer
 tensors `model.layers.{i}.*` are stacked along a leading layer axis `L`.
 
@@ -96,7 +96,7 @@ def load_hf_params(
       shardings: the params' shardings, or None for single-device arrays.
 
     Returns:
-      A nested dict of f32 `jax.Array`s in the layout of docs/design.md: linear
+      A nested dict of f32 `jax.Array`s in the layout of docs/design/parameters.md: linear
       weights `[in, out]`, per-layer tensors stacked as `[L, ...]`.
 
     Raises:

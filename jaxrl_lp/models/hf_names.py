@@ -1,6 +1,6 @@
 """The one-to-one map between Hugging Face tensor names and our parameter pytree.
 
-This is the table of `docs/design.md` as code. HF linear weights are `[out, in]`
+This is the table of `docs/design/parameters.md` as code. HF linear weights are `[out, in]`
 (`torch.nn.Linear`), ours are `[in, out]` (`x @ W`), so those entries are
 transposed; per-layer tensors `model.layers.{i}.*` are stacked along a leading
 layer axis `L` in our tree. Ouro's sandwich norms `input_layernorm`,

@@ -40,11 +40,11 @@ class TransposedWeight:
     `dot(x, TransposedWeight(w.T), policy)` is `x @ w`, computed on CPU with the
     weight as the product's row operand: `w_NxK @ x.T`, `[N, rows]`, then
     transposed back. At a decode step's few rows XLA:CPU streams a weight
-    read that way about twice as fast as `x @ w` as stored (docs/design.md,
+    read that way about twice as fast as `x @ w` as stored (docs/design/hot_path.md,
     "The decode's weights"). Other platforms multiply `x @ w_NxK.T` as one
     product. The sums round as their own
     product does, not as `x @ w`'s: the sampler and the replay both read
-    this copy, so they agree bit for bit (docs/design.md, "The decode's
+    this copy, so they agree bit for bit (docs/design/hot_path.md, "The decode's
     weights").
     """
 
@@ -90,7 +90,7 @@ def dot(x_xK: jax.Array, w_KxN: jax.Array, policy: Policy) -> jax.Array:
         # One token axis: the weight's gradient is then one [K, T] x [T, N] product. Over
         # the leading axes as they come, autodiff's product made XLA:CPU transpose the
         # [T, N] cotangent inside the fusion that computes it, a strided pass: the small
-        # preset's update took 1.10x as long (`benchmarks/update_token_axis_ab.py`). The values
+        # preset's update took 1.10x as long (docs/design/exact_logprobs.md). The values
         # are the same bits, and so is a dense model's gradient; a looped model sums its
         # steps' weight products in another order (`tests/test_models.py`). Under a mesh
         # the axes stay apart for the partitioner.
@@ -170,7 +170,7 @@ def scale_features(y_xD: jax.Array, w_D: jax.Array) -> jax.Array:
     product with a vector of ones (`lax.platform_dependent`, by the platform
     lowered for; off a mesh): XLA:CPU's YNNPACK sums a `[1024, 512]`
     activation over its token axis in 7.2 ms, as a product 0.2 ms
-    (`benchmarks/norm_grad.py`, docs/bench/norm-grad-2core-zen5.json), and
+    (docs/design/learner_step.md, docs/bench/norm-grad-2core-zen5.json), and
     the small preset's update has 17 such norms. The sum's order differs,
     so on CPU the norm weights' gradients round otherwise than autodiff's
     reduce (f32 summation error, tests/test_norm_grad.py). GPU and TPU

@@ -1,7 +1,7 @@
 """A LoRA-adapted matmul weight, as a leaf of the params tree the forward functions read.
 
 `LoraWeight(base, a, b, scale)` stands where a matmul weight `[.., in, out]`
-stands in the params tree (docs/design.md). `models.layers.dot` computes with
+stands in the params tree (docs/design/parameters.md). `models.layers.dot` computes with
 it
 
     y = x W + ((x A) B) * scale,        scale = alpha / r,

@@ -1,7 +1,7 @@
 """`CausalLM`: a Flax NNX module around the pure forward functions.
 
 The module is a container: its `nnx.Param`s are the parameter pytree of
-docs/design.md, and every computation is a pure function of that pytree
+docs/design/parameters.md, and every computation is a pure function of that pytree
 (`dense_forward`, `looped_forward`). Use it functionally:
 
     >>> model = CausalLM(get_preset("tiny-qwen3"), rngs=nnx.Rngs(0))
@@ -30,7 +30,7 @@ __all__ = ["CausalLM", "forward", "init_params", "param_shapes"]
 
 
 def param_shapes(cfg: ModelConfig) -> dict:
-    """The parameter pytree of `cfg` as nested dict of shapes (docs/design.md)."""
+    """The parameter pytree of `cfg` as nested dict of shapes (docs/design/parameters.md)."""
     d, f, hd, L = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim, cfg.num_layers
     hq, hk = cfg.num_heads * hd, cfg.num_kv_heads * hd
     layers = {
@@ -120,7 +120,7 @@ class CausalLM(nnx.Module):
 
     Args:
       config: the architecture.
-      params: a parameter pytree (docs/design.md); random if None.
+      params: a parameter pytree (docs/design/parameters.md); random if None.
       policy: the precision policy used by `__call__` (a `Policy` or its string).
       rngs: initialization randomness when `params` is None.
 

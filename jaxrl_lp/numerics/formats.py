@@ -1,4 +1,4 @@
-"""Quantization of f32 tensors to the number formats (docs/design.md, "Number formats").
+"""Quantization of f32 tensors to the number formats (docs/design/low_precision.md, "Number formats").
 
 Formats (`FORMATS` holds their facts; `QArray` states how values are rebuilt):
 

@@ -11,7 +11,7 @@ inputs to its output and is rounded once, at the output. Leaving a region out
 reproduces where a typical inference kernel rounds (bf16 RoPE, a bf16 residual
 stream, bf16 silu*u), which is how the mismatch those kernels cause is studied.
 
-Carrying low precision on CPU (docs/design.md, "Performance on the development
+Carrying low precision on CPU (docs/design/low_precision.md, "Performance on the development
 CPUs"). XLA's bf16 matmuls on CPU are several times slower than f32. Products
 of two bf16 (or fp16) values are exact in f32 and accumulation is f32 either
 way, so on CPU a low-precision compute dtype is *carried* as f32 arrays holding
@@ -74,7 +74,7 @@ KERNEL_MODES: tuple[str, ...] = ("auto", "on", "off", "interpret", "interpret-tp
 # How arrays of a low-precision compute dtype are stored (module docstring): `auto` by the
 # backend a program is traced for, `native` in the compute dtype, `f32` in the f32 carrier.
 STORAGE_MODES: tuple[str, ...] = ("auto", "native", "f32")
-# Number formats a policy may apply to matmul operands (docs/design.md, "Number formats").
+# Number formats a policy may apply to matmul operands (docs/design/low_precision.md, "Number formats").
 MATMUL_FORMATS: tuple[str, ...] = (
     "fp8",  # per-tensor E4M3
     "fp8_e5m2",

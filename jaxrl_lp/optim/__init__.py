@@ -1,4 +1,4 @@
-"""Optimizers for low-bit weights (docs/design.md, "Error diffusion").
+"""Optimizers for low-bit weights (docs/design/error_diffusion.md, "Error diffusion").
 
 - `error_diffusion`: an optax transform for int8 binary / ternary codes with a
   k-bit signed residual per weight (k = 2..8) and no f32 latent copy.

@@ -1,6 +1,7 @@
 """The error-diffusion optimizer: binary / ternary weights trained on a k-bit residual.
 
-(docs/design.md, "Error diffusion"; source: the error-diffusion seed abstract; design of the form.)
+(docs/design/error_diffusion.md, "Error diffusion"; source: the error-diffusion seed abstract; design of
+the form.)
 
 A weight is an integer *code* (binary: -1 or +1; ternary: -1, 0 or +1) held in
 int8, with no f32 latent copy. Each code has a signed integer *residual* `r`

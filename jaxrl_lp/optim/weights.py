@@ -3,7 +3,7 @@
 The default run trains the model's f32 params directly (no representation
 object: `None` everywhere, and the train steps are unchanged). The two
 low-bit representations here map a *train tree* (what the run checkpoints
-as `state["params"]`) to the model's params tree (docs/design.md):
+as `state["params"]`) to the model's params tree (docs/design/parameters.md):
 
 - `CodedWeights` (error diffusion): each stacked matmul weight
   `layers/{q,k,v,o,gate,up,down}_proj` `[L, in, out]` becomes

@@ -46,7 +46,7 @@ from jaxrl_lp.models.config import ModelConfig  # a floor below (`models/__init_
 __all__ = ["DEFAULT_RULES", "ShardingRules", "check_divisible", "logical_size",
            "param_logical_axes", "param_shardings", "spec_for"]
 
-# Per entry of the params tree (docs/design.md): the logical name of each dimension.
+# Per entry of the params tree (docs/design/parameters.md): the logical name of each dimension.
 _LAYER_AXES: dict[str, tuple[str, ...]] = {
     "q_proj": ("layers", "embed", "heads"),
     "k_proj": ("layers", "embed", "kv_heads"),

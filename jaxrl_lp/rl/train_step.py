@@ -110,7 +110,7 @@ def _apply_if_finite(optimizer, grads, opt_state, params, loss):
     under `lax.cond` for real, so the kept update writes its results once (in
     place when donated). The GRPO step's skip: selecting between the old and
     new parameters and Adam moments (`_select_if_finite`) costs a second pass
-    (`benchmarks/nonfinite_skip.py`; docs/design.md, "Learner step time on
+    (docs/design/learner_step.md, "Learner step time on
     CPU"). Returns (params, opt_state, ok).
     """
     updates, _ = optimizer.update(grads, opt_state, params)

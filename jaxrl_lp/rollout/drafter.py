@@ -9,7 +9,7 @@ steps of the full model). The verification forward then overwrites every
 slot the draft wrote. No cache of its own, no catching up. Its steps go
 through `rowwise_forward` like the verification (one row: in place; more:
 per-row, by vmap): on CPU a lean step of its own, writing all rows at one
-shared slot range, cost more per round (docs/design.md, "Speculative
+shared slot range, cost more per round (docs/design/speculative.md, "Speculative
 rollouts").
 
 Dense drafter (`drafter="dense"`): a small Qwen3-style model with its own

@@ -75,7 +75,7 @@ def first_argmax(x: jax.Array, axis: int = -1) -> jax.Array:
     where every entry is -inf (or False). `jnp.argmax` lowers to one reduce
     over (value, index) pairs, which XLA:CPU emits as a scalar loop, about
     twice the time of the noise, a max and a min of positions here
-    (docs/design.md, "Argmax as two plain reductions"). GPU and TPU reduce
+    (docs/design/exact_logprobs.md, "Argmax as two plain reductions"). GPU and TPU reduce
     either form in one pass over a [B, V] block; this one costs them a
     second pass.
     """

@@ -15,7 +15,7 @@ the logits are `step_logits` of it; elsewhere the steps return the logits.
 The sampler needs a step's `[B, V]` logits to choose its token anyway, so the
 fused kernel (`kernels.readout_logprobs`) would only read the lm head a second
 time: it serves the learner's dense read-out and the SFT loss, where it saves
-the `[B, N, V]` logits (docs/design.md).
+the `[B, N, V]` logits (docs/design/kernels.md, "Kernels on GPU and TPU").
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ def decode_layout(params, policy: Policy, mesh=None, layout: str | None = None) 
     """The decode layout a sampler uses for `params` (`layout` given: that one, checked).
 
     `transposed` where the weights live on CPU devices, one device (no mesh)
-    and the policy has no `matmul_format` (docs/design.md, "The decode's
+    and the policy has no `matmul_format` (docs/design/hot_path.md, "The decode's
     weights"): XLA:CPU streams an `[out, in]` weight at a few rows twice as fast.
     Elsewhere `as_stored`: GPU and TPU multiply the stored weights at full
     speed, a mesh's rules name the stored axes, and the MX formats quantize

@@ -1,4 +1,4 @@
-"""Numerics studies built into the library (docs/design.md, "Numerics studies").
+"""Numerics studies built into the library (docs/design/studies.md, "Numerics studies").
 
 Each study drives the training program (or its learner steps) and writes JSON
 and plots into a study directory; `jaxrl-lp study NAME` runs them from the

@@ -1,7 +1,7 @@
 """Backward-state study: does the backward reuse the forward's rounded operands or round afresh?
 
 Quantized matmuls (`kernels.fake_quant.quantized_matmul`) have two backward
-rules (docs/design.md, "Numerics studies"): `reuse` reads the forward's rounded operands (codes and
+rules (docs/design/studies.md, "Numerics studies"): `reuse` reads the forward's rounded operands (codes and
 scales), `fresh` re-quantizes the saved f32 operands, and the cotangent, along
 the backward's own reduction axes. Arms are matmul formats (`ARMS`: `none`,
 `fp8`, `mxfp8`, `mxfp4`, `nvfp4`); each runs under the policy

@@ -1,6 +1,6 @@
 """Error-diffusion study: binary / ternary weights on a k-bit residual against f32 latents.
 
-(docs/design.md, "Error diffusion".) Each arm is the supervised warm-start of `jaxrl-lp train`
+(docs/design/error_diffusion.md, "Error diffusion".) Each arm is the supervised warm-start of `jaxrl-lp train`
 (the default task and model, `grpo.steps=0`) with one `sft.optimizer`:
 
 - `latent_binary`, `latent_ternary`: the latent-weight baseline, f32 latents
@@ -24,7 +24,7 @@ no GRPO phase; when both are given they must agree). Model size and anything
 else: `overrides` (`--set model.hidden_size=128`).
 
 Its results (docs/studies/error-diffusion-default.json) and their caveats:
-docs/design.md, "Error diffusion".
+docs/design/error_diffusion.md, "Error diffusion".
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ released bf16 checkpoint starts). Arms:
 - `nearest`, `stochastic`, `error_feedback`: `sync.exporter=bf16:<rounding>`
   with the learner's loss on the served copy (`sync.loss_on_served=true`).
 
-Figures per arm (docs/design.md, "Weight export and sync"), from the arm's `metrics.jsonl` (GRPO records)
+Figures per arm (docs/design/sync.md, "Weight export and sync"), from the arm's `metrics.jsonl` (GRPO records)
 plus one export of the final master (so the series covers steps 1..N):
 
 - step `t` (1..N) is the number of GRPO updates the master has taken. At step

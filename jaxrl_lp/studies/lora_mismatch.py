@@ -4,7 +4,7 @@ A learner that adapts a frozen base computes `x W + ((x A) B) s`; a sampler
 that serves the merged weights computes `x (W + A B s)` rounded to its served
 format, and the two disagree, more so the coarser the format: an adapter
 update far below the base format's step is rounded away in the served copy
-(the lag Fair Cast measures for full fine-tuning, docs/design.md, "Weight export and sync"). One f32
+(the lag Fair Cast measures for full fine-tuning, docs/design/sync.md, "Weight export and sync"). One f32
 warm-start of the default model (`grpo.steps=0`) is run once into `<out>/sft`;
 every arm copies it and resumes it with the same short LoRA GRPO run (rank
 `RANK` on every matmul, the same seed, data order and learning rate; LoRA

@@ -21,7 +21,7 @@ policies and the mismatch correction:
   recomputed log-probs (`loss.ratio_anchor=learner`, the usual pairing).
 
 `<fmt>` is each of `FORMATS` (`fp8` per-tensor E4M3, `mxfp8`, `mxfp4`,
-`nvfp4`; docs/design.md, "Number formats"). Per arm, from its `metrics.jsonl`: the per-step
+`nvfp4`; docs/design/low_precision.md, "Number formats"). Per arm, from its `metrics.jsonl`: the per-step
 series of mismatch (k1 and k3 KL between the sampler's and the learner's
 log-probs of the sampled tokens, max |delta logp|), the fraction of tokens
 masked (MIS) or truncated (TIS), the mean reward, and the held-out greedy

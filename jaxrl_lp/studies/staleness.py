@@ -1,6 +1,7 @@
 """Staleness study: off-policy GRPO at max_staleness 0, 1, 2 on the default task.
 
-docs/design.md, "Off-policy GRPO and placement" (`grpo.max_staleness`, `train.rollout_queue`). One supervised
+docs/design/offpolicy.md, "Off-policy GRPO and placement" (`grpo.max_staleness`, `train.rollout_queue`).
+One supervised
 warm-start (`grpo.steps=0`) is run once into `<out>/sft`; every arm copies it
 and resumes it with the same GRPO phase (the default config's: 60 steps, 32
 prompts x 8 samples, Adam 1e-4), changing only how stale its rollouts are:

@@ -4,7 +4,7 @@ A small model is trained (the supervised warm-start of `jaxrl-lp train`, no
 GRPO) with a learner policy that quantizes every matmul weight to ternary
 (BitNet b1.58: `gamma = mean|W|`, codes in {-1, 0, 1}) with straight-through
 gradients to f32 latent weights (`TERNARY_POLICY`). The trained latents are
-then exported by the three paths of `jaxrl_lp.sync.ternary` (docs/design.md, "Weight export and sync"):
+then exported by the three paths of `jaxrl_lp.sync.ternary` (docs/design/sync.md, "Weight export and sync"):
 
 - `bf16_then_quantize`: the legacy path (bf16 latents, bf16 quantizer);
 - `direct_codes`: the training quantizer's own codes and scale;
@@ -42,7 +42,7 @@ __all__ = ["DEFAULT_SFT_STEPS", "TERNARY_POLICY", "run_ternary_export"]
 # The learner policy of the study: every matmul weight ternary (BitNet b1.58), straight-through.
 TERNARY_POLICY = "p=f32,c=f32,mm=ternary,bwd=reuse,f32=rope+swiglu+norm+residual+softmax"
 # Ternary learns slower than f32: its warm-start runs longer than the default run's (the
-# measurements behind 2000: docs/design.md, "Numerics studies").
+# measurements behind 2000: docs/design/studies.md, "Numerics studies").
 DEFAULT_SFT_STEPS = 2000
 
 

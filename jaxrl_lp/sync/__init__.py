@@ -1,6 +1,6 @@
 """Weight export and sync between the f32 learner and the low-precision sampler.
 
-The design: docs/design.md, "Weight export and sync".
+The design: docs/design/sync.md, "Weight export and sync".
 
 - `export`: exporters as optax-style transforms (`cast`, `quantize`, `chain`;
   `Exporter(init, apply)`), `served_params_for_forward` and the Fair Cast

@@ -5,7 +5,7 @@ An `Exporter` is a pair of pure functions, as an optax transform:
     state          = exporter.init(params_f32)
     served, state  = exporter.apply(params_f32, state, version)
 
-`served` has the structure of `params` (docs/design.md); a leaf is an array
+`served` has the structure of `params` (docs/design/parameters.md); a leaf is an array
 (cast or kept) or a `QArray` (a quantized matmul weight). The state is a named
 `NamedTuple` of arrays (an export counter, error-feedback residuals), so it is
 checkpointed with the optimizer state. `apply` is jittable (no static
@@ -15,7 +15,7 @@ here do not read it (stochastic rounding keys come from the state counter, so
 two exports never share a key even if a version repeats).
 
 Exporters: `cast` (bf16/f16 by nearest, stochastic or error-feedback
-rounding, docs/design.md, "Number formats"), `quantize` (a number format for the matmul
+rounding, docs/design/low_precision.md, "Number formats"), `quantize` (a number format for the matmul
 weights), `ternary` (three export paths, `jaxrl_lp.sync.ternary`), `chain`.
 
 Fair Cast: the learner computes its loss on the served copy,
@@ -112,7 +112,7 @@ def _check_residual_tree(params: Any, residual: Any) -> None:
 def cast(dtype: Any = "bf16", rounding: str = "nearest", seed: int = 0) -> Exporter:
     """Casts every floating leaf to `dtype` with the given rounding (QArray leaves pass).
 
-    Maths (docs/design.md, "Number formats"): `nearest` is round-to-nearest-even; `stochastic`
+    Maths (docs/design/low_precision.md, "Number formats"): `nearest` is round-to-nearest-even; `stochastic`
     rounds up with probability `(x - lo) / (hi - lo)` (unbiased), with the key
     `fold_in(fold_in(key(seed), count), leaf_index)`, fresh at every export;
     `error_feedback`: `served = RNE(master + e)`, `e <- master + e - served`.

@@ -1,7 +1,7 @@
 """Names, layouts and byte hashes of served parameter trees.
 
 A *served* tree has the nested-dict structure of the params pytree
-(docs/design.md) with each leaf either an array (a cast or kept tensor) or a
+(docs/design/parameters.md) with each leaf either an array (a cast or kept tensor) or a
 `QArray` (a quantized matmul weight). Tensors are named by their path joined
 with `/` (`layers/q_proj`, `embed`, `exit_gate/kernel`); the components of a
 quantized tensor by `<path>.codes`, `<path>.scales` and `<path>.tensor_scale`.
@@ -87,14 +87,14 @@ def matmul_weight_paths(tree: Any, include_lm_head: bool = False) -> dict[str, t
       ValueError: naming the tensor when a stacked weight is missing or is not
         `[L, in, out]`, when `lm_head` (if asked for) is not `[D, V]`, or when
         the tree holds no matmul weight at all (not the layout of
-        docs/design.md).
+        docs/design/parameters.md).
     """
     flat = flatten_served(tree)
     found = {p: ax for p in flat if (ax := matmul_axes(p, include_lm_head)) is not None}
     if not found:
         raise ValueError(
             "params tree does not match the served layout: it has none of the matmul weights "
-            f"layers/{{{','.join(MATMUL_WEIGHTS)}}} (docs/design.md); got tensors "
+            f"layers/{{{','.join(MATMUL_WEIGHTS)}}} (docs/design/parameters.md); got tensors "
             f"{sorted(flat)[:8]}"
         )
     if any(p.startswith("layers/") for p in flat):
@@ -102,7 +102,7 @@ def matmul_weight_paths(tree: Any, include_lm_head: bool = False) -> dict[str, t
             if f"layers/{name}" not in flat:
                 raise ValueError(
                     f"params tree does not match the served layout: tensor 'layers/{name}' is "
-                    "missing (docs/design.md)"
+                    "missing (docs/design/parameters.md)"
                 )
     for p, (axis, _) in found.items():
         ndim = len(np.shape(flat[p]))

@@ -1,7 +1,7 @@
 """The served copy on disk: a Hugging Face-style directory holding codes and scales.
 
 `write_served` writes a served tree (the output of an exporter: arrays and
-`QArray`s, in the params layout of docs/design.md) as `config.json` +
+`QArray`s, in the params layout of docs/design/parameters.md) as `config.json` +
 `model.safetensors` under the Hugging Face tensor names; `read_served` reads
 it back bit for bit. The layout (docs/served_layout.md):
 

@@ -24,7 +24,7 @@ DAPO's overlong penalty (`overlong_penalty_mean`, `overlong_frac`; `reward_mean`
 and `accuracy` stay the task's). `zero_variance_groups` counts the groups drawn
 whose rewards were all equal. With `grpo.dynamic_sampling` the step draws
 further batches until the batch is informative (`refill_rounds`,
-`refilled_groups`, `masked_groups`, `informative_groups`; docs/design.md).
+`refilled_groups`, `masked_groups`, `informative_groups`; docs/design/dynamic_sampling.md).
 """
 
 from __future__ import annotations

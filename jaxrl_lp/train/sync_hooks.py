@@ -1,6 +1,6 @@
 """Weight export, diagnostics and sync checks inside `jaxrl-lp train`.
 
-The design: docs/design.md, "Weight export and sync".
+The design: docs/design/sync.md, "Weight export and sync".
 
 The learner keeps f32 master weights; each GRPO step exports the served copy
 the sampler runs on. This module turns the `sync` config section into an
