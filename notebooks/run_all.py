@@ -2,7 +2,11 @@
 
     python notebooks/run_all.py                 # all, SMALL settings (JAXRL_LP_SMALL=1)
     python notebooks/run_all.py 05 --full       # matching names only, full settings
-    python notebooks/run_all.py --write         # also save the executed notebooks (outputs)
+    python notebooks/run_all.py --full --write  # also save the executed notebooks (outputs)
+
+Each notebook NN_name.ipynb is paired with its source src/NN_name.py by jupytext
+(notebooks/jupytext.toml): edit either, then `jupytext --sync notebooks/*.ipynb`. First
+checks that every pair agrees and exits 1, naming the pair, if one does not.
 
 Each notebook runs in a fresh kernel of this Python with notebooks/ as its
 working directory. Prints each notebook's wall time; exits 1 if any cell
@@ -22,12 +26,47 @@ HERE = Path(__file__).resolve().parent
 INLINE = "module://matplotlib_inline.backend_inline"
 
 
-def notebooks(patterns: list[str] | None = None) -> list[Path]:
-    """The notebooks here (`NN_name.ipynb`, in order), those matching any of `patterns`."""
-    found = sorted(HERE.glob("[0-9][0-9]_*.ipynb"))
+def notebooks(patterns: list[str] | None = None, folder: Path = HERE) -> list[Path]:
+    """The notebooks of `folder` (`NN_name.ipynb`, in order), those matching any of `patterns`."""
+    found = sorted(folder.glob("[0-9][0-9]_*.ipynb"))
     if patterns:
         found = [p for p in found if any(s in p.name for s in patterns)]
     return found
+
+
+def unsynced(patterns: list[str] | None = None, folder: Path = HERE) -> list[str]:
+    """One line per notebook/source pair of `folder` that differs, for those matching `patterns`.
+
+    The pairs are jupytext's (`folder`/jupytext.toml); a pair agrees when its source is
+    the text jupytext writes from the notebook, so `jupytext --sync` would change neither.
+    A notebook or a source without its other half differs.
+    """
+    import jupytext
+    from jupytext.config import load_jupytext_config
+    from jupytext.paired_paths import paired_paths
+
+    config = load_jupytext_config(str(folder))
+    if config is None:
+        return [f"run_all: no jupytext configuration (jupytext.toml) for {folder}"]
+    lines, seen = [], set()
+    for path in notebooks(None, folder) + sorted(folder.rglob("[0-9][0-9]_*.py")):
+        formats = config.default_formats(str(path))
+        if formats is None:  # a notebook must pair; other Python files here are not sources
+            if path.suffix == ".ipynb":
+                lines.append(f"run_all: {folder}/jupytext.toml pairs {path.name} with nothing")
+            continue
+        # The configuration pairs two formats, the notebook first: "ipynb,src//py:hydrogen".
+        (notebook, _), (source, fmt) = paired_paths(str(path), path.suffix[1:], formats)
+        notebook, source = Path(notebook), Path(source)
+        if notebook in seen or (patterns and not any(s in notebook.name for s in patterns)):
+            continue
+        seen.add(notebook)
+        if not (notebook.exists() and source.exists()
+                and jupytext.writes(jupytext.read(notebook), fmt, config=config) == source.read_text()):
+            nb, src = notebook.relative_to(folder.parent), source.relative_to(folder.parent)
+            lines.append(f"run_all: {nb} and {src} differ; run `jupytext --sync {src}`"
+                         " (the newer file's cells win)")
+    return lines
 
 
 def execute(nb, *, small: bool, timeout: int = 1200):
@@ -64,6 +103,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timeout", type=int, default=1200, help="seconds per cell")
     args = parser.parse_args(argv)
     paths = notebooks(args.names)
+    if stale := unsynced(args.names):
+        print("\n".join(stale), file=sys.stderr)
+        return 1
     if not paths:
         print(f"run_all: no notebooks matching {args.names} in {HERE}", file=sys.stderr)
         return 1

@@ -75,6 +75,7 @@ fig.tight_layout()
 plt.show()
 print("tokens exiting at each step:", np.bincount(exits, minlength=R))
 
+
 # %% [markdown]
 # ## 2. Dense vs deferred decoding
 #
