@@ -33,6 +33,7 @@ import numpy as np
 from matplotlib.patches import Patch
 
 from jaxrl_lp.models import init_params
+from jaxrl_lp.numerics import Policy
 from jaxrl_lp.sync import (
     CHECK_NAMES,
     LAG_THRESHOLD,
@@ -230,9 +231,9 @@ for fault, (held_fault, written_fault, version, cache_version, sampler_policy) i
     held = transfer(out)
     if held_fault:
         held = held_fault(held)
-    report = run_sync_checks(out, hash_served(out), SamplerState(held, version, cache_version, sampler_policy),
-                             expected, VERSION, master=master, cfg=cfg, probe_tokens=probe,
-                             learner_policy="fp32")
+    sampler = SamplerState(held, version, cache_version, Policy.parse(sampler_policy))
+    report = run_sync_checks(out, hash_served(out), sampler, expected, VERSION, master=master,
+                             cfg=cfg, probe_tokens=probe, learner_policy=Policy.parse("fp32"))
     outcome[fault] = [r.passed for r in report.results]
     if fault == "clean":
         print(report, "\n")
