@@ -147,6 +147,9 @@ def dense_logprobs(params: dict, cfg: ModelConfig, policy: Policy, ro: Rollout, 
         # Compute depth: prompt tokens run at full depth; completion token j-1
         # (at position P+j-1) stopped where the step that produced token j did.
         depth = jax.lax.dynamic_update_slice(full, ro.exit_steps[:, 1:], (0, p))
+        if ro.env_mask is not None:  # observations were prefilled, at full depth
+            env = jnp.concatenate([jnp.zeros((b, p), bool), ro.env_mask > 0], axis=1)
+            depth = jnp.where(env, cfg.loop_steps - 1, depth)
         schedule = ExitSchedule(depth_BxT=depth, readout_BxT=readout)
     if packed_rows is not None:
         return packed_logprobs(params, cfg, policy, tokens, positions, positions[:, :p] >= 0,

@@ -99,6 +99,15 @@ def rollout_loop(ro: Rollout, cfg: ModelConfig, loop: LoopSpec | None = None) ->
     return own
 
 
+def refuse_multiturn(ro: Rollout, where: str) -> None:
+    """A multi-turn rollout (`Rollout.env_mask`) is replayed by its own programs; refused here
+    with the function that replays it named."""
+    if ro.env_mask is not None:
+        raise ValueError(f"{where}: a multi-turn rollout (observations prefilled between "
+                         "turns) is replayed by rollout.multiturn.replay_multiturn, not by the "
+                         "single-turn sampler's program")
+
+
 def prompt_positions(prompt_BxP: jax.Array, lengths_B: jax.Array) -> jax.Array:
     """Positions of left-padded prompts: -1 on padding, 0..n-1 on the n real tokens."""
     p = prompt_BxP.shape[1]
@@ -123,6 +132,7 @@ def traced_replay_logprobs(params: dict, cfg: ModelConfig, policy: Policy, ro: R
     Differentiable except in deferred mode (its early-stopping loop is a
     `while_loop`); use `hybrid` for gradients there.
     """
+    refuse_multiturn(ro, "traced_replay_logprobs")
     policy = require(policy, "traced_replay_logprobs")
     loop = rollout_loop(ro, cfg, loop)
     if ro.verify_tokens:  # a speculative rollout: re-run its verification chunks
@@ -226,6 +236,7 @@ def replay_logprobs(params: dict, cfg: ModelConfig, policy: Policy, ro: Rollout,
       >>> ro = generate(params, cfg, prompts, key=key, sampling=SamplingConfig())
       >>> lp = replay_logprobs(params, cfg, policy, take_rows(ro, np.arange(2)))
     """
+    refuse_multiturn(ro, "replay_logprobs")
     policy = require(policy, "replay_logprobs")
     _refuse_traced(params, ro)
     loop = rollout_loop(ro, cfg, loop)
@@ -285,6 +296,7 @@ class ReplayProgram:
         self.cfg, self.policy, self.loop, self.mesh, self.rules = cfg, policy, loop, mesh, rules
 
     def __call__(self, params, ro: Rollout) -> jax.Array:
+        refuse_multiturn(ro, "ReplayProgram")
         return replay_logprobs(params, self.cfg, self.policy, ro, loop=self.loop, mesh=self.mesh,
                                rules=self.rules)
 

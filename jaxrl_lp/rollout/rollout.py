@@ -103,6 +103,9 @@ class Rollout:
         None (no calls): slices and concatenations keep it, so that any
         row is replayed where the sampler computed it.
       call_keys: [C, ...] the sampling key of each call, or None.
+      env_mask: [B, N] f32 1 on tokens an environment wrote (a multi-turn rollout's
+        observations, `rollout.multiturn`; their `completion_mask` is 0), or None. Such
+        a rollout is replayed by `rollout.multiturn.replay_multiturn`.
     """
 
     prompt_tokens: jax.Array
@@ -125,6 +128,7 @@ class Rollout:
     calls: tuple[SamplerCall, ...] = dataclasses.field(default=(), metadata={"static": True})
     call_rows: jax.Array | None = None
     call_keys: jax.Array | None = None
+    env_mask: jax.Array | None = None
 
     # Not per row: replicated where the rows are laid over a mesh (`parallel.batch_shardings`).
     replicated_fields: ClassVar[tuple[str, ...]] = ("weights_digest", "call_keys")
@@ -138,7 +142,8 @@ def _row_fields(ro: Rollout) -> tuple[str, ...]:
     """The per-row fields of `ro` (a speculative rollout also has its verification counts, a
     sampled one the rows' places in their sampler calls)."""
     return (_ROW_FIELDS + (() if ro.verify_counts is None else ("verify_counts",))
-            + (() if ro.call_rows is None else ("call_rows",)))
+            + (() if ro.call_rows is None else ("call_rows",))
+            + (() if ro.env_mask is None else ("env_mask",)))
 
 
 def split_rows(ro: Rollout, m: int) -> Rollout:
@@ -184,6 +189,9 @@ def concat_rollouts(rollouts: Sequence[Rollout], pad_id: int) -> Rollout:
     head = rollouts[0]
     if len(rollouts) == 1:
         return head
+    if any(ro.env_mask is not None for ro in rollouts):
+        raise ValueError("concat_rollouts: multi-turn rollouts (env_mask) are replayed by "
+                         "their own calls; they are not concatenated")
     for ro in rollouts[1:]:
         for f in ("policy", "loop", "temperature", "verify_tokens", "decode_layout"):
             if getattr(ro, f) != getattr(head, f):

@@ -109,8 +109,12 @@ def step_logprobs(params, cfg: ModelConfig, policy: Policy, out_BxX, tokens_B,
 
 def prefill(params, cfg: ModelConfig, policy: Policy, loop: LoopSpec, prompt_BxP, positions_BxP,
             cache, readout_steps_B=None, *, forced_B=None, hidden: bool = False,
-            tape: dict | None = None):
+            tape: dict | None = None, index=0):
     """Runs the (left-padded) prompts through the model at full depth, writing slots [0, P).
+
+    `index` (an int or an int32 scalar) moves the chunk to slots [index, index + P): a
+    multi-turn episode's observations are prefilled on the cache that holds its context
+    (`rollout.multiturn`).
 
     Returns (logits [B, V] at the last slot, cache, exit step [B] of the last
     slot, loop evaluations). `readout_steps_B` replays a recorded read-out step
@@ -119,7 +123,7 @@ def prefill(params, cfg: ModelConfig, policy: Policy, loop: LoopSpec, prompt_BxP
     `tape` receives a dense model's weight products (`models.dense_forward`).
     """
     if not cfg.is_looped:
-        logits, cache, _ = forward(params, cfg, policy, prompt_BxP, positions_BxP, cache, 0,
+        logits, cache, _ = forward(params, cfg, policy, prompt_BxP, positions_BxP, cache, index,
                                    hidden=hidden, tape=tape)
         return logits[:, -1], cache, jnp.zeros(prompt_BxP.shape[:1], jnp.int32), jnp.int32(1)
     if tape is not None:
@@ -129,7 +133,7 @@ def prefill(params, cfg: ModelConfig, policy: Policy, loop: LoopSpec, prompt_BxP
     if readout_steps_B is not None:
         schedule = ExitSchedule(readout_BxT=grid(readout_steps_B), forced_BxT=grid(forced_B))
     # A prompt runs at full depth in either compute mode; the rule picks its read-out.
-    logits, cache, out = forward(params, cfg, policy, prompt_BxP, positions_BxP, cache, 0,
+    logits, cache, out = forward(params, cfg, policy, prompt_BxP, positions_BxP, cache, index,
                                  loop=LoopSpec(loop.exit_rule, "dense"), schedule=schedule,
                                  hidden=hidden)
     exits = out.exit_steps[:, -1]

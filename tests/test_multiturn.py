@@ -1,0 +1,171 @@
+"""The multi-turn sampler (`rollout.multiturn`): turns and observations on one cache, the
+replay equal to the sampler bit for bit on the policy's tokens.
+
+A scripted environment answers each turn with an observation whose length depends on
+the row and the turn, and ends each row's episode at its own turn; the model's head is
+biased towards the stop tokens and EOS so that turns end at ragged lengths (some by the
+per-turn limit). The dense learner reads the compacted rollout and is close to the
+sampler, not equal.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxrl_lp.models.config import get_preset
+from jaxrl_lp.models.model import init_params
+from jaxrl_lp.numerics.policy import Policy
+from jaxrl_lp.rl.logprobs import learner_logprobs
+from jaxrl_lp.rollout.multiturn import (
+    TurnLimits,
+    TurnOutcome,
+    generate_multiturn,
+    replay_multiturn,
+)
+from jaxrl_lp.rollout.replay import replay_logprobs
+from jaxrl_lp.rollout.sampling import SamplingConfig
+from jaxrl_lp.rollout.step import LoopSpec
+
+STOP, EOS = (7, 9), 2
+PROMPTS = [[1, 5, 6], [1, 8], [1, 4, 4, 4, 5], [1, 3], [1, 6, 6], [1, 9, 4, 8], [1, 5], [1, 7, 3]]
+
+
+def _model(kind: str):
+    cfg = get_preset({"dense": "tiny-qwen3", "looped_deferred": "tiny-ouro"}[kind])
+    params = init_params(cfg, jax.random.PRNGKey(0))
+    # Turns end by a stop token or EOS after a few tokens, or run into the turn limit.
+    params["lm_head"] = params["lm_head"].at[:, jnp.array([*STOP, EOS])].multiply(40.0)
+    loop = LoopSpec("threshold:0.5", "deferred") if cfg.is_looped else LoopSpec()
+    return cfg, params, loop
+
+
+class ScriptedEnv:
+    """Row r's episode ends after `1 + r % max_turns` turns; its k-th observation has
+    `1 + (r + k) % 4` tokens. Records every call."""
+
+    def __init__(self, max_turns: int):
+        self.max_turns, self.calls, self.seen = max_turns, {}, []
+
+    def __call__(self, rows, turns, ended_by):
+        out = []
+        for r, turn, why in zip(rows, turns, ended_by, strict=True):
+            k = self.calls.get(r, 0)
+            self.calls[r] = k + 1
+            self.seen.append((r, k, turn, why))
+            done = k + 1 >= 1 + r % self.max_turns
+            obs = () if done else tuple(range(10, 11 + (r + k) % 4))
+            out.append(TurnOutcome(observation=obs, reward=1.0 + k, done=done,
+                                   info={"tool_call": not done}))
+        return out
+
+
+def _limits(max_turns: int) -> TurnLimits:
+    return TurnLimits(max_turns=max_turns, max_turn_tokens=6, max_observation_tokens=5,
+                      stop_token_ids=STOP, eos_id=EOS, pad_id=0)
+
+
+def _sample(kind, policy, max_turns, seed=3):
+    cfg, params, loop = _model(kind)
+    env = ScriptedEnv(max_turns)
+    mt = generate_multiturn(params, cfg, PROMPTS, env, _limits(max_turns),
+                            policy=Policy.parse(policy), sampling=SamplingConfig(temperature=1.0),
+                            loop=loop, key=jax.random.PRNGKey(seed))
+    return cfg, params, env, mt
+
+
+# Default suite: both models in bf16 at 4 turns, both in f32 at 4 (the looped one's f32 dense
+# learner is what sees an observation computed at the wrong depth) and the dense one at 1;
+# the rest in CI's slow tier.
+CELLS = [("dense", "bf16", 4), ("looped_deferred", "bf16", 4), ("looped_deferred", "fp32", 4),
+         ("dense", "fp32", 1),
+         *(pytest.param(k, p, t, marks=(pytest.mark.slow, pytest.mark.ci))
+           for k, p, t in (("looped_deferred", "fp32", 1), ("looped_deferred", "fp32", 2),
+                           ("dense", "fp32", 2), ("dense", "fp32", 4),
+                           ("dense", "bf16", 2), ("looped_deferred", "bf16", 2)))]
+
+
+@pytest.mark.parametrize("kind,policy,max_turns", CELLS)
+def test_replay_equals_sampler_on_the_policy_tokens(kind, policy, max_turns):
+    cfg, params, env, mt = _sample(kind, policy, max_turns)
+    ro = mt.rollout
+    mask, env_mask = np.asarray(ro.completion_mask), np.asarray(ro.env_mask)
+    # The episodes are ragged: rows end at different turns, turns have different lengths.
+    assert mt.turns.tolist() != [mt.turns[0]] * len(PROMPTS) or max_turns == 1
+    assert mt.turns.max() == max_turns or "length" in mt.reasons
+    lengths = {len(turn) for _, _, turn, _ in env.seen}
+    assert len(lengths) >= 2, lengths
+    if max_turns > 1:
+        assert env_mask.sum() > 0 and not (mask * env_mask).any()  # never both
+    replay = np.asarray(replay_multiturn(params, cfg, Policy.parse(policy), mt))
+    assert float(np.abs(replay - np.asarray(ro.logprobs))[mask > 0].max()) == 0.0
+    assert not replay[mask == 0].any()  # observations and padding carry no log-prob
+    # The dense learner reads the compacted rollout: close to the sampler, not its bits.
+    dense = np.asarray(jax.jit(lambda p: learner_logprobs(p, cfg, Policy.parse(policy), ro,
+                                                          "dense")[0])(params))
+    diff = float(np.abs(dense - np.asarray(ro.logprobs))[mask > 0].max())
+    assert diff < (2e-6 if policy == "fp32" else 2e-2), diff
+
+
+def test_the_rollout_holds_each_rows_turns_and_observations_in_order():
+    cfg, params, env, mt = _sample("dense", "fp32", 4)
+    ro = mt.rollout
+    tokens = np.asarray(ro.completion_tokens)
+    mask, env_mask = np.asarray(ro.completion_mask), np.asarray(ro.env_mask)
+    for r in range(len(PROMPTS)):
+        mine = [(k, turn) for rr, k, turn, _ in env.seen if rr == r]
+        want, expect_env = [], []
+        for k, turn in mine:
+            want += list(turn)
+            expect_env += [0] * len(turn)
+            done = k + 1 >= 1 + r % 4
+            if not done:
+                obs = list(range(10, 11 + (r + k) % 4))
+                want += obs
+                expect_env += [1] * len(obs)
+        n = len(want)
+        if mt.reasons[r] == "length":  # a turn at the limit was never handed over
+            continue
+        assert tokens[r, :n].tolist() == want, (r, tokens[r].tolist(), want)
+        assert env_mask[r, :n].tolist() == expect_env
+        assert (mask[r, :n] + env_mask[r, :n]).tolist() == [1.0] * n
+        assert not mask[r, n:].any() and not env_mask[r, n:].any()
+        assert mt.rewards[r] == sum(1.0 + k for k, _ in mine)
+        assert mt.reasons[r] == "done"
+
+
+def test_the_cache_is_resumed_not_rebuilt():
+    """Prefilled tokens are the prompts, then per observation the turn's last token (no
+    decode step fed it) and the observation: the context is never prefilled again."""
+    cfg, params, env, mt = _sample("dense", "fp32", 4)
+    prompts = sum(len(p) for p in PROMPTS)
+    # From the script: the turns answered with an observation, and the observations' tokens.
+    fed = [(r, k) for r, k, _, _ in env.seen if k + 1 < min(1 + r % 4, 4)]
+    observations = sum(1 + (r + k) % 4 for r, k in fed)
+    assert len(fed) >= 4 and observations == int(np.asarray(mt.rollout.env_mask).sum())
+    assert mt.prefill_tokens == prompts + len(fed) + observations
+    assert mt.decode_steps == sum(mt.record.steps)
+
+
+def test_a_single_turn_replay_refuses_a_multiturn_rollout():
+    cfg, params, _, mt = _sample("dense", "fp32", 2)
+    with pytest.raises(ValueError, match="replay_multiturn"):
+        replay_logprobs(params, cfg, Policy.parse("fp32"), mt.rollout)
+
+
+def test_an_observation_over_the_limit_ends_the_episode_with_zero_reward():
+    cfg, params, loop = _model("dense")
+
+    def step(rows, turns, ended_by):
+        return [TurnOutcome(observation=tuple(range(10, 10 + (9 if r == 0 else 2))), reward=1.0)
+                for r in rows]
+
+    mt = generate_multiturn(params, cfg, PROMPTS[:2], step, _limits(3),
+                            sampling=SamplingConfig(temperature=1.0), key=jax.random.PRNGKey(1))
+    assert mt.reasons[0] == "observation_overflow" and mt.rewards[0] == 0.0
+    assert mt.reasons[1] in ("max_turns", "length") and mt.turns[1] > mt.turns[0]
+    with pytest.raises(ValueError, match="max_turns=0"):
+        TurnLimits(max_turns=0, max_turn_tokens=4, max_observation_tokens=2)
+    with pytest.raises(ValueError, match="context"):
+        generate_multiturn(params, cfg, PROMPTS[:1], step,
+                           TurnLimits(max_turns=60, max_turn_tokens=64, max_observation_tokens=8))
