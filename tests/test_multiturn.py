@@ -13,8 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxrl_lp.models.config import get_preset
-from jaxrl_lp.models.model import init_params
+from jaxrl_lp.bench.exactness import exactness_model
 from jaxrl_lp.numerics.policy import Policy
 from jaxrl_lp.rl.logprobs import learner_logprobs
 from jaxrl_lp.rollout.multiturn import (
@@ -25,18 +24,18 @@ from jaxrl_lp.rollout.multiturn import (
 )
 from jaxrl_lp.rollout.replay import replay_logprobs
 from jaxrl_lp.rollout.sampling import SamplingConfig
-from jaxrl_lp.rollout.step import LoopSpec
 
 STOP, EOS = (7, 9), 2
 PROMPTS = [[1, 5, 6], [1, 8], [1, 4, 4, 4, 5], [1, 3], [1, 6, 6], [1, 9, 4, 8], [1, 5], [1, 7, 3]]
 
 
 def _model(kind: str):
-    cfg = get_preset({"dense": "tiny-qwen3", "looped_deferred": "tiny-ouro"}[kind])
-    params = init_params(cfg, jax.random.PRNGKey(0))
+    # Exits spread over the loop steps, most of them late (`exactness_model`, gate bias -2):
+    # in deferred mode the tokens after an observation then read its keys at the loop steps
+    # it ran at (all of them), which the dense learner must compute too.
+    cfg, params, loop = exactness_model(kind, eos_id=EOS, gate_bias=-2.0)
     # Turns end by a stop token or EOS after a few tokens, or run into the turn limit.
     params["lm_head"] = params["lm_head"].at[:, jnp.array([*STOP, EOS])].multiply(40.0)
-    loop = LoopSpec("threshold:0.5", "deferred") if cfg.is_looped else LoopSpec()
     return cfg, params, loop
 
 
@@ -101,10 +100,12 @@ def test_replay_equals_sampler_on_the_policy_tokens(kind, policy, max_turns):
     assert float(np.abs(replay - np.asarray(ro.logprobs))[mask > 0].max()) == 0.0
     assert not replay[mask == 0].any()  # observations and padding carry no log-prob
     # The dense learner reads the compacted rollout: close to the sampler, not its bits.
+    # Measured on XLA:CPU, max |dlogp|: f32 1.4e-6 to 3.1e-6, bf16 up to 1.2e-6 on these
+    # tiny models; a looped model's observations computed short of full depth: 2.6e-3.
     dense = np.asarray(jax.jit(lambda p: learner_logprobs(p, cfg, Policy.parse(policy), ro,
                                                           "dense")[0])(params))
     diff = float(np.abs(dense - np.asarray(ro.logprobs))[mask > 0].max())
-    assert diff < (2e-6 if policy == "fp32" else 2e-2), diff
+    assert diff < (1e-5 if policy == "fp32" else 2e-2), diff
 
 
 def test_the_rollout_holds_each_rows_turns_and_observations_in_order():
