@@ -52,6 +52,7 @@ from jaxrl_lp.rollout.rollout import Rollout
 from jaxrl_lp.rollout.sampling import SamplingConfig, choose_tokens, token_logprobs
 from jaxrl_lp.rollout.step import (
     LoopSpec,
+    decode_layout,
     decode_step,
     fused_readout,
     prefill,
@@ -141,6 +142,7 @@ class MultiTurnRecord:
       sampling: the `SamplingConfig` it sampled with (static in its programs: the replay
         runs the same executables).
       cache_slots: the cache length the call ran with.
+      layout: the decode layout of the weights (`rollout.step.decode_layout`).
     """
 
     prompt_BxP: np.ndarray
@@ -154,6 +156,7 @@ class MultiTurnRecord:
     key: Any
     sampling: SamplingConfig
     cache_slots: int
+    layout: str
 
 
 @dataclasses.dataclass(frozen=True)
@@ -323,7 +326,10 @@ def _run(params, cfg: ModelConfig, policy: Policy, loop: LoopSpec, sampling: Sam
     t = limits.max_turn_tokens
     slots = limits.cache_slots(p) if record is None else record.cache_slots
     replay = record is not None
-    weights = unstack_layers(params, policy=policy)
+    # The decode copy of the weights as `generate` lays it out (`rollout.step.decode_layout`);
+    # the replay lays them out as the sampler did.
+    layout = decode_layout(params, policy) if record is None else record.layout
+    weights = unstack_layers(params, transpose=layout == "transposed", policy=policy)
     cache = unstack_cache(init_cache(cfg, policy, b, slots), cfg)
     statics = dict(cfg=cfg, policy=policy, loop=loop)
     seg_statics = dict(sampling=sampling, turn_tokens=t, stop_ids=limits.stop_token_ids,
@@ -433,7 +439,7 @@ def _run(params, cfg: ModelConfig, policy: Policy, loop: LoopSpec, sampling: Sam
     for r in range(b):
         if reasons[r] is None:
             reasons[r] = "max_turns"
-    return dict(turns_lp=turns_lp, turns_tok=turns_tok, turns_exit=turns_exit,
+    return dict(layout=layout, turns_lp=turns_lp, turns_tok=turns_tok, turns_exit=turns_exit,
                 turns_len=turns_len, turns_end=turns_end, steps=steps, chunks=chunks,
                 actives=actives, rewards=rewards, n_turns=n_turns, reasons=reasons,
                 infos=infos, observations=observations, env_seconds=env_seconds,
@@ -540,7 +546,7 @@ def generate_multiturn(
         chunks=tuple(run["chunks"]), turn_tokens=tuple(run["turns_tok"]),
         turn_exits=tuple(np.asarray(e) for e in run["turns_exit"]),
         turn_index=tuple(index), active=tuple(run["actives"]), key=key, sampling=sampling,
-        cache_slots=run["slots"])
+        cache_slots=run["slots"], layout=run["layout"])
     ro = Rollout(
         prompt_tokens=jnp.asarray(prompt), prompt_lengths=jnp.asarray((positions >= 0).sum(1),
                                                                        jnp.int32),
