@@ -60,7 +60,8 @@ def test_a_module_in_a_fresh_interpreter():
 FLOORS = (
     ("fields",), ("numerics",), ("models.config", "models.loop", "models.hf_names"),
     ("parallel",), ("models.attention",), ("kernels",), ("models",), ("rollout",), ("sync",),
-    ("rl",), ("optim",), ("lora",), ("data",), ("train",), ("plan",), ("bench",), ("studies",), ("cli",),
+    ("rl",), ("optim",), ("lora",), ("data",), ("envs",), ("train",), ("plan",), ("bench",),
+    ("studies",), ("cli",),
 )
 
 

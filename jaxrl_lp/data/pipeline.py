@@ -145,6 +145,8 @@ def sft_batch(examples: Sequence[tuple[Sequence[int], Sequence[int]]], pad_id: i
     Args:
       examples: pairs as returned by a task's `sft_example`; every prompt needs
         at least one token (its BOS) so every completion token has a predecessor.
+        A multi-turn task's examples carry a third element, the completion's loss
+        mask (0 on an environment's observations, `envs.CalculatorTask`).
       pad_id: the tokenizer's padding id.
       seq_len: the padded length L; None uses the longest example. Pass a fixed
         value in training so every step has one shape (no recompiles).
@@ -159,8 +161,11 @@ def sft_batch(examples: Sequence[tuple[Sequence[int], Sequence[int]]], pad_id: i
     """
     if len(examples) == 0:
         raise ValueError("sft_batch: no examples given")
-    lengths = [len(p) + len(c) for p, c in examples]
-    for i, (prompt, completion) in enumerate(examples):
+    lengths = [len(e[0]) + len(e[1]) for e in examples]
+    for i, (prompt, completion, *weights) in enumerate(examples):
+        if weights and len(weights[0]) != len(completion):
+            raise ValueError(f"sft_batch: example {i} has {len(completion)} completion tokens "
+                             f"and a loss mask of {len(weights[0])}; give one per token")
         if len(prompt) == 0:
             raise ValueError(f"sft_batch: example {i} has an empty prompt; start prompts with "
                              "a BOS token")
@@ -175,11 +180,11 @@ def sft_batch(examples: Sequence[tuple[Sequence[int], Sequence[int]]], pad_id: i
                          f"seq_len={seq_len}; raise seq_len to at least {longest}")
     tokens = np.full((len(examples), seq_len), pad_id, np.int32)
     mask = np.zeros((len(examples), seq_len), np.float32)
-    for i, (prompt, completion) in enumerate(examples):
+    for i, (prompt, completion, *weights) in enumerate(examples):
         p, n = len(prompt), len(completion)
         tokens[i, :p] = prompt
         tokens[i, p:p + n] = completion
-        mask[i, p:p + n] = 1.0
+        mask[i, p:p + n] = weights[0] if weights else 1.0
     return SFTBatch(tokens, mask)
 
 

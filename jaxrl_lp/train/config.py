@@ -43,28 +43,58 @@ class RunPolicies(NamedTuple):
 
 @dataclasses.dataclass(frozen=True)
 class TaskConfig:
-    """The task: `arithmetic` (generated) or `gsm8k` (a local JSONL/parquet file at `path`).
+    """The task: `arithmetic` (generated) or `gsm8k` (a local JSONL/parquet file at `path`),
+    or `calculator` (generated, multi-turn, with a calculator tool).
 
     Attributes:
-      kind: `arithmetic` (generated problems) or `gsm8k` (a local file; needs init_from).
-      ops: arithmetic: the operations, distinct characters from `+-*`.
-      max_digits: arithmetic: operands have up to this many digits (1..9).
+      kind: `arithmetic` (generated problems), `gsm8k` (a local file; needs init_from)
+        or `calculator` (multi-turn arithmetic with a calculator the model may call,
+        `envs.CalculatorTask`).
+      ops: arithmetic, calculator: the operations, distinct characters from `+-*`.
+      max_digits: arithmetic: operands have up to this many digits (1..9); calculator:
+        the first operand's digits.
+      second_digits: calculator: the second operand's digits.
       reverse_answer: arithmetic answers are written least significant digit first.
       pad_operands: arithmetic operands are zero-padded to max_digits.
       path: gsm8k: the local JSONL or parquet file (question, answer with `#### final`).
       seed: the order of the task's train and held-out splits.
+      max_turns: multi-turn: model turns per episode at most.
+      tool_fraction: calculator: the share of warm-start episodes that call the tool
+        (the rest answer at once).
+      env_timeout_s: multi-turn: seconds an environment call may take; a slower one
+        ends its episode (reason `timeout`).
+      failure_reward: multi-turn: the reward of an episode a failing environment ended.
     """
 
-    kind: Literal["arithmetic", "gsm8k"] = "arithmetic"
+    kind: Literal["arithmetic", "gsm8k", "calculator"] = "arithmetic"
     ops: str = "+"
     max_digits: int = 2
     reverse_answer: bool = False
     pad_operands: bool = False
     path: str = ""
     seed: int = 0
+    second_digits: int = 2
+    max_turns: int = 3
+    tool_fraction: float = 0.3
+    env_timeout_s: float = 10.0
+    failure_reward: float = 0.0
+
+    @property
+    def multiturn(self) -> bool:
+        """Whether the task's episodes take several turns (with an environment)."""
+        return self.kind == "calculator"
 
     def __post_init__(self):
-        check_choice("task.kind", self.kind, ("arithmetic", "gsm8k"))
+        check_choice("task.kind", self.kind, ("arithmetic", "gsm8k", "calculator"))
+        check_int("task.second_digits", self.second_digits, minimum=1)
+        check_int("task.max_turns", self.max_turns, minimum=1)
+        check_number("task.tool_fraction", self.tool_fraction, ge=0,
+                     why=" (a share of the warm-start episodes, at most 1)")
+        if self.tool_fraction > 1:
+            raise ValueError(f"task.tool_fraction={self.tool_fraction}: a share of the warm-start "
+                             "episodes, in [0, 1]")
+        check_number("task.env_timeout_s", self.env_timeout_s, gt=0)
+        check_number("task.failure_reward", self.failure_reward)
         check_str("task.ops", self.ops, nonempty=True, what="operations from '+-*', e.g. '+-'")
         check_int("task.max_digits", self.max_digits, minimum=1)
         check_bool("task.reverse_answer", self.reverse_answer)
@@ -74,6 +104,9 @@ class TaskConfig:
         if self.kind == "gsm8k" and not self.path:
             raise ValueError("task.path must name a local GSM8K JSONL or parquet file "
                              "(task.kind=gsm8k)")
+        if self.kind == "calculator" and self.path:
+            raise ValueError(f"task.path={self.path!r} is read by task.kind=gsm8k only; leave "
+                             "task.path empty for task.kind=calculator")
         if self.kind == "arithmetic":
             if self.path:
                 raise ValueError(f"task.path={self.path!r} is read by task.kind=gsm8k only; "

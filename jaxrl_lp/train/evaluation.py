@@ -10,6 +10,7 @@ from jaxrl_lp.rollout.sampling import SamplingConfig
 from jaxrl_lp.rollout.step import LoopSpec
 from jaxrl_lp.train.checkpoint import Checkpointer
 from jaxrl_lp.train.config import TrainConfig
+from jaxrl_lp.train.episodes import evaluate_episodes, is_multiturn
 from jaxrl_lp.train.lora_run import read_lora_params
 from jaxrl_lp.train.validate import build_task, model_config
 
@@ -19,9 +20,14 @@ __all__ = ["evaluate", "evaluate_run"]
 def evaluate(params, mcfg, task, policy, loop, size: int, max_new: int, mesh=None) -> float:
     """Greedy held-out accuracy on the first `size` held-out problems (deterministic).
 
+    A multi-turn task's problems are greedy episodes (`train.episodes.evaluate_episodes`;
+    `max_new` unused, the task's turn limits apply).
+
     With `mesh` the sampler runs sharded (`generate(mesh=...)`) and every
     process scores the whole batch.
     """
+    if is_multiturn(task):  # greedy episodes: solved when the reward reaches 1
+        return evaluate_episodes(params, mcfg, task, policy, loop, size)["accuracy"]
     problems = [task.heldout[i] for i in range(min(size, len(task.heldout)))]
     tok = task.tokenizer
     ro = generate(params, mcfg, [task.prompt_ids(p) for p in problems], policy=policy,

@@ -78,6 +78,7 @@ class IterationPrograms(NamedTuple):
     rule: ReplayRule                 # when the recorded log-probs are the replay's
     reference: Reference | None = None
     model_params: Any = None         # train tree -> model params (`optim.weights`), or None
+    env_runner: Any = None           # a multi-turn task's `envs.EnvRunner`, or None
 
 
 def _export(sync, hooks, timer, master):
@@ -122,6 +123,19 @@ def _sample(weights, step, key, cfg, plan, problems, timer, side: SamplerSide):
         ro, spec = dispatch_rollout(weights, step, key, cfg, plan, problems, side)
         ro = side.to_learner(jax.block_until_ready(ro))
     return ro, spec
+
+
+def _sample_episodes(params, step, key, cfg, plan, problems, timer, runner):
+    """A multi-turn task's episodes (`train.episodes`), G of each problem, on one device."""
+    from jaxrl_lp.train.episodes import sample_episodes
+
+    g = cfg.grpo
+    with timer("sample"):
+        mt = sample_episodes(params, plan.model, plan.task, problems, group_size=g.group_size,
+                             policy=plan.sampler_policy,
+                             sampling=SamplingConfig(temperature=g.temperature, draw=g.draw),
+                             loop=plan.loop, key=key, runner=runner, weights_version=step)
+    return mt
 
 
 class _Round(NamedTuple):
@@ -189,7 +203,13 @@ def grpo_iteration(state: RunState, step: int, cfg, plan, programs: IterationPro
         problems = [task.train[int(i)] for i in prompt_it.next_global()]
     key = sampling_key(cfg.run.seed, step)
     served, sampler_params, sync = _export(state.sync, hooks, timer, master)
-    if queue is None:  # synchronous: this step's rollout, on this step's export
+    episodes = None  # a multi-turn task's `MultiTurnRollout`
+    if queue is None and programs.env_runner is not None:  # episodes (`train.episodes`)
+        rollout_weights = side.hold(sampler_params, copy=False)
+        episodes = _sample_episodes(sampler_params, step, key, cfg, plan, problems, timer,
+                                    programs.env_runner)
+        ro, spec_metrics = episodes.rollout, {}
+    elif queue is None:  # synchronous: this step's rollout, on this step's export
         rollout_weights = side.hold(sampler_params, copy=False)
         ro, spec_metrics = _sample(rollout_weights, step, key, cfg, plan, problems, timer, side)
     else:  # off-policy: dispatch step + K's rollout on this export, learn from step's
@@ -202,7 +222,11 @@ def grpo_iteration(state: RunState, step: int, cfg, plan, programs: IterationPro
     # The sampler's weight products (`grpo.reuse_products`) go to the updates that compute
     # with the weights that made them, and nowhere else.
     products, ro = ro.products, dataclasses.replace(ro, products=None)
-    rounds = [_Round(ro, *_score(ro, problems, cfg, plan, timer))]
+    if episodes is None:
+        rounds = [_Round(ro, *_score(ro, problems, cfg, plan, timer))]
+    else:  # the environments' rewards, each episode's sum over its turns
+        rounds = [_Round(ro, episodes.rewards.astype(np.float32),
+                         np.zeros(len(episodes.rewards), np.float32))]
     ds_metrics, picked = {}, None
     if g.dynamic_sampling:
         def draw(r):  # round r >= 1: the next prompts of the run's stream, a key of their own
@@ -243,6 +267,13 @@ def grpo_iteration(state: RunState, step: int, cfg, plan, programs: IterationPro
                                                           g.group_size)).sum()))
     on_served = hooks.active and cfg.sync.loss_on_served
     rule, old_logp_fn = programs.rule, programs.behaviour_logprobs
+    if episodes is not None and g.logprobs == "hybrid":
+        # A multi-turn rollout's replay is its own programs' (`rollout.multiturn`), the whole
+        # batch at once; the dense log-probs read it as any rollout.
+        from jaxrl_lp.rollout.multiturn import replay_multiturn
+
+        old_logp_fn = lambda p, _ro: replay_multiturn(p, plan.model, plan.learner_policy,
+                                                       episodes)
     # The weights the loss computes with: the served copy (constant over the step's updates)
     # or the master (moved by each update).
     loss_weights = (lambda: sampler_params) if on_served else (lambda: view(params))
@@ -311,6 +342,8 @@ def grpo_iteration(state: RunState, step: int, cfg, plan, programs: IterationPro
                 value = (ro.logprobs[idx] if reuse else
                          old_logp[idx] if behaviour_value and (first or on_served) else None)
                 replayed += int(g.logprobs == "hybrid" and value is None)
+                if value is None and episodes is not None and g.logprobs == "hybrid":
+                    value = old_logp_fn(loss_weights(), ro)[idx]  # this update's weights
                 # The sampler's products stand for this update's forward where its recorded
                 # log-probs are the replay's: the same weights and numerics.
                 prods = take_product_rows(products, idx) if reuse and products is not None \
@@ -333,6 +366,10 @@ def grpo_iteration(state: RunState, step: int, cfg, plan, programs: IterationPro
         numerics = step_mismatch if recorded and verify else numerics
         metrics.update(numerics or {})
     metrics["skipped"] = float(sums.get("skipped", 0.0) > 0)
+    if episodes is not None:
+        from jaxrl_lp.train.episodes import episode_metrics
+
+        metrics.update(episode_metrics(episodes))
     metrics.update(sync_metrics)
     metrics.update(spec_metrics)
     metrics.update(ds_metrics)

@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxrl_lp.data import prompt_loader, sft_loader
+from jaxrl_lp.envs import EnvRunner
 from jaxrl_lp.lora import LoraParams
 from jaxrl_lp.models.lora import merge_adapters
 from jaxrl_lp.models.model import init_params
@@ -32,6 +33,7 @@ from jaxrl_lp.rl.train_step import make_grpo_step, make_sft_step
 from jaxrl_lp.train.behaviour import ReplayRule
 from jaxrl_lp.train.checkpoint import Checkpointer
 from jaxrl_lp.train.config import TrainConfig
+from jaxrl_lp.train.episodes import is_multiturn
 from jaxrl_lp.train.evaluation import evaluate
 from jaxrl_lp.train.grpo_iteration import (
     IterationPrograms,
@@ -354,10 +356,13 @@ def _train(cfg: TrainConfig, plan: RunPlan, run_dir: Path, ckpt: Checkpointer, t
     # which also verifies (`rollout.replay`); dense, one micro-batch's rows at a time.
     old_logp_fn = jit_learner_logprobs(mcfg, lpol, g.logprobs, loop=loop, mesh=mesh,
                                        micro_batches=g.minibatches * g.micro_batches)
+    # A multi-turn task's environments, stepped on host threads for the whole run.
+    runner = (EnvRunner(timeout_s=cfg.task.env_timeout_s, failure_reward=cfg.task.failure_reward)
+              if is_multiturn(task) else None)
     programs = IterationPrograms(
         grpo_step=grpo_step, behaviour_logprobs=old_logp_fn,
-        rule=ReplayRule(g.replay, g.logprobs, matched=str(lpol) == str(spol)),
-        model_params=None if grpo_weights is None else model_params)
+        rule=ReplayRule(g.replay, g.logprobs, matched=lpol == spol),
+        model_params=None if grpo_weights is None else model_params, env_runner=runner)
     if cfg.loss.kl_beta > 0 and progress.initial_accuracy is not None:  # resumed inside GRPO
         programs = programs._replace(reference=Reference(
             _reference_params(cfg, plan, run_dir, None), old_logp_fn))

@@ -91,6 +91,12 @@ def build_task(cfg: TrainConfig):
     if t.kind == "arithmetic":
         return _named("task", ArithmeticTask, ops=t.ops, max_digits=t.max_digits, seed=t.seed,
                       reverse_answer=t.reverse_answer, pad_operands=t.pad_operands)
+    if t.kind == "calculator":
+        from jaxrl_lp.envs import CalculatorTask
+
+        return _named("task", CalculatorTask, ops=t.ops, digits=(t.max_digits, t.second_digits),
+                      seed=t.seed, tool_fraction=t.tool_fraction, max_turns=t.max_turns)
+
     if not cfg.init_from:
         raise ValueError("task.kind='gsm8k' needs init_from=<HF checkpoint dir with "
                          "tokenizer.json>")
@@ -185,6 +191,7 @@ def validate(cfg: TrainConfig) -> RunPlan:
     _speculative(cfg, mcfg)
     _reuse_products(cfg, mcfg, weights)
     _reference(cfg, mcfg)
+    _multiturn(cfg, task, mcfg, weights)
     mesh, sampler = _placement(cfg, mcfg) if cfg.run.learner_mesh else (_mesh(cfg, mcfg), None)
     return RunPlan(task=task, model=mcfg, max_new_tokens=max_new, seq_len=seq_len,
                    learner_policy=lpol, sampler_policy=spol, loop=loop, sampling=sampling,
@@ -219,6 +226,53 @@ def _weights(cfg: TrainConfig):
                              f"sft.optimizer={cfg.sft.optimizer!r} does not have; set "
                              "sync.bf16_start=false or sft.optimizer=adamw")
     return weights
+
+
+def _multiturn(cfg: TrainConfig, task, mcfg: ModelConfig, weights) -> None:
+    """A multi-turn task's run checked against what its episodes support.
+
+    Its episodes run on one device with the plain sampler (`rollout.multiturn`), one
+    rollout per step on the step's weights, replayed as whole calls; the options below
+    compose with it not yet, each refused with the key to change.
+    """
+    from jaxrl_lp.train.episodes import is_multiturn, turn_limits
+
+    if not is_multiturn(task):
+        return
+    g = cfg.grpo
+    why = None
+    if cfg.run.mesh or cfg.run.learner_mesh or cfg.distributed.num_processes > 1:
+        why = "run on one device: set run.mesh='', run.learner_mesh='' and one process"
+    elif g.max_staleness:
+        why = "are sampled on the step's weights: set grpo.max_staleness=0"
+    elif g.dynamic_sampling:
+        why = ("are not refilled (their calls are replayed whole): set "
+               "grpo.dynamic_sampling=false")
+    elif g.overlong_buffer:
+        why = "end by their turn limits, not a completion budget: set grpo.overlong_buffer=0"
+    elif g.speculative:
+        why = "decode with the plain sampler: set grpo.speculative=''"
+    elif g.reuse_products:
+        why = "record no weight products: set grpo.reuse_products=false"
+    elif weights is not None or cfg.lora.enabled:
+        why = "train plain weights: set sft.optimizer=adamw and lora.rank=0"
+    elif cfg.loss.kl_beta > 0:
+        why = "have no KL reference program yet: set loss.kl_beta=0"
+    elif cfg.sync.exporter != "none":
+        why = "sample the learner's weights: set sync.exporter=none"
+    if why:
+        raise ValueError(f"task.kind={cfg.task.kind!r}: multi-turn episodes {why}")
+    limits = turn_limits(task)
+    width = max(len(task.prompt_ids(task.train[i])) for i in range(min(64, len(task.train))))
+    from jaxrl_lp.rollout.request import bucket_length
+
+    need = limits.cache_slots(bucket_length(width))
+    if need > mcfg.max_position_embeddings:
+        raise ValueError(
+            f"task.kind={cfg.task.kind!r}: an episode may use {need} cache slots (prompt, "
+            f"{limits.max_turns} turns of {limits.max_turn_tokens} tokens, observations) but "
+            f"the model's context is {mcfg.max_position_embeddings}; raise "
+            "model.max_position_embeddings or lower task.max_turns")
 
 
 def _reuse_products(cfg: TrainConfig, mcfg: ModelConfig, weights) -> None:

@@ -1,0 +1,30 @@
+"""Environments for multi-turn episodes: what they are, how many are stepped at once, and
+the tasks that make them.
+
+- `base`: `Environment` (reset from a record, step on a `Turn`), `StepResult`.
+- `runner`: `EnvRunner`, environments stepped on host threads with a timeout; a
+  failing one ends its episode with a recorded reason.
+- `calculator`: `CalculatorTask`, the embedded multi-turn task (arithmetic with a
+  calculator tool).
+"""
+
+from jaxrl_lp.envs.base import ENDINGS, Environment, StepResult, Turn
+from jaxrl_lp.envs.calculator import (
+    CalculatorEnv,
+    CalculatorSplit,
+    CalculatorTask,
+    evaluate_expression,
+)
+from jaxrl_lp.envs.runner import EnvRunner
+
+__all__ = [
+    "ENDINGS",
+    "CalculatorEnv",
+    "CalculatorSplit",
+    "CalculatorTask",
+    "EnvRunner",
+    "Environment",
+    "StepResult",
+    "Turn",
+    "evaluate_expression",
+]

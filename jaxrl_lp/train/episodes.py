@@ -1,0 +1,118 @@
+"""Multi-turn episodes in the training program: environments stepped by the sampler, measured.
+
+A multi-turn task (`envs.CalculatorTask`, `envs.PythonCalculatorTask`) makes one
+environment per episode (`task.make_env()`, reset from a record); `sample_episodes`
+runs them through `rollout.generate_multiturn`, the environments stepped on host
+threads by an `envs.EnvRunner` (a per-call timeout; an environment that raises or
+hangs ends its episode with the runner's reason and `failure_reward`, and the run goes
+on). `episode_metrics` measures what happened; `evaluate_episodes` is the held-out
+score (greedy episodes).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import numpy as np
+
+from jaxrl_lp.envs import EnvRunner, Turn
+from jaxrl_lp.numerics.policy import Policy
+from jaxrl_lp.rollout.multiturn import (
+    MultiTurnRollout,
+    TurnLimits,
+    TurnOutcome,
+    generate_multiturn,
+)
+from jaxrl_lp.rollout.sampling import SamplingConfig
+from jaxrl_lp.rollout.step import LoopSpec
+
+__all__ = ["episode_metrics", "evaluate_episodes", "is_multiturn", "sample_episodes",
+           "turn_limits", "turn_step"]
+
+
+def is_multiturn(task: Any) -> bool:
+    """Whether `task` runs episodes of several turns (it makes environments)."""
+    return hasattr(task, "make_env")
+
+
+def turn_limits(task: Any) -> TurnLimits:
+    """The sampler's `TurnLimits` of a multi-turn task."""
+    tok = task.tokenizer
+    return TurnLimits(max_turns=task.max_turns, max_turn_tokens=task.max_turn_tokens,
+                      max_observation_tokens=task.max_observation_tokens,
+                      stop_token_ids=tuple(task.stop_token_ids), eos_id=tok.eos_id,
+                      pad_id=tok.pad_id)
+
+
+def turn_step(envs: Sequence[Any], runner: EnvRunner, tokenizer: Any):
+    """The `step` callback of `generate_multiturn` over `envs` (one per row): turns decoded
+    to text, stepped by `runner`, observations encoded with `tokenizer`."""
+    def step(rows, turns, ended_by):
+        asked = [Turn(tokens=tuple(t), text=tokenizer.decode(list(t)), ended_by=e)
+                 for t, e in zip(turns, ended_by, strict=True)]
+        results = runner.step([envs[r] for r in rows], asked)
+        return [TurnOutcome(
+            observation=() if res.done or not res.observation
+            else tuple(tokenizer.encode(res.observation)),
+            reward=float(res.reward), done=bool(res.done), info=dict(res.info))
+            for res in results]
+    return step
+
+
+def sample_episodes(params, mcfg, task, records: Sequence[Any], *, group_size: int,
+                    policy: Policy, sampling: SamplingConfig, loop: LoopSpec, key: jax.Array,
+                    runner: EnvRunner, weights_version: int = 0) -> MultiTurnRollout:
+    """`group_size` episodes of each record (rows grouped as `generate`'s samples are)."""
+    rows = [rec for rec in records for _ in range(group_size)]
+    envs = [task.make_env() for _ in rows]
+    prompts = [env.reset(rec) for env, rec in zip(envs, rows, strict=True)]
+    return generate_multiturn(params, mcfg, prompts, turn_step(envs, runner, task.tokenizer),
+                              turn_limits(task), policy=policy, sampling=sampling, loop=loop,
+                              key=key, weights_version=weights_version)
+
+
+def episode_metrics(mt: MultiTurnRollout) -> dict[str, float]:
+    """Per-episode means of what the episodes did (`metrics.jsonl` keys).
+
+    `turns_per_episode`; `tool_calls` per episode and `tool_success` (the share of
+    calls the tool answered); `env_failed` (episodes a failing environment ended:
+    raised or timed out) and `episode_overflow` (an observation over the limit);
+    `policy_tokens` and `env_tokens` per episode (tokens by origin); `prefill_tokens`
+    and `decode_steps` of the call; `timing_s/env` (seconds in the environments).
+    """
+    infos = [i for row in mt.infos for i in row if isinstance(i, dict)]
+    calls = sum(1 for i in infos if i.get("tool_call"))
+    ok = sum(1 for i in infos if i.get("tool_call") and i.get("tool_ok"))
+    ro = mt.rollout
+    b = len(mt.reasons)
+    return {
+        "turns_per_episode": float(np.mean(mt.turns)),
+        "tool_calls": calls / b,
+        "tool_success": ok / calls if calls else 0.0,
+        "env_failed": float(sum(r.startswith(("error", "timeout")) for r in mt.reasons)),
+        "episode_overflow": float(sum(r == "observation_overflow" for r in mt.reasons)),
+        "policy_tokens": float(np.asarray(ro.completion_mask).sum() / b),
+        "env_tokens": float(np.asarray(ro.env_mask).sum() / b),
+        "prefill_tokens": float(mt.prefill_tokens),
+        "decode_steps": float(mt.decode_steps),
+        "timing_s/env": float(mt.env_seconds),
+    }
+
+
+def evaluate_episodes(params, mcfg, task, policy: Policy, loop: LoopSpec, size: int,
+                      runner: EnvRunner | None = None) -> dict[str, float]:
+    """Greedy episodes on the first `size` held-out records: `accuracy` (episodes whose
+    reward is at least 1: solved) and the `episode_metrics`."""
+    records = [task.heldout[i] for i in range(min(size, len(task.heldout)))]
+    own = runner is None
+    runner = runner or EnvRunner()
+    try:
+        mt = sample_episodes(params, mcfg, task, records, group_size=1, policy=policy,
+                             sampling=SamplingConfig(greedy=True), loop=loop,
+                             key=jax.random.PRNGKey(0), runner=runner)
+    finally:
+        if own:
+            runner.close()
+    return {"accuracy": float(np.mean(mt.rewards >= 1.0)), **episode_metrics(mt)}

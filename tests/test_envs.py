@@ -1,0 +1,128 @@
+"""Environments (`jaxrl_lp.envs`): the runner's failures, the calculator, its task's data."""
+
+import time
+
+import numpy as np
+import pytest
+
+from jaxrl_lp.data.pipeline import sft_batch
+from jaxrl_lp.envs import (
+    CalculatorTask,
+    EnvRunner,
+    StepResult,
+    Turn,
+    evaluate_expression,
+)
+
+
+class Echo:
+    def __init__(self, behaviour="ok", delay=0.0):
+        self.behaviour, self.delay = behaviour, delay
+
+    def reset(self, record):
+        return [1]
+
+    def step(self, turn):
+        time.sleep(self.delay)
+        if self.behaviour == "raise":
+            raise KeyError("boom")
+        if self.behaviour == "garbage":
+            return "not a result"
+        return StepResult(observation=turn.text.upper(), reward=1.0)
+
+
+def _turn(text, ended_by="stop"):
+    return Turn(tokens=tuple(range(len(text))), text=text, ended_by=ended_by)
+
+
+def test_the_runner_records_failures_and_steps_the_others_in_order():
+    runner = EnvRunner(timeout_s=0.5, max_workers=4, failure_reward=-1.0)
+    envs = [Echo(), Echo("raise"), Echo("ok", delay=5.0), Echo("garbage"), Echo(), Echo()]
+    turns = [_turn("a"), _turn("b"), _turn("c"), _turn("d"), None, _turn("f")]
+    t0 = time.perf_counter()
+    out = runner.step(envs, turns)
+    took = time.perf_counter() - t0
+    assert took < 2.0, took  # the hung call is left behind after its timeout
+    assert out[0] == StepResult(observation="A", reward=1.0)
+    assert out[1].done and out[1].reward == -1.0
+    assert out[1].info["failed"] == "error: KeyError: 'boom'"
+    assert out[2].done and out[2].info["failed"] == "timeout" and out[2].reward == -1.0
+    assert out[3].done and out[3].info["failed"].startswith("error: step returned str")
+    assert out[4] is None  # not stepped
+    assert out[5].observation == "F"
+    assert runner.calls == 5 and runner.failures == {"error": 2, "timeout": 1}
+    assert runner.seconds >= 0.5
+    # The runner goes on after a hang.
+    assert runner.step([Echo()], [_turn("g")])[0].observation == "G"
+
+
+@pytest.mark.parametrize("kwargs,words", [
+    (dict(timeout_s=0), ["timeout_s", "> 0"]), (dict(max_workers=0), ["max_workers", ">= 1"])])
+def test_the_runner_names_a_bad_setting(kwargs, words):
+    with pytest.raises(ValueError) as e:
+        EnvRunner(**kwargs)
+    assert all(w in str(e.value) for w in words), str(e.value)
+
+
+@pytest.mark.parametrize("text,value", [
+    ("347*29", 10063), ("2+3*4", 14), ("10-25", -15), ("7", 7),
+    ("", None), ("3/4", None), ("2**10", None), ("__import__", None), ("1+", None),
+    ("1" * 25, None), ("(1+2)", None), ("1 + 2", None)])
+def test_the_calculator_reads_digits_and_plus_minus_times_only(text, value):
+    assert evaluate_expression(text) == value
+
+
+def test_a_calculator_episode_scripted_through_a_call_and_an_answer():
+    task = CalculatorTask(seed=1)
+    problem = task.train[3]
+    env = task.make_env()
+    tok = task.tokenizer
+    assert env.reset(problem) == tok.encode(problem.prompt, add_bos=True)
+    call = env.step(_turn(f"{problem.a}*{problem.b}?"))
+    assert call == StepResult(observation=f"{problem.a * problem.b};",
+                              info={"tool_call": True, "tool_ok": True})
+    bad = env.step(_turn("12x?"))
+    assert bad.observation == "err;" and not bad.done and bad.info["tool_ok"] is False
+    right = env.step(_turn(problem.answer, "eos"))
+    assert right.done and right.reward == 1.0
+    wrong = env.step(_turn(str(int(problem.answer) + 1), "eos"))
+    assert wrong.done and wrong.reward == 0.0
+    cut = env.step(_turn("1234567", "length"))
+    assert cut.done and cut.reward == 0.0 and cut.info["truncated"]
+    with pytest.raises(RuntimeError, match="before reset"):
+        task.make_env().step(_turn("1?"))
+
+
+def test_the_calculator_task_splits_and_its_warm_start_episodes():
+    task = CalculatorTask(seed=0)
+    train = {task.train[i].prompt for i in range(500)}
+    held = {task.heldout[i].prompt for i in range(200)}
+    assert not train & held
+    assert [task.train[i] for i in range(5)] == [CalculatorTask(seed=0).train[i] for i in range(5)]
+    assert [task.train[i] for i in range(5)] != [CalculatorTask(seed=1).train[i] for i in range(5)]
+    for i in range(50):
+        p = task.train[i]
+        assert 100 <= p.a <= 999 and 10 <= p.b <= 99 and p.op == "*"
+        prompt, completion, mask = task.sft_example(p)
+        text = task.tokenizer.decode(completion)
+        if task.uses_tool(p):
+            call, observation = f"{p.a}*{p.b}?", f"{p.answer};"
+            assert text == call + observation + p.answer
+            assert mask == [1.0] * len(call) + [0.0] * len(observation) + [1.0] * (
+                len(p.answer) + 1)
+        else:
+            assert text == p.answer and mask == [1.0] * len(completion)
+        assert len(prompt) + len(completion) <= task.max_sequence_length
+    share = np.mean([task.uses_tool(task.train[i]) for i in range(4000)])
+    assert abs(share - 0.3) < 0.03, share  # tool_fraction, within ~4 standard errors
+    assert CalculatorTask(tool_fraction=0.0).uses_tool(task.train[0]) is False
+    with pytest.raises(ValueError, match="digits"):
+        CalculatorTask(digits=(3, 0))
+
+
+def test_sft_batch_masks_an_examples_observation():
+    b = sft_batch([([1, 5], [7, 8, 2], [1.0, 0.0, 1.0]), ([1], [3, 2])], pad_id=0, seq_len=6)
+    assert b.loss_mask_BxL.tolist() == [[0, 0, 1, 0, 1, 0], [0, 1, 1, 0, 0, 0]]
+    assert b.tokens_BxL.tolist() == [[1, 5, 7, 8, 2, 0], [1, 3, 2, 0, 0, 0]]
+    with pytest.raises(ValueError, match="loss mask of 2"):
+        sft_batch([([1], [7, 8, 2], [1.0, 0.0])], pad_id=0)

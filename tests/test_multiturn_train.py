@@ -1,0 +1,126 @@
+"""Multi-turn GRPO in the training program (`train.episodes`, `task.kind=calculator`).
+
+Environments that fail end their episodes with a recorded reason and leave the others
+as they were; `jaxrl-lp train --config configs/multiturn_tools.py` runs end to end with
+every GRPO step's rollout replayed bit for bit; options episodes do not support yet are
+refused with one line; `jaxrl-lp bench multiturn` prints its JSON.
+"""
+
+import json
+import time
+
+import jax
+import numpy as np
+import pytest
+
+from jaxrl_lp.cli.main import main
+from jaxrl_lp.envs import CalculatorTask, EnvRunner
+from jaxrl_lp.envs.calculator import CalculatorEnv
+from jaxrl_lp.models.config import ModelConfig
+from jaxrl_lp.models.model import init_params
+from jaxrl_lp.numerics.policy import FP32
+from jaxrl_lp.rollout.sampling import SamplingConfig
+from jaxrl_lp.rollout.step import LoopSpec
+from jaxrl_lp.train.episodes import episode_metrics, sample_episodes
+
+MODEL = ModelConfig(family="qwen3", hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1,
+                    head_dim=16, intermediate_size=64, loop_steps=1, max_position_embeddings=64)
+
+
+class Failing(CalculatorEnv):
+    """A calculator episode whose every call raises (`raise`) or hangs (`hang`)."""
+
+    def __init__(self, task, how):
+        super().__init__(task)
+        self.how, self.calls = how, 0
+
+    def step(self, turn):
+        self.calls += 1
+        if self.how == "raise":
+            raise ZeroDivisionError("tool crashed")
+        if self.how == "hang":
+            time.sleep(3.0)
+        return super().step(turn)
+
+
+class FailingTask(CalculatorTask):
+    """Rows 0 and 1 of each batch fail (raise, hang); the rest are plain calculators."""
+
+    def make_env(self):
+        self._made = getattr(self, "_made", 0) + 1
+        how = {1: "raise", 2: "hang"}.get(self._made, None)
+        return Failing(self, how) if how else CalculatorEnv(self)
+
+
+def _episodes(task, runner):
+    params = init_params(MODEL.replace(vocab_size=task.tokenizer.vocab_size),
+                         jax.random.PRNGKey(0))
+    cfg = MODEL.replace(vocab_size=task.tokenizer.vocab_size)
+    return sample_episodes(params, cfg, task, [task.train[i] for i in range(3)], group_size=2,
+                           policy=FP32, sampling=SamplingConfig(greedy=True), loop=LoopSpec(),
+                           key=jax.random.PRNGKey(1), runner=runner)
+
+
+def test_an_environment_that_raises_or_hangs_ends_its_episode_and_nothing_else():
+    runner = EnvRunner(timeout_s=0.5, failure_reward=0.0)
+    clean = _episodes(CalculatorTask(max_turns=3), runner)
+    failing = _episodes(FailingTask(max_turns=3), runner)
+    assert failing.reasons[0] == "error: ZeroDivisionError: tool crashed"
+    assert failing.reasons[1] == "timeout"
+    assert failing.rewards[0] == failing.rewards[1] == 0.0
+    assert failing.turns[0] == failing.turns[1] == 1
+    m = episode_metrics(failing)
+    assert m["env_failed"] == 2.0 and m["timing_s/env"] >= 0.5
+    # The other episodes: the same turns, tokens, rewards and reasons as without failures.
+    for r in range(2, 6):
+        assert failing.reasons[r] == clean.reasons[r]
+        assert failing.rewards[r] == clean.rewards[r]
+        n = int((np.asarray(clean.rollout.completion_mask[r])
+                 + np.asarray(clean.rollout.env_mask[r])).sum())
+        np.testing.assert_array_equal(np.asarray(failing.rollout.completion_tokens[r, :n]),
+                                      np.asarray(clean.rollout.completion_tokens[r, :n]))
+
+
+def test_train_runs_multiturn_episodes_and_replays_every_step(tmp_path):
+    out = tmp_path / "run"
+    assert main(["train", "--config", "configs/multiturn_tools.py",
+                 "--set", f"run.out_dir={out}", "--set", "sft.steps=20",
+                 "--set", "grpo.steps=2", "--set", "grpo.prompts_per_step=4",
+                 "--set", "grpo.group_size=2", "--set", "grpo.verify_every=1",
+                 "--set", "run.eval_size=8", "--set", "run.eval_every=1"]) == 0
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    grpo = [r for r in records if r["phase"] == "grpo"]
+    assert len(grpo) == 2
+    for r in grpo:
+        assert r["replay_verified"] == 1.0  # the replay equalled the sampler's bits
+        assert r["turns_per_episode"] >= 1.0 and r["policy_tokens"] > 0
+        for key in ("tool_calls", "tool_success", "env_tokens", "env_failed",
+                    "timing_s/env"):
+            assert key in r, key
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["grpo_steps"] == 2
+
+
+@pytest.mark.parametrize("setting,words", [
+    ("grpo.max_staleness=1", ["task.kind='calculator'", "grpo.max_staleness=0"]),
+    ("grpo.dynamic_sampling=true", ["grpo.dynamic_sampling=false"]),
+    ("loss.kl_beta=0.1", ["loss.kl_beta=0"]),
+    ("lora.rank=4", ["lora.rank=0"])])
+def test_options_episodes_do_not_support_are_refused_in_one_line(tmp_path, capsys, setting,
+                                                                    words):
+    assert main(["train", "--config", "configs/multiturn_tools.py",
+                 "--set", f"run.out_dir={tmp_path / 'r'}", "--set", setting]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and all(w in err for w in words), err
+    assert not (tmp_path / "r").exists()
+
+
+def test_bench_multiturn_prints_its_json(tmp_path):
+    out = tmp_path / "mt.json"
+    assert main(["bench", "multiturn", "--rows", "2", "--turns", "2", "--turn-tokens", "4",
+                 "--observation-tokens", "2", "--env-ms", "1", "--repeats", "1",
+                 "--out", str(out)]) == 0
+    res = json.loads(out.read_text())
+    assert res["multiturn"]["replay_max_abs_dlogp"] == 0.0
+    assert res["multiturn"]["env_seconds"] > 0 and res["single_turn"]["tokens"] > 0
+    assert main(["bench", "multiturn", "--rows", "0"]) != 0
