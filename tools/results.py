@@ -173,6 +173,9 @@ HEADLINES: dict[str, list] = {
     "jaxrl-lp bench compile": [
         Grid(("presets", "*", "programs", "*"), ("s_per_layer", "intercept_s", "at_preset_depth_s"))],
     "jaxrl-lp bench lowering": [Figures(("summary", "*"))],
+    "jaxrl-lp bench multiturn": [
+        Figures(("preset",)), Figures(("multiturn_vs_single_context_tokens_per_s",)),
+        Figures(("multiturn", "*")), Figures(("single_turn", "*"))],
     "jaxrl-lp bench overlap": [
         Grid(("*",), (("synchronous", "iteration_s"), ("overlapped", "iteration_s"), "speedup",
                       ("overlapped", "sample"), ("overlapped", "behaviour"), ("overlapped", "update")))],

@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import datetime
+import os
 import platform
 import time
 
@@ -132,7 +134,8 @@ def run(args: argparse.Namespace) -> dict:
     single_tokens = args.rows * width
     return {
         "target": "multiturn", "preset": args.preset, "policy": args.policy.name,
-        "platform": f"{platform.machine()} {jax.default_backend()}",
+        "date": datetime.date.today().isoformat(),
+        "platform": f"{platform.machine()} {jax.default_backend()}, {os.cpu_count()} cores",
         "device": jax.devices()[0].device_kind, "jax": jax.__version__,
         "rows": args.rows, "turns": args.turns, "turn_tokens": args.turn_tokens,
         "observation_tokens": args.observation_tokens, "env_ms": args.env_ms,
