@@ -122,6 +122,11 @@ RUNS = {
         "task.max_turns=2", "task.tool_fraction=0.5", "task.env_timeout_s=5.0",
         "task.failure_reward=-0.5", "model.max_position_embeddings=64", "grpo.verify_every=1",
     ],
+    # GSM8K-format data with a Python-expression calculator (`envs.PythonCalculatorTask`).
+    "gsm8k_tools": [
+        "task.kind=gsm8k_tools", f"task.path={GSM8K}", f"init_from={HF}", "task.max_turns=2",
+        "grpo.max_new_tokens=8", "grpo.verify_every=1",
+    ],
     # GSM8K-format data with the tokenizer and weights of a Hugging Face checkpoint, which
     # is also the KL reference.
     "gsm8k": [
@@ -186,9 +191,10 @@ def hf_checkpoint(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("reach")
     hf = root / "hf"
-    tok = CharTokenizer(alphabet=string.ascii_letters + string.digits + " #.,?:\n+-=")
+    tok = CharTokenizer(alphabet=string.ascii_letters + string.digits + " #.,?:\n+-=<>/*")
     tok.save(hf)
-    records = [{"question": f"What is {a} + {b}?", "answer": f"{a} + {b} = {a + b}. #### {a + b}"}
+    records = [{"question": f"What is {a} + {b}?",
+                "answer": f"{a} + {b} = <<{a}+{b}={a + b}>>{a + b}. #### {a + b}"}
                for a in range(1, 5) for b in range(1, 5)]
     gsm8k = root / "gsm8k.jsonl"
     gsm8k.write_text("".join(json.dumps(r) + "\n" for r in records))

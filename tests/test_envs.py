@@ -9,9 +9,11 @@ from jaxrl_lp.data.pipeline import sft_batch
 from jaxrl_lp.envs import (
     CalculatorTask,
     EnvRunner,
+    PythonCalculatorTask,
     StepResult,
     Turn,
     evaluate_expression,
+    safe_eval,
 )
 
 
@@ -126,3 +128,68 @@ def test_sft_batch_masks_an_examples_observation():
     assert b.tokens_BxL.tolist() == [[1, 5, 7, 8, 2, 0], [1, 3, 2, 0, 0, 0]]
     with pytest.raises(ValueError, match="loss mask of 2"):
         sft_batch([([1], [7, 8, 2], [1.0, 0.0])], pad_id=0)
+
+
+# ---------------------------------------------------------------- GSM8K with a calculator
+@pytest.mark.parametrize("text,value", [
+    ("48/2", 24.0), ("2**10", 1024), ("(3+4)*5", 35), ("-7 % 3", 2), ("1,000*2", 2000),
+    ("7//2", 3), ("0.5*3", 1.5)])
+def test_safe_eval_computes_arithmetic(text, value):
+    assert safe_eval(text) == value
+
+
+@pytest.mark.parametrize("text", [
+    "__import__('os')", "x+1", "len([1])", "(1).real", "2**100", "1/0", "10**10*10**10",
+    "[1]", "1 if 1 else 2", "'a'*3", "1e400"])
+def test_safe_eval_refuses_everything_else(text):
+    with pytest.raises(ValueError):
+        safe_eval(text)
+
+
+def _gsm8k_task():
+    import string
+
+    from jaxrl_lp.data.gsm8k import GSM8KTask
+    from jaxrl_lp.models.tokenizer import CharTokenizer
+
+    tok = CharTokenizer(alphabet=string.ascii_letters + string.digits + " #.,?:\n+-=<>/*")
+    records = [{"question": f"What is {a} + {b}?",
+                "answer": f"{a} + {b} = <<{a}+{b}={a + b}>>{a + b}. #### {a + b}"}
+               for a in range(1, 5) for b in range(1, 5)]
+    return PythonCalculatorTask(GSM8KTask(records, tok, heldout_fraction=0.5), max_turns=4,
+                                max_turn_tokens=32)
+
+
+def test_a_gsm8k_episode_calls_the_calculator_and_is_rewarded_on_its_answer():
+    task = _gsm8k_task()
+    tok = task.tokenizer
+    assert task.stop_token_ids == (tok.encode(">")[0],)  # one character ends with '>'
+    record = task.train[0]
+    a, b = (int(x) for x in record["question"].removeprefix("What is ").rstrip("?").split(" + "))
+    env = task.make_env()
+    assert env.reset(record) == task.prompt_ids(record)
+    call = env.step(_turn(f" {a} + {b} = <calc>{a}+{b}</calc>"))
+    assert call.observation == f"<result>{a + b}</result>" and call.info["tool_ok"]
+    other = env.step(_turn(" 3 > 2"))  # a '>' that closes no call: no observation
+    assert other == StepResult(info={"tool_call": False})
+    bad = env.step(_turn("<calc>__import__('os')</calc>"))
+    assert bad.observation == "<result>error</result>" and bad.info["tool_ok"] is False
+    done = env.step(_turn(f"{a + b}. #### {a + b}", "eos"))
+    assert done.done and done.reward == 1.0
+    wrong = task.make_env()
+    wrong.reset(record)
+    assert wrong.step(_turn("#### 999", "eos")).reward == 0.0
+
+
+def test_gsm8k_warm_start_episodes_turn_annotations_into_calls():
+    task = _gsm8k_task()
+    record = task.train[0]
+    prompt, completion, mask = task.sft_example(record)
+    tok = task.tokenizer
+    text = tok.decode(completion)
+    a_b, value = record["answer"].split("<<")[1].split(">>")[0].split("=")
+    assert f"<calc>{a_b}</calc><result>{value}</result>" in text and "<<" not in text
+    masked = tok.decode([t for t, m in zip(completion, mask, strict=True) if m == 0.0])
+    assert masked == f"<result>{value}</result>"
+    assert completion[-1] == tok.eos_id and mask[-1] == 1.0
+    assert len(prompt) + len(completion) <= task.max_sequence_length

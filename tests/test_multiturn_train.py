@@ -124,3 +124,16 @@ def test_bench_multiturn_prints_its_json(tmp_path):
     assert res["multiturn"]["replay_max_abs_dlogp"] == 0.0
     assert res["multiturn"]["env_seconds"] > 0 and res["single_turn"]["tokens"] > 0
     assert main(["bench", "multiturn", "--rows", "0"]) != 0
+
+
+def test_the_gsm8k_tools_config_loads_and_names_its_missing_files(tmp_path, capsys):
+    from jaxrl_lp.train import load_config
+
+    cfg = load_config("configs/grpo_gsm8k_tools_qwen3_0p6b.py")
+    assert cfg.task.kind == "gsm8k_tools" and cfg.task.multiturn
+    assert cfg.grpo.policies.matched and cfg.run.mesh == ""
+    assert main(["train", "--config", "configs/grpo_gsm8k_tools_qwen3_0p6b.py",
+                 "--set", f"run.out_dir={tmp_path / 'r'}"]) == 2
+    err = capsys.readouterr().err.strip()  # the checkpoint is not here: named, nothing written
+    assert len(err.splitlines()) == 1 and "checkpoints/Qwen3-0.6B" in err, err
+    assert not (tmp_path / "r").exists()

@@ -6,6 +6,8 @@ the tasks that make them.
   failing one ends its episode with a recorded reason.
 - `calculator`: `CalculatorTask`, the embedded multi-turn task (arithmetic with a
   calculator tool).
+- `python_calculator`: `PythonCalculatorTask`, GSM8K-format records with a
+  Python-expression calculator, for real checkpoints.
 """
 
 from jaxrl_lp.envs.base import ENDINGS, Environment, StepResult, Turn
@@ -15,6 +17,7 @@ from jaxrl_lp.envs.calculator import (
     CalculatorTask,
     evaluate_expression,
 )
+from jaxrl_lp.envs.python_calculator import PythonCalculatorEnv, PythonCalculatorTask, safe_eval
 from jaxrl_lp.envs.runner import EnvRunner
 
 __all__ = [
@@ -24,7 +27,10 @@ __all__ = [
     "CalculatorTask",
     "EnvRunner",
     "Environment",
+    "PythonCalculatorEnv",
+    "PythonCalculatorTask",
     "StepResult",
     "Turn",
     "evaluate_expression",
+    "safe_eval",
 ]

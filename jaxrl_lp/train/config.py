@@ -43,20 +43,22 @@ class RunPolicies(NamedTuple):
 
 @dataclasses.dataclass(frozen=True)
 class TaskConfig:
-    """The task: `arithmetic` (generated) or `gsm8k` (a local JSONL/parquet file at `path`),
-    or `calculator` (generated, multi-turn, with a calculator tool).
+    """The task: `arithmetic` (generated) or `gsm8k` (a local JSONL/parquet file at `path`);
+    multi-turn with a calculator tool: `calculator` (generated) or `gsm8k_tools` (a file).
 
     Attributes:
-      kind: `arithmetic` (generated problems), `gsm8k` (a local file; needs init_from)
-        or `calculator` (multi-turn arithmetic with a calculator the model may call,
-        `envs.CalculatorTask`).
+      kind: `arithmetic` (generated problems), `gsm8k` (a local file; needs init_from),
+        `calculator` (multi-turn arithmetic with a calculator the model may call,
+        `envs.CalculatorTask`) or `gsm8k_tools` (GSM8K with a Python-expression
+        calculator, `envs.PythonCalculatorTask`; a local file, needs init_from).
       ops: arithmetic, calculator: the operations, distinct characters from `+-*`.
       max_digits: arithmetic: operands have up to this many digits (1..9); calculator:
         the first operand's digits.
       second_digits: calculator: the second operand's digits.
       reverse_answer: arithmetic answers are written least significant digit first.
       pad_operands: arithmetic operands are zero-padded to max_digits.
-      path: gsm8k: the local JSONL or parquet file (question, answer with `#### final`).
+      path: gsm8k, gsm8k_tools: the local JSONL or parquet file (question, answer with
+        `#### final`).
       seed: the order of the task's train and held-out splits.
       max_turns: multi-turn: model turns per episode at most.
       tool_fraction: calculator: the share of warm-start episodes that call the tool
@@ -66,7 +68,7 @@ class TaskConfig:
       failure_reward: multi-turn: the reward of an episode a failing environment ended.
     """
 
-    kind: Literal["arithmetic", "gsm8k", "calculator"] = "arithmetic"
+    kind: Literal["arithmetic", "gsm8k", "calculator", "gsm8k_tools"] = "arithmetic"
     ops: str = "+"
     max_digits: int = 2
     reverse_answer: bool = False
@@ -82,10 +84,10 @@ class TaskConfig:
     @property
     def multiturn(self) -> bool:
         """Whether the task's episodes take several turns (with an environment)."""
-        return self.kind == "calculator"
+        return self.kind in ("calculator", "gsm8k_tools")
 
     def __post_init__(self):
-        check_choice("task.kind", self.kind, ("arithmetic", "gsm8k", "calculator"))
+        check_choice("task.kind", self.kind, ("arithmetic", "gsm8k", "calculator", "gsm8k_tools"))
         check_int("task.second_digits", self.second_digits, minimum=1)
         check_int("task.max_turns", self.max_turns, minimum=1)
         check_number("task.tool_fraction", self.tool_fraction, ge=0,
@@ -101,12 +103,12 @@ class TaskConfig:
         check_bool("task.pad_operands", self.pad_operands)
         check_str("task.path", self.path)
         check_int("task.seed", self.seed, minimum=0)
-        if self.kind == "gsm8k" and not self.path:
+        if self.kind in ("gsm8k", "gsm8k_tools") and not self.path:
             raise ValueError("task.path must name a local GSM8K JSONL or parquet file "
-                             "(task.kind=gsm8k)")
+                             f"(task.kind={self.kind})")
         if self.kind == "calculator" and self.path:
-            raise ValueError(f"task.path={self.path!r} is read by task.kind=gsm8k only; leave "
-                             "task.path empty for task.kind=calculator")
+            raise ValueError(f"task.path={self.path!r} is read by task.kind=gsm8k or "
+                             "gsm8k_tools only; leave it empty for task.kind=calculator")
         if self.kind == "arithmetic":
             if self.path:
                 raise ValueError(f"task.path={self.path!r} is read by task.kind=gsm8k only; "
@@ -161,7 +163,8 @@ class GRPOConfig:
       steps: GRPO steps (each: sample, score, `mu` passes over `minibatches`).
       prompts_per_step: prompts sampled per step; the batch is prompts_per_step * group_size.
       group_size: completions per prompt, >= 2 (a group of 1 has no advantage signal).
-      max_new_tokens: completion budget; 0 means the task's answer length + EOS.
+      max_new_tokens: completion budget; 0 means the task's answer length + EOS. For
+        task.kind=gsm8k_tools, the tokens of one model turn (0: 128).
       lr: Adam learning rate (gradients clipped to global norm 1).
       mu: passes over each step's batch.
       minibatches: optimizer updates per pass (the batch is split into this many).

@@ -98,7 +98,7 @@ def build_task(cfg: TrainConfig):
                       seed=t.seed, tool_fraction=t.tool_fraction, max_turns=t.max_turns)
 
     if not cfg.init_from:
-        raise ValueError("task.kind='gsm8k' needs init_from=<HF checkpoint dir with "
+        raise ValueError(f"task.kind={t.kind!r} needs init_from=<HF checkpoint dir with "
                          "tokenizer.json>")
     from jaxrl_lp.models.tokenizer import HFTokenizer
 
@@ -108,7 +108,13 @@ def build_task(cfg: TrainConfig):
     except Exception as e:  # noqa: BLE001 - the tokenizers library raises plain Exception
         raise ValueError(f"init_from: cannot read its tokenizer ({' '.join(str(e).split())})") \
             from None
-    return _named("task", GSM8KTask, records, tok)
+    base = _named("task", GSM8KTask, records, tok)
+    if t.kind == "gsm8k_tools":
+        from jaxrl_lp.envs import PythonCalculatorTask
+
+        return _named("task", PythonCalculatorTask, base, max_turns=t.max_turns,
+                      max_turn_tokens=cfg.grpo.max_new_tokens or 128)
+    return base
 
 
 def model_config(cfg: TrainConfig, task) -> ModelConfig:
