@@ -141,3 +141,56 @@ def test_the_start_probe_checks_the_runs_slices():
                                               "grpo.micro_batches=2"])
     got = probe_exactness(cfg, validate(cfg))
     assert got is not None and got["slices"] == [4, 2] and got["tokens"] > 0, got
+
+
+@pytest.mark.parametrize("preset", ["qwen3-0.6b", "ouro-1.4b"])
+@pytest.mark.parametrize("policy", ["bf16", "fp32"])
+def test_multiturn_episodes_replay_exactly(preset, policy):
+    """Four-turn episodes with ragged turns and observations (`rollout.multiturn`): the replay
+    is the sampler's bits on the policy's tokens at the model's shapes."""
+    import jax.numpy as jnp
+
+    from jaxrl_lp.models.config import get_preset
+    from jaxrl_lp.models.model import init_params
+    from jaxrl_lp.rollout.multiturn import (
+        TurnLimits,
+        TurnOutcome,
+        generate_multiturn,
+        replay_multiturn,
+    )
+    from jaxrl_lp.rollout.sampling import SamplingConfig
+    from jaxrl_lp.rollout.step import LoopSpec
+
+    if QUICK:
+        preset = {"qwen3-0.6b": "tiny-qwen3", "ouro-1.4b": "tiny-ouro"}[preset]
+    cfg = get_preset(preset)
+    params = init_params(cfg, jax.random.PRNGKey(0))
+    stop = (7, 9)
+    params["lm_head"] = params["lm_head"].at[:, jnp.array(stop)].multiply(40.0)
+    loop = LoopSpec("model", "deferred") if cfg.is_looped else LoopSpec()
+    rows, turns = (8, 4) if QUICK else (16, 4)
+    rng = np.random.default_rng(0)
+    prompts = [list(rng.integers(10, 200, rng.integers(3, 12))) for _ in range(rows)]
+    calls: dict[int, int] = {}
+
+    def step(rs, toks, ended):
+        out = []
+        for r in rs:
+            k = calls[r] = calls.get(r, 0) + 1
+            done = k >= 1 + r % turns
+            out.append(TurnOutcome(observation=() if done else tuple(range(10, 11 + (r + k) % 5)),
+                                   reward=1.0, done=done))
+        return out
+
+    limits = TurnLimits(max_turns=turns, max_turn_tokens=8 if QUICK else 32,
+                        max_observation_tokens=6, stop_token_ids=stop, pad_id=0)
+    pol = Policy.parse(policy)
+    mt = generate_multiturn(params, cfg, prompts, step, limits, policy=pol,
+                            sampling=SamplingConfig(temperature=1.0), loop=loop,
+                            key=jax.random.PRNGKey(1))
+    mask = np.asarray(mt.rollout.completion_mask) > 0
+    assert np.asarray(mt.rollout.env_mask).sum() > 0 and len(set(mt.turns.tolist())) > 1
+    got = np.asarray(replay_multiturn(params, cfg, pol, mt), np.float32)
+    want = np.asarray(mt.rollout.logprobs, np.float32)
+    differ = mask & (got.view(np.uint32) != want.view(np.uint32))
+    assert not differ.any(), (int(differ.sum()), float(np.abs(got - want)[mask].max()))
