@@ -29,13 +29,13 @@ STOP, EOS = (7, 9), 2
 PROMPTS = [[1, 5, 6], [1, 8], [1, 4, 4, 4, 5], [1, 3], [1, 6, 6], [1, 9, 4, 8], [1, 5], [1, 7, 3]]
 
 
-def _model(kind: str):
+def _model(kind: str, bias: float = 40.0):
     # Exits spread over the loop steps, most of them late (`exactness_model`, gate bias -2):
     # in deferred mode the tokens after an observation then read its keys at the loop steps
     # it ran at (all of them), which the dense learner must compute too.
     cfg, params, loop = exactness_model(kind, eos_id=EOS, gate_bias=-2.0)
     # Turns end by a stop token or EOS after a few tokens, or run into the turn limit.
-    params["lm_head"] = params["lm_head"].at[:, jnp.array([*STOP, EOS])].multiply(40.0)
+    params["lm_head"] = params["lm_head"].at[:, jnp.array([*STOP, EOS])].multiply(bias)
     return cfg, params, loop
 
 
@@ -59,15 +59,15 @@ class ScriptedEnv:
         return out
 
 
-def _limits(max_turns: int) -> TurnLimits:
-    return TurnLimits(max_turns=max_turns, max_turn_tokens=6, max_observation_tokens=5,
+def _limits(max_turns: int, turn_tokens: int = 6) -> TurnLimits:
+    return TurnLimits(max_turns=max_turns, max_turn_tokens=turn_tokens, max_observation_tokens=5,
                       stop_token_ids=STOP, eos_id=EOS, pad_id=0)
 
 
-def _sample(kind, policy, max_turns, seed=3):
-    cfg, params, loop = _model(kind)
+def _sample(kind, policy, max_turns, seed=3, turn_tokens=6, bias=40.0):
+    cfg, params, loop = _model(kind, bias)
     env = ScriptedEnv(max_turns)
-    mt = generate_multiturn(params, cfg, PROMPTS, env, _limits(max_turns),
+    mt = generate_multiturn(params, cfg, PROMPTS, env, _limits(max_turns, turn_tokens),
                             policy=Policy.parse(policy), sampling=SamplingConfig(temperature=1.0),
                             loop=loop, key=jax.random.PRNGKey(seed))
     return cfg, params, env, mt
@@ -91,9 +91,10 @@ def test_replay_equals_sampler_on_the_policy_tokens(kind, policy, max_turns):
     mask, env_mask = np.asarray(ro.completion_mask), np.asarray(ro.env_mask)
     # The episodes are ragged: rows end at different turns, turns have different lengths.
     assert mt.turns.tolist() != [mt.turns[0]] * len(PROMPTS) or max_turns == 1
-    assert mt.turns.max() == max_turns or "length" in mt.reasons
+    assert mt.turns.max() == max_turns and mt.reasons == ("done",) * len(PROMPTS)
     lengths = {len(turn) for _, _, turn, _ in env.seen}
     assert len(lengths) >= 2, lengths
+    assert "stop" in {why for *_, why in env.seen}
     if max_turns > 1:
         assert env_mask.sum() > 0 and not (mask * env_mask).any()  # never both
     replay = np.asarray(replay_multiturn(params, cfg, Policy.parse(policy), mt))
@@ -109,7 +110,10 @@ def test_replay_equals_sampler_on_the_policy_tokens(kind, policy, max_turns):
 
 
 def test_the_rollout_holds_each_rows_turns_and_observations_in_order():
-    cfg, params, env, mt = _sample("dense", "fp32", 4)
+    cfg, params, env, mt = _sample("dense", "fp32", 4, turn_tokens=3, bias=16.0)
+    # Every ended turn is handed over, the ones cut at the per-turn limit too.
+    whys = {why for *_, why in env.seen}
+    assert "length" in whys and len(whys) >= 2, whys
     ro = mt.rollout
     tokens = np.asarray(ro.completion_tokens)
     mask, env_mask = np.asarray(ro.completion_mask), np.asarray(ro.env_mask)
@@ -125,8 +129,6 @@ def test_the_rollout_holds_each_rows_turns_and_observations_in_order():
                 want += obs
                 expect_env += [1] * len(obs)
         n = len(want)
-        if mt.reasons[r] == "length":  # a turn at the limit was never handed over
-            continue
         assert tokens[r, :n].tolist() == want, (r, tokens[r].tolist(), want)
         assert env_mask[r, :n].tolist() == expect_env
         assert (mask[r, :n] + env_mask[r, :n]).tolist() == [1.0] * n
@@ -164,7 +166,7 @@ def test_an_observation_over_the_limit_ends_the_episode_with_zero_reward():
     mt = generate_multiturn(params, cfg, PROMPTS[:2], step, _limits(3),
                             sampling=SamplingConfig(temperature=1.0), key=jax.random.PRNGKey(1))
     assert mt.reasons[0] == "observation_overflow" and mt.rewards[0] == 0.0
-    assert mt.reasons[1] in ("max_turns", "length") and mt.turns[1] > mt.turns[0]
+    assert mt.reasons[1] == "max_turns" and mt.turns[1] == 3 > mt.turns[0]
     with pytest.raises(ValueError, match="max_turns=0"):
         TurnLimits(max_turns=0, max_turn_tokens=4, max_observation_tokens=2)
     with pytest.raises(ValueError, match="context"):

@@ -94,8 +94,8 @@ def test_train_runs_multiturn_episodes_and_replays_every_step(tmp_path):
     for r in grpo:
         assert r["replay_verified"] == 1.0  # the replay equalled the sampler's bits
         assert r["turns_per_episode"] >= 1.0 and r["policy_tokens"] > 0
-        for key in ("tool_calls", "tool_success", "env_tokens", "env_failed",
-                    "timing_s/env"):
+        for key in ("tool_calls", "tool_success", "tool_use", "tool_solved", "env_tokens",
+                    "env_failed", "timing_s/env"):
             assert key in r, key
     summary = json.loads((out / "summary.json").read_text())
     assert summary["grpo_steps"] == 2

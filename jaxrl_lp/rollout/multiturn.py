@@ -170,8 +170,8 @@ class MultiTurnRollout:
       rewards: [B] f32 each episode's reward (the sum of its turns').
       turns: [B] int32 model turns each episode took.
       reasons: per row, why its episode ended: `done` (its environment said so),
-        `length`, `max_turns`, `context`, `observation_overflow`, or the runner's
-        `failed` reason (`error: ...`, `timeout`).
+        `max_turns`, `context`, `observation_overflow`, or the `failed` reason of its
+        outcome's info (an `envs.EnvRunner`'s: `error: ...`, `timeout`).
       infos: per row, the list of its turns' `info` values.
       prefill_tokens: real tokens prefilled, prompts and chunks (observations and the
         turns' last tokens); the decode steps are counted apart (`decode_steps`).
@@ -387,13 +387,11 @@ def _run(params, cfg: ModelConfig, policy: Policy, loop: LoopSpec, sampling: Sam
             feed: list[tuple[int, ...]] = [()] * b
             outcomes = [None] * b
             todo = [r for r in range(b) if active[r]]
-            for r in todo:
-                if ended[r] == _LENGTH:
-                    reasons[r] = "length"
-            asked = [r for r in todo if ended[r] != _LENGTH]
+            asked = todo  # every ended turn, the limit's too: its environment decides
             if asked:
                 t0 = time.perf_counter()
-                answers = step(asked, [tuple(int(x) for x in tokens[r, :length[r]]) for r in asked],
+                answers = step(asked,
+                               [tuple(int(x) for x in tokens[r, :length[r]]) for r in asked],
                                [ENDED_BY[ended[r]] for r in asked])
                 env_seconds += time.perf_counter() - t0
                 for r, a in zip(asked, answers, strict=True):
@@ -504,9 +502,9 @@ def generate_multiturn(
       params, cfg: the model.
       prompts: ragged token ids, one episode each (repeat a prompt for a group).
       step: the environments: `step(rows, turns, ended_by)` gets the rows whose turn
-        ended this round, each turn's token ids (stop token included, EOS excluded:
-        `ENDED_BY` says which) and returns one `TurnOutcome` per row, in order. Not
-        called for a turn that hit `max_turn_tokens` (the episode ends, `length`).
+        ended this round, each turn's token ids as sampled (the last one the stop
+        token or EOS that ended it) and how each ended (`eos`, `stop` or `length`,
+        the per-turn limit), and returns one `TurnOutcome` per row, in order.
       limits: the episode's `TurnLimits`.
       policy, sampling, loop, key, weights_version: as `rollout.generate`.
 

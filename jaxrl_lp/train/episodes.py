@@ -50,6 +50,8 @@ def turn_step(envs: Sequence[Any], runner: EnvRunner, tokenizer: Any):
     """The `step` callback of `generate_multiturn` over `envs` (one per row): turns decoded
     to text, stepped by `runner`, observations encoded with `tokenizer`."""
     def step(rows, turns, ended_by):
+        # A `Turn` holds its stop token, not the EOS that ended it.
+        turns = [t[:-1] if e == "eos" else t for t, e in zip(turns, ended_by, strict=True)]
         asked = [Turn(tokens=tuple(t), text=tokenizer.decode(list(t)), ended_by=e)
                  for t, e in zip(turns, ended_by, strict=True)]
         results = runner.step([envs[r] for r in rows], asked)
@@ -76,9 +78,11 @@ def sample_episodes(params, mcfg, task, records: Sequence[Any], *, group_size: i
 def episode_metrics(mt: MultiTurnRollout) -> dict[str, float]:
     """Per-episode means of what the episodes did (`metrics.jsonl` keys).
 
-    `turns_per_episode`; `tool_calls` per episode and `tool_success` (the share of
-    calls the tool answered); `env_failed` (episodes a failing environment ended:
-    raised or timed out) and `episode_overflow` (an observation over the limit);
+    `turns_per_episode`; `tool_calls` per episode, `tool_success` (the share of
+    calls the tool answered), `tool_use` (the share of episodes that called a tool) and
+    `tool_solved` (the share of those that were solved: reward at least 1);
+    `env_failed` (episodes a failing environment ended: raised or timed out) and
+    `episode_overflow` (an observation over the limit);
     `policy_tokens` and `env_tokens` per episode (tokens by origin); `prefill_tokens`
     and `decode_steps` of the call; `timing_s/env` (seconds in the environments).
     """
@@ -87,10 +91,14 @@ def episode_metrics(mt: MultiTurnRollout) -> dict[str, float]:
     ok = sum(1 for i in infos if i.get("tool_call") and i.get("tool_ok"))
     ro = mt.rollout
     b = len(mt.reasons)
+    used = np.array([any(isinstance(i, dict) and i.get("tool_call") for i in row)
+                     for row in mt.infos], bool)
     return {
         "turns_per_episode": float(np.mean(mt.turns)),
         "tool_calls": calls / b,
         "tool_success": ok / calls if calls else 0.0,
+        "tool_use": float(used.mean()),
+        "tool_solved": float((mt.rewards[used] >= 1.0).mean()) if used.any() else 0.0,
         "env_failed": float(sum(r.startswith(("error", "timeout")) for r in mt.reasons)),
         "episode_overflow": float(sum(r == "observation_overflow" for r in mt.reasons)),
         "policy_tokens": float(np.asarray(ro.completion_mask).sum() / b),
