@@ -345,7 +345,7 @@ def _run(params, cfg: ModelConfig, policy: Policy, loop: LoopSpec, sampling: Sam
     next_pos = lengths.copy()  # position of each row's next token
     slot = p
     active = np.ones(b, bool)
-    turns_lp, turns_tok, turns_exit, turns_len, turns_end = [], [], [], [], []
+    turns_lp, turns_tok, turns_exit, turns_len = [], [], [], []
     steps, chunks, actives = [], [], []
     rewards, n_turns = np.zeros(b, np.float32), np.zeros(b, np.int32)
     reasons: list[str | None] = [None] * b
@@ -373,7 +373,6 @@ def _run(params, cfg: ModelConfig, policy: Policy, loop: LoopSpec, sampling: Sam
         turns_exit.append(seg.exits)
         turns_tok.append(tokens)
         turns_len.append(np.where(active, length, 0))
-        turns_end.append(ended)
         steps.append(ran)
         actives.append(active.copy())
         n_turns += active
@@ -383,7 +382,6 @@ def _run(params, cfg: ModelConfig, policy: Policy, loop: LoopSpec, sampling: Sam
             else:
                 break
         else:
-            ctoks = None
             feed: list[tuple[int, ...]] = [()] * b
             outcomes = [None] * b
             todo = [r for r in range(b) if active[r]]
@@ -438,7 +436,7 @@ def _run(params, cfg: ModelConfig, policy: Policy, loop: LoopSpec, sampling: Sam
         if reasons[r] is None:
             reasons[r] = "max_turns"
     return dict(layout=layout, turns_lp=turns_lp, turns_tok=turns_tok, turns_exit=turns_exit,
-                turns_len=turns_len, turns_end=turns_end, steps=steps, chunks=chunks,
+                turns_len=turns_len, steps=steps, chunks=chunks,
                 actives=actives, rewards=rewards, n_turns=n_turns, reasons=reasons,
                 infos=infos, observations=observations, env_seconds=env_seconds,
                 prefill_tokens=prefill_tokens, decode_steps=decode_steps, slots=slots)
