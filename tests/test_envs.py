@@ -1,5 +1,10 @@
 """Environments (`jaxrl_lp.envs`): the runner's failures, the calculator, its task's data."""
 
+import os
+import subprocess
+import sys
+import textwrap
+import threading
 import time
 
 import numpy as np
@@ -58,8 +63,62 @@ def test_the_runner_records_failures_and_steps_the_others_in_order():
     assert runner.step([Echo()], [_turn("g")])[0].observation == "G"
 
 
+def test_an_env_that_exits_is_an_error_at_once_not_a_timeout():
+    class Exits(Echo):
+        def step(self, turn):
+            sys.exit(3)
+
+    runner = EnvRunner(timeout_s=5.0)
+    t0 = time.perf_counter()
+    out = runner.step([Exits(), Echo()], [_turn("a"), _turn("b")])
+    assert time.perf_counter() - t0 < 2.0  # not left to run out its 5 s
+    assert out[0].info["failed"] == "error: SystemExit: 3" and out[0].done
+    assert out[1].observation == "B" and runner.failures == {"error": 1}
+
+
+def test_the_runner_runs_at_most_max_workers_calls_at_once():
+    lock, running, peak = threading.Lock(), [0], [0]
+
+    class Counted(Echo):
+        def step(self, turn):
+            with lock:
+                running[0] += 1
+                peak[0] = max(peak[0], running[0])
+            time.sleep(0.05)
+            with lock:
+                running[0] -= 1
+            return super().step(turn)
+
+    out = EnvRunner(timeout_s=5.0, max_workers=2).step(
+        [Counted() for _ in range(6)], [_turn(c) for c in "abcdef"])
+    assert [r.observation for r in out] == list("ABCDEF")
+    assert peak[0] == 2, peak[0]
+
+
+def test_a_hung_env_does_not_block_the_interpreter_from_exiting():
+    script = textwrap.dedent("""
+        import time
+        from jaxrl_lp.envs import EnvRunner, StepResult, Turn
+
+        class Hangs:
+            def step(self, turn):
+                time.sleep(60)
+
+        out = EnvRunner(timeout_s=0.2).step([Hangs()], [Turn((5,), "2", "stop")])
+        print(out[0].info["failed"])
+    """)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    t0 = time.perf_counter()
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
+                          text=True, timeout=30)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() == "timeout"
+    assert time.perf_counter() - t0 < 20  # far below the hung call's 60 s
+
+
 @pytest.mark.parametrize("kwargs,words", [
-    (dict(timeout_s=0), ["timeout_s", "> 0"]), (dict(max_workers=0), ["max_workers", ">= 1"])])
+    (dict(timeout_s=0), ["timeout_s", "> 0"]), (dict(timeout_s="1"), ["timeout_s", "> 0"]),
+    (dict(max_workers=0), ["max_workers", ">= 1"]), (dict(max_workers=2.0), ["max_workers", "int"])])
 def test_the_runner_names_a_bad_setting(kwargs, words):
     with pytest.raises(ValueError) as e:
         EnvRunner(**kwargs)

@@ -31,9 +31,19 @@ class EnvRunner:
       calls: environment calls made.
       failures: failed calls by kind (`error`, `timeout`).
 
+    Args:
+      timeout_s: seconds one environment call may take, > 0.
+      max_workers: environment calls running at once, >= 1 (a call left behind after
+        its timeout no longer counts).
+      failure_reward: the reward of a turn whose environment failed.
+
     Examples:
       >>> runner = EnvRunner(timeout_s=5.0)
-      >>> results = runner.step(envs, turns)  # one StepResult (or None) per row
+      >>> task = CalculatorTask()
+      >>> env = task.make_env(); prompt_ids = env.reset(task.train[0])
+      >>> turn = Turn(tuple(task.tokenizer.encode("23")), "23", "eos")
+      >>> [r if r is None else r.done for r in runner.step([env, env], [turn, None])]
+      [True, None]
     """
 
     def __init__(self, *, timeout_s: float = 10.0, max_workers: int = 8,
@@ -65,7 +75,9 @@ class EnvRunner:
         def call(i):
             try:
                 answers.put((i, True, envs[i].step(turns[i])))
-            except Exception as e:  # noqa: BLE001 - any failure of a user's env is recorded
+            # BaseException too: an env's `sys.exit()` would otherwise end its thread
+            # silently and be reported, `timeout_s` later, as a hang.
+            except BaseException as e:  # noqa: BLE001 - any failure of a user's env is recorded
                 answers.put((i, False, f"error: {type(e).__name__}: {e}"[:300]))
 
         started: dict[int, float] = {}
