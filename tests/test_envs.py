@@ -20,6 +20,7 @@ from jaxrl_lp.envs import (
     evaluate_expression,
     safe_eval,
 )
+from jaxrl_lp.models.tokenizer import CharTokenizer
 
 
 class Echo:
@@ -126,32 +127,121 @@ def test_the_runner_names_a_bad_setting(kwargs, words):
 
 
 @pytest.mark.parametrize("text,value", [
-    ("347*29", 10063), ("2+3*4", 14), ("10-25", -15), ("7", 7),
+    ("347*29", 10063), ("2+3*4", 14), ("10-25", -15), ("7", 7), ("007*2", 14),
     ("", None), ("3/4", None), ("2**10", None), ("__import__", None), ("1+", None),
-    ("1" * 25, None), ("(1+2)", None), ("1 + 2", None)])
+    ("1" * 25, None), ("(1+2)", None), ("1 + 2", None), ("-3", None), ("1e5", None)])
 def test_the_calculator_reads_digits_and_plus_minus_times_only(text, value):
     assert evaluate_expression(text) == value
+
+
+def test_a_calculator_value_is_never_longer_than_its_expression():
+    # What `CalculatorTask.max_observation_tokens` rests on.
+    rng = np.random.default_rng(0)
+    for _ in range(3000):
+        n = int(rng.integers(1, 6))
+        parts = [str(int(rng.integers(0, 10 ** int(rng.integers(1, 5))))).zfill(
+            int(rng.integers(1, 4))) for _ in range(n)]
+        text = parts[0] + "".join(str(rng.choice(list("+-*"))) + p for p in parts[1:])
+        value = evaluate_expression(text)
+        assert value is not None and len(str(value)) <= len(text), text
+
+
+def _play(task, record):
+    """Plays `task.sft_example(record)` through a fresh environment as the sampler would:
+    a model turn runs to a stop token or EOS, the observation must be exactly the masked
+    tokens that follow. Returns (the episode's summed reward, its turns, its infos)."""
+    tok = task.tokenizer
+    prompt, completion, mask = task.sft_example(record)
+    env = task.make_env()
+    assert env.reset(record) == prompt and prompt[0] == tok.bos_id
+    stops, total, infos, i = set(task.stop_token_ids), 0.0, [], 0
+    while True:
+        j = i
+        while completion[j] != tok.eos_id and completion[j] not in stops:
+            j += 1
+        eos = completion[j] == tok.eos_id
+        assert mask[i:j + 1] == [1.0] * (j + 1 - i), "a model turn is not all in the loss"
+        assert j + 1 - i <= task.max_turn_tokens, "a warm-start turn is over the turn limit"
+        tokens = completion[i:j] if eos else completion[i:j + 1]
+        result = env.step(Turn(tuple(tokens), tok.decode(tokens), "eos" if eos else "stop"))
+        total += result.reward
+        infos.append(dict(result.info))
+        if result.done:
+            assert j == len(completion) - 1, "the episode ended before its script did"
+            return total, len(infos), infos
+        assert not eos, "an EOS turn did not end the episode"
+        observation = tok.encode(result.observation)
+        assert len(observation) <= task.max_observation_tokens
+        k = j + 1 + len(observation)
+        assert completion[j + 1:k] == observation, (tok.decode(completion[j + 1:k]),
+                                                   result.observation)
+        assert mask[j + 1:k] == [0.0] * len(observation) and mask[k] == 1.0
+        i = k
+
+
+def _tok_turn(tok, text, ended_by="stop"):
+    return Turn(tuple(tok.encode(text)), text, ended_by)
 
 
 def test_a_calculator_episode_scripted_through_a_call_and_an_answer():
     task = CalculatorTask(seed=1)
     problem = task.train[3]
-    env = task.make_env()
     tok = task.tokenizer
-    assert env.reset(problem) == tok.encode(problem.prompt, add_bos=True)
-    call = env.step(_turn(f"{problem.a}*{problem.b}?"))
-    assert call == StepResult(observation=f"{problem.a * problem.b};",
-                              info={"tool_call": True, "tool_ok": True})
-    bad = env.step(_turn("12x?"))
-    assert bad.observation == "err;" and not bad.done and bad.info["tool_ok"] is False
-    right = env.step(_turn(problem.answer, "eos"))
-    assert right.done and right.reward == 1.0
-    wrong = env.step(_turn(str(int(problem.answer) + 1), "eos"))
-    assert wrong.done and wrong.reward == 0.0
-    cut = env.step(_turn("1234567", "length"))
-    assert cut.done and cut.reward == 0.0 and cut.info["truncated"]
+    env = task.make_env()
     with pytest.raises(RuntimeError, match="before reset"):
-        task.make_env().step(_turn("1?"))
+        env.step(_tok_turn(tok, "1?"))
+    assert env.reset(problem) == tok.encode(problem.prompt, add_bos=True)
+    call = env.step(_tok_turn(tok, f"{problem.a}*{problem.b}?"))
+    assert call == StepResult(observation=f"{problem.a * problem.b};",
+                              info={"tool_call": True, "tool_calls": 1, "tool_ok": True})
+    bad = env.step(_tok_turn(tok, "12x?"))
+    assert bad == StepResult(observation="err;",
+                             info={"tool_call": True, "tool_calls": 2, "tool_ok": False})
+    right = env.step(_tok_turn(tok, problem.answer, "eos"))
+    assert right == StepResult(reward=1.0, done=True,
+                               info={"tool_call": False, "tool_calls": 2})
+    assert task.solved(problem, right.reward)
+    with pytest.raises(RuntimeError, match="after the episode ended"):
+        env.step(_tok_turn(tok, "1?"))
+    env.reset(problem)  # a reset starts the count again
+    wrong = env.step(_tok_turn(tok, str(int(problem.answer) + 1), "eos"))
+    assert wrong.done and wrong.reward == 0.0 and wrong.info["tool_calls"] == 0
+    assert not task.solved(problem, wrong.reward)
+    env.reset(problem)
+    cut = env.step(_tok_turn(tok, "1234567", "length"))
+    assert cut.done and cut.reward == 0.0 and cut.info["truncated"]
+    # A special token inside the answer breaks the exact match (its text skips it).
+    env.reset(problem)
+    ids = tok.encode(problem.answer)
+    stray = Turn((*ids[:1], tok.pad_id, *ids[1:]), problem.answer, "eos")
+    assert env.step(stray).reward == 0.0
+
+
+def test_a_calculator_episode_out_of_turns_ends_in_the_sampler_not_the_env():
+    # The env never counts turns: `TurnLimits.max_turns` ends the episode (reason
+    # `max_turns`), so calls up to the limit are all answered.
+    task = CalculatorTask(max_turns=2)
+    env, tok = task.make_env(), task.tokenizer
+    env.reset(task.train[0])
+    for n in range(1, 4):
+        result = env.step(_tok_turn(tok, "2*3?"))
+        assert not result.done and result.observation == "6;" and result.info["tool_calls"] == n
+
+
+@pytest.mark.parametrize("ops,digits", [("*", (3, 2)), ("-", (3, 1)), ("-", (1, 3)),
+                                        ("+-*", (2, 2))])
+def test_calculator_warm_start_episodes_play_through_the_env(ops, digits):
+    for tool_fraction in (0.0, 1.0):
+        task = CalculatorTask(ops=ops, digits=digits, tool_fraction=tool_fraction)
+        for i in range(40):
+            p = task.train[i]
+            total, turns, infos = _play(task, p)
+            assert total == 1.0 and task.solved(p, total)
+            assert turns == (2 if tool_fraction else 1) <= task.max_turns
+            assert [x["tool_call"] for x in infos] == [True, False][-turns:]
+            prompt, completion, _ = task.sft_example(p)
+            assert len(prompt) + len(completion) <= task.max_sequence_length
+            assert len(completion) <= task.max_completion_tokens
 
 
 def test_the_calculator_task_splits_and_its_warm_start_episodes():
@@ -160,12 +250,17 @@ def test_the_calculator_task_splits_and_its_warm_start_episodes():
     held = {task.heldout[i].prompt for i in range(200)}
     assert not train & held
     assert [task.train[i] for i in range(5)] == [CalculatorTask(seed=0).train[i] for i in range(5)]
+    assert [task.heldout[i] for i in range(5)] == [CalculatorTask(seed=0).heldout[i]
+                                                   for i in range(5)]
     assert [task.train[i] for i in range(5)] != [CalculatorTask(seed=1).train[i] for i in range(5)]
+    assert task.train[-1] == task.train[len(task.train) - 1] and task.train[2:4] == [
+        task.train[2], task.train[3]]
     for i in range(50):
         p = task.train[i]
         assert 100 <= p.a <= 999 and 10 <= p.b <= 99 and p.op == "*"
         prompt, completion, mask = task.sft_example(p)
         text = task.tokenizer.decode(completion)
+        assert completion[-1] == task.tokenizer.eos_id
         if task.uses_tool(p):
             call, observation = f"{p.a}*{p.b}?", f"{p.answer};"
             assert text == call + observation + p.answer
@@ -173,12 +268,38 @@ def test_the_calculator_task_splits_and_its_warm_start_episodes():
                 len(p.answer) + 1)
         else:
             assert text == p.answer and mask == [1.0] * len(completion)
-        assert len(prompt) + len(completion) <= task.max_sequence_length
     share = np.mean([task.uses_tool(task.train[i]) for i in range(4000)])
     assert abs(share - 0.3) < 0.03, share  # tool_fraction, within ~4 standard errors
     assert CalculatorTask(tool_fraction=0.0).uses_tool(task.train[0]) is False
-    with pytest.raises(ValueError, match="digits"):
-        CalculatorTask(digits=(3, 0))
+    assert CalculatorTask(tool_fraction=1.0).uses_tool(task.train[0]) is True
+
+
+@pytest.mark.parametrize("kwargs,words", [
+    (dict(digits=(3, 0)), ["digits", "[1, 9]"]), (dict(ops="/"), ["ops", "+-*"]),
+    (dict(tool_fraction=1.5), ["tool_fraction", "[0, 1]"]),
+    (dict(heldout_fraction=0.0), ["heldout_fraction", "(0, 1)"]),
+    (dict(max_turns=0), ["max_turns", ">= 1"]), (dict(size=0), ["size", ">= 1"]),
+    (dict(max_turn_tokens=6), ["max_turn_tokens", ">= 7"]),
+    (dict(tokenizer=CharTokenizer("0123456789+-*=")), ["tokenizer", "?;"])])
+def test_the_calculator_task_names_a_bad_setting(kwargs, words):
+    with pytest.raises(ValueError) as e:
+        CalculatorTask(**kwargs)
+    assert all(w in str(e.value) for w in words), str(e.value)
+
+
+def test_the_calculator_limits_follow_max_turn_tokens():
+    default = CalculatorTask()
+    assert (default.max_turn_tokens, default.max_observation_tokens) == (7, 7)
+    assert default.stop_token_ids == tuple(default.tokenizer.encode("?"))
+    wide = CalculatorTask(max_turn_tokens=40)
+    # A call reads at most MAX_EXPRESSION characters, whatever the turn limit.
+    assert (wide.max_turn_tokens, wide.max_observation_tokens) == (40, 25)
+    assert wide.max_sequence_length == default.max_sequence_length  # the warm-start's own
+    env = wide.make_env()
+    env.reset(wide.train[0])
+    longest = "9" * 12 + "*" + "9" * 11
+    out = env.step(_tok_turn(wide.tokenizer, longest + "?"))
+    assert out.info["tool_ok"] and len(out.observation) <= wide.max_observation_tokens
 
 
 def test_sft_batch_masks_an_examples_observation():
