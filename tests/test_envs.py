@@ -1,6 +1,7 @@
 """Environments (`jaxrl_lp.envs`): the runner's failures, the calculator, its task's data."""
 
 import os
+import string
 import subprocess
 import sys
 import textwrap
@@ -313,63 +314,172 @@ def test_sft_batch_masks_an_examples_observation():
 # ---------------------------------------------------------------- GSM8K with a calculator
 @pytest.mark.parametrize("text,value", [
     ("48/2", 24.0), ("2**10", 1024), ("(3+4)*5", 35), ("-7 % 3", 2), ("1,000*2", 2000),
-    ("7//2", 3), ("0.5*3", 1.5)])
+    ("7//2", 3), ("0.5*3", 1.5), ("2**-1", 0.5), ("-(2+3)", -5), ("+4", 4), (".5*4", 2.0),
+    ("10**5*10**10", 10**15)])
 def test_safe_eval_computes_arithmetic(text, value):
-    assert safe_eval(text) == value
+    out = safe_eval(text)
+    assert out == value and type(out) is type(value)
 
 
 @pytest.mark.parametrize("text", [
-    "__import__('os')", "x+1", "len([1])", "(1).real", "2**100", "1/0", "10**10*10**10",
-    "[1]", "1 if 1 else 2", "'a'*3", "1e400"])
+    "__import__('os')", "x+1", "len([1])", "(1).real", "2**100", "2**11", "1/0", "1%0",
+    "10**10*10**10", "10**16", "[1]", "1 if 1 else 2", "'a'*3", "1e400", "(-8)**0.5",
+    "lambda: 1", "[x for x in (1,)]", "1 < 2", "not 1", "~1", "True+1", "1j", "2 ** 3 ** 3",
+    "9" * 201, "1+"])
 def test_safe_eval_refuses_everything_else(text):
     with pytest.raises(ValueError):
         safe_eval(text)
 
 
-def _gsm8k_task():
-    import string
+def _records():
+    records = [{"question": f"What is twice {a} + {b}?",
+                "answer": f"{a} + {b} = <<{a}+{b}={a + b}>>{a + b} and {a + b} > {a}, so "
+                          f"{a + b}*2 = <<{a + b}*2={2 * (a + b)}>>{2 * (a + b)}. "
+                          f"#### {2 * (a + b)}"}
+               for a in range(1, 6) for b in range(1, 6)]
+    records.append({"question": "What is a third of 10, to two places?",
+                    "answer": "10/3 = <<10/3=3.33>>3.33 #### 3.33"})
+    records.append({"question": "What is x times 2 when x is 2?",
+                    "answer": "x*2 = <<x*2=4>>4 #### 4"})
+    return records
 
+
+def _gsm8k_task(tok=None, **kwargs):
     from jaxrl_lp.data.gsm8k import GSM8KTask
-    from jaxrl_lp.models.tokenizer import CharTokenizer
 
-    tok = CharTokenizer(alphabet=string.ascii_letters + string.digits + " #.,?:\n+-=<>/*")
-    records = [{"question": f"What is {a} + {b}?",
-                "answer": f"{a} + {b} = <<{a}+{b}={a + b}>>{a + b}. #### {a + b}"}
-               for a in range(1, 5) for b in range(1, 5)]
-    return PythonCalculatorTask(GSM8KTask(records, tok, heldout_fraction=0.5), max_turns=4,
-                                max_turn_tokens=32)
+    tok = tok or CharTokenizer(alphabet=string.ascii_letters + string.digits
+                               + " #.,?:\n+-=<>/*")
+    return PythonCalculatorTask(GSM8KTask(_records(), tok, heldout_fraction=0.3), max_turns=6,
+                                max_turn_tokens=48, **kwargs)
 
 
 def test_a_gsm8k_episode_calls_the_calculator_and_is_rewarded_on_its_answer():
     task = _gsm8k_task()
     tok = task.tokenizer
     assert task.stop_token_ids == (tok.encode(">")[0],)  # one character ends with '>'
-    record = task.train[0]
-    a, b = (int(x) for x in record["question"].removeprefix("What is ").rstrip("?").split(" + "))
+    record = {"question": "What is 3 + 4?", "answer": "3 + 4 = <<3+4=7>>7 #### 7"}
     env = task.make_env()
     assert env.reset(record) == task.prompt_ids(record)
-    call = env.step(_turn(f" {a} + {b} = <calc>{a}+{b}</calc>"))
-    assert call.observation == f"<result>{a + b}</result>" and call.info["tool_ok"]
-    other = env.step(_turn(" 3 > 2"))  # a '>' that closes no call: no observation
-    assert other == StepResult(info={"tool_call": False})
+    # The call as the sampler cuts it: a stop on "<calc>", then one on "</calc>".
+    opened = env.step(_tok_turn(tok, " 3 + 4 = <calc>"))
+    assert opened == StepResult(info={"tool_call": False, "tool_calls": 0})
+    call = env.step(_tok_turn(tok, "3+4</calc>"))
+    assert call == StepResult(observation="<result>7</result>",
+                              info={"tool_call": True, "tool_calls": 1, "tool_ok": True})
+    other = env.step(_tok_turn(tok, " 7 > 2"))  # a '>' that closes no call: no observation
+    assert other == StepResult(info={"tool_call": False, "tool_calls": 1})
+    stale = env.step(_tok_turn(tok, " and </calc>"))  # no <calc> since the last result
+    assert stale.observation == "" and not stale.info["tool_call"]
     bad = env.step(_turn("<calc>__import__('os')</calc>"))
     assert bad.observation == "<result>error</result>" and bad.info["tool_ok"] is False
-    done = env.step(_turn(f"{a + b}. #### {a + b}", "eos"))
-    assert done.done and done.reward == 1.0
-    wrong = task.make_env()
-    wrong.reset(record)
-    assert wrong.step(_turn("#### 999", "eos")).reward == 0.0
+    assert "Call" in bad.info["tool_error"] and bad.info["tool_calls"] == 2
+    huge = env.step(_tok_turn(tok, "<calc>10**5*10**10*10</calc>"))
+    assert huge.observation == "<result>error</result>" and "range" in huge.info["tool_error"]
+    done = env.step(_tok_turn(tok, " #### 7", "eos"))
+    assert done.done and done.reward == 1.0 and task.solved(record, done.reward)
+    with pytest.raises(RuntimeError, match="after the episode ended"):
+        env.step(_tok_turn(tok, "#### 7", "eos"))
+    env.reset(record)
+    wrong = env.step(_tok_turn(tok, "#### 999", "eos"))
+    assert wrong.reward == 0.0 and not task.solved(record, wrong.reward)
+    env.reset(record)
+    cut = env.step(_tok_turn(tok, "#### 7", "length"))  # cut: no reward, even if right
+    assert cut.done and cut.reward == 0.0 and cut.info["truncated"]
+    with pytest.raises(RuntimeError, match="before reset"):
+        task.make_env().step(_tok_turn(tok, "1"))
+
+
+def test_a_gsm8k_result_longer_than_the_observation_limit_is_an_error():
+    task = _gsm8k_task()
+    error_tokens = len(task.tokenizer.encode("<result>error</result>"))
+    # The default fits the longest value the calculator writes.
+    assert task.max_observation_tokens == len("<result>-1.234567891e-150</result>")
+    assert task.answer("-(10**5*10**10)")[0] == "<result>-1000000000000000</result>"
+    assert task.answer("-1.234567891*10**-10")[0] == "<result>-1.234567891e-10</result>"
+    tight = _gsm8k_task(max_observation_tokens=error_tokens)
+    env = tight.make_env()
+    env.reset(tight.train[0])
+    out = env.step(_tok_turn(tight.tokenizer, "<calc>10**5*10**9</calc>"))
+    assert out.observation == "<result>error</result>" and "max_observation_tokens=" in \
+        out.info["tool_error"]
+    assert env.step(_tok_turn(tight.tokenizer, "<calc>10*2</calc>")).observation == \
+        "<result>20</result>"
+    with pytest.raises(ValueError, match=f"max_observation_tokens=5 must be an int >= "
+                                         f"{error_tokens}"):
+        _gsm8k_task(max_observation_tokens=5)
+    with pytest.raises(ValueError, match="max_turns=0 must be an int >= 1"):
+        PythonCalculatorTask(tight.base, max_turns=0)
+    with pytest.raises(ValueError, match="base=list must be a GSM8KTask"):
+        PythonCalculatorTask(_records())
 
 
 def test_gsm8k_warm_start_episodes_turn_annotations_into_calls():
     task = _gsm8k_task()
-    record = task.train[0]
-    prompt, completion, mask = task.sft_example(record)
     tok = task.tokenizer
-    text = tok.decode(completion)
-    a_b, value = record["answer"].split("<<")[1].split(">>")[0].split("=")
-    assert f"<calc>{a_b}</calc><result>{value}</result>" in text and "<<" not in text
-    masked = tok.decode([t for t, m in zip(completion, mask, strict=True) if m == 0.0])
-    assert masked == f"<result>{value}</result>"
-    assert completion[-1] == tok.eos_id and mask[-1] == 1.0
-    assert len(prompt) + len(completion) <= task.max_sequence_length
+    for record in task.train[:5]:
+        prompt, completion, mask = task.sft_example(record)
+        text = tok.decode(completion)
+        calls = [c.split("=") for c in record["answer"].split("<<")[1:]]
+        calls = [(c[0], c[1].split(">>")[0]) for c in calls]
+        expected = "".join(f"<result>{v}</result>" for _, v in calls)
+        for e, v in calls:
+            assert f"<calc>{e}</calc><result>{v}</result>{v}" in text
+        assert "<<" not in text and text.endswith(record["answer"][-8:])
+        masked = tok.decode([t for t, m in zip(completion, mask, strict=True) if m == 0.0])
+        assert masked == expected  # exactly the observations are out of the loss
+        assert completion[-1] == tok.eos_id and mask[-1] == 1.0
+        assert len(prompt) + len(completion) <= task.max_sequence_length
+    # The observation is the environment's answer, not the annotation's rounding.
+    third = {"question": "q", "answer": "10/3 = <<10/3=3.33>>3.33 #### 3.33"}
+    assert "<calc>10/3</calc><result>3.333333333</result>3.33" in tok.decode(
+        task.sft_example(third)[1])
+    # An annotation the calculator cannot read is dropped, its text kept.
+    unread = {"question": "q", "answer": "x*2 = <<x*2=4>>4 #### 4"}
+    _, completion, mask = task.sft_example(unread)
+    assert tok.decode(completion) == " x*2 = 4 #### 4" and mask == [1.0] * len(completion)
+
+
+def test_gsm8k_warm_start_episodes_play_through_the_env():
+    task = _gsm8k_task()
+    most = 0
+    for record in [*task.train, *task.heldout]:
+        total, turns, infos = _play(task, record)
+        assert total == 1.0 and task.solved(record, total)
+        assert sum(i["tool_call"] for i in infos) == record["answer"].count("<<") - (
+            "x*2" in record["answer"])
+        most = max(most, turns)
+    # Two annotations: stops on "<calc>", "</calc>", the text's ">", then the answer.
+    assert most == task.warm_start_turns == 6 <= task.max_turns
+
+
+def _bpe_tokenizer():
+    tokenizers = pytest.importorskip("tokenizers")
+    from tokenizers import decoders, models, pre_tokenizers, trainers
+
+    from jaxrl_lp.models.tokenizer import HFTokenizer
+
+    bpe = tokenizers.Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=["<pad>", "<bos>", "<eos>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    texts = [r["question"] + r["answer"] for r in _records()]
+    texts += [f"<calc>{a}*{b}</calc><result>{a * b}</result>" for a in range(30) for b in range(9)]
+    bpe.train_from_iterator(texts * 4, trainer)
+    ids = {t: bpe.token_to_id(t) for t in ("<pad>", "<bos>", "<eos>")}
+    return HFTokenizer(bpe, bos_id=ids["<bos>"], eos_id=ids["<eos>"], pad_id=ids["<pad>"])
+
+
+def test_gsm8k_episodes_with_a_bpe_tokenizer_play_through_the_env():
+    tok = _bpe_tokenizer()
+    task = _gsm8k_task(tok)
+    stops = task.stop_token_ids
+    texts = [tok.decode([i]) for i in stops]
+    assert all(t.endswith(">") for t in texts) and len(stops) > 1, texts  # merges too
+    assert tok.eos_id not in stops and tok.bos_id not in stops
+    assert all(not tok.decode([i]).endswith(">") for i in range(tok.vocab_size)
+               if i not in stops)
+    for record in [*task.train, *task.heldout]:
+        total, turns, _ = _play(task, record)
+        assert total == 1.0 and turns <= task.warm_start_turns
+    assert task.max_observation_tokens >= len(tok.encode("<result>-1.234567891e-150</result>"))
