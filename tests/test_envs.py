@@ -11,7 +11,6 @@ import time
 import numpy as np
 import pytest
 
-from jaxrl_lp.data.pipeline import sft_batch
 from jaxrl_lp.envs import (
     CalculatorTask,
     EnvRunner,
@@ -301,14 +300,6 @@ def test_the_calculator_limits_follow_max_turn_tokens():
     longest = "9" * 12 + "*" + "9" * 11
     out = env.step(_tok_turn(wide.tokenizer, longest + "?"))
     assert out.info["tool_ok"] and len(out.observation) <= wide.max_observation_tokens
-
-
-def test_sft_batch_masks_an_examples_observation():
-    b = sft_batch([([1, 5], [7, 8, 2], [1.0, 0.0, 1.0]), ([1], [3, 2])], pad_id=0, seq_len=6)
-    assert b.loss_mask_BxL.tolist() == [[0, 0, 1, 0, 1, 0], [0, 1, 1, 0, 0, 0]]
-    assert b.tokens_BxL.tolist() == [[1, 5, 7, 8, 2, 0], [1, 3, 2, 0, 0, 0]]
-    with pytest.raises(ValueError, match="loss mask of 2"):
-        sft_batch([([1], [7, 8, 2], [1.0, 0.0])], pad_id=0)
 
 
 # ---------------------------------------------------------------- GSM8K with a calculator
