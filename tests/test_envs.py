@@ -117,8 +117,40 @@ def test_a_hung_env_does_not_block_the_interpreter_from_exiting():
     assert time.perf_counter() - t0 < 20  # far below the hung call's 60 s
 
 
+def test_a_malformed_step_result_is_that_episodes_failure():
+    class Malformed(Echo):
+        def step(self, turn):
+            return StepResult(reward=float("nan") if turn.text == "n" else None)
+
+    runner = EnvRunner(timeout_s=5.0)
+    out = runner.step([Malformed(), Malformed(), Echo()], [_turn("n"), _turn("x"), _turn("c")])
+    assert out[0].info["failed"] == "error: ValueError: StepResult.reward=nan: a finite number"
+    assert out[1].info["failed"].startswith("error: ValueError: StepResult.reward=None")
+    assert out[2].observation == "C" and runner.failures == {"error": 2}
+
+
+@pytest.mark.parametrize("kwargs,field", [
+    (dict(observation=None), "observation"), (dict(reward="1"), "reward"),
+    (dict(reward=True), "reward"), (dict(reward=float("inf")), "reward"),
+    (dict(done=1), "done"), (dict(info=[("tool_call", True)]), "info")])
+def test_a_step_result_names_a_bad_field(kwargs, field):
+    with pytest.raises(ValueError, match=f"StepResult.{field}="):
+        StepResult(**kwargs)
+
+
+def test_results_and_turns_normalize_numpy_values():
+    r = StepResult(reward=np.float32(0.5), done=np.bool_(True))
+    assert type(r.reward) is float and r.reward == 0.5 and r.done is True
+    t = Turn(tokens=np.array([3, 4]), text="01", ended_by="stop")
+    assert t.tokens == (3, 4) and all(type(x) is int for x in t.tokens)
+    with pytest.raises(ValueError, match="ended_by='max'"):
+        Turn(tokens=(3,), text="0", ended_by="max")
+
+
 @pytest.mark.parametrize("kwargs,words", [
-    (dict(timeout_s=0), ["timeout_s", "> 0"]), (dict(timeout_s="1"), ["timeout_s", "> 0"]),
+    (dict(timeout_s=0), ["timeout_s", "> 0"]),
+    (dict(failure_reward=float("nan")), ["failure_reward", "finite"]),
+    (dict(timeout_s="1"), ["timeout_s", "> 0"]),
     (dict(max_workers=0), ["max_workers", ">= 1"]), (dict(max_workers=2.0), ["max_workers", "int"])])
 def test_the_runner_names_a_bad_setting(kwargs, words):
     with pytest.raises(ValueError) as e:

@@ -12,6 +12,7 @@ comes back in row order.
 from __future__ import annotations
 
 import collections
+import math
 import queue
 import threading
 import time
@@ -53,6 +54,10 @@ class EnvRunner:
             raise ValueError(f"EnvRunner: timeout_s={timeout_s!r} must be a number > 0")
         if not isinstance(max_workers, int) or isinstance(max_workers, bool) or max_workers < 1:
             raise ValueError(f"EnvRunner: max_workers={max_workers!r} must be an int >= 1")
+        if isinstance(failure_reward, bool) or not isinstance(failure_reward, (int, float)) \
+                or not math.isfinite(failure_reward):
+            raise ValueError(f"EnvRunner: failure_reward={failure_reward!r} must be a finite "
+                             "number")
         self.timeout_s, self.max_workers = float(timeout_s), max_workers
         self.failure_reward = float(failure_reward)
         self.seconds, self.calls = 0.0, 0
