@@ -415,10 +415,15 @@ def test_a_gsm8k_episode_calls_the_calculator_and_is_rewarded_on_its_answer():
 def test_a_gsm8k_result_longer_than_the_observation_limit_is_an_error():
     task = _gsm8k_task()
     error_tokens = len(task.tokenizer.encode("<result>error</result>"))
-    # The default fits the longest value the calculator writes.
-    assert task.max_observation_tokens == len("<result>-1.234567891e-150</result>")
-    assert task.answer("-(10**5*10**10)")[0] == "<result>-1000000000000000</result>"
-    assert task.answer("-1.234567891*10**-10")[0] == "<result>-1.234567891e-10</result>"
+    # The default fits the longest result of the warm-start's episodes (10/3's).
+    assert task.max_observation_tokens == len("<result>3.333333333</result>")
+    assert task.answer("-(10**5*10**4)")[0] == "<result>-1000000000</result>"
+    out, facts = task.answer("-(10**5*10**10)")
+    assert out == "<result>error</result>" and facts == {
+        "tool_ok": False, "tool_error": "result longer than max_observation_tokens=28"}
+    roomy = _gsm8k_task(max_observation_tokens=40)
+    assert roomy.answer("-(10**5*10**10)")[0] == "<result>-1000000000000000</result>"
+    assert roomy.answer("-1.234567891*10**-10")[0] == "<result>-1.234567891e-10</result>"
     tight = _gsm8k_task(max_observation_tokens=error_tokens)
     env = tight.make_env()
     env.reset(tight.train[0])
@@ -505,4 +510,5 @@ def test_gsm8k_episodes_with_a_bpe_tokenizer_play_through_the_env():
     for record in [*task.train, *task.heldout]:
         total, turns, _ = _play(task, record)
         assert total == 1.0 and turns <= task.warm_start_turns
-    assert task.max_observation_tokens >= len(tok.encode("<result>-1.234567891e-150</result>"))
+    assert task.max_observation_tokens == max(
+        len(tok.encode(f"<result>{v}</result>")) for v in ["error", "3.333333333", "20"])

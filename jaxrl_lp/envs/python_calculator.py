@@ -40,9 +40,6 @@ __all__ = ["PythonCalculatorEnv", "PythonCalculatorTask", "safe_eval"]
 _ANNOTATION = re.compile(r"<<([^<>=]+)=([^<>]*)>>")
 OPEN, CLOSE = "<calc>", "</calc>"
 ERROR = "<result>error</result>"
-# The longest values `_show` writes within `MAX_MAGNITUDE`: they size `max_observation_tokens`.
-_LONGEST_VALUES = ("-1000000000000000", "-999999999999999", "-1.234567891e-150",
-                   "-0.0001234567891", "-123456789.1")
 _BINARY = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul,
            ast.Div: operator.truediv, ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod,
            ast.Pow: operator.pow}
@@ -91,6 +88,11 @@ def safe_eval(text: str) -> float | int:
     return value(tree.body)
 
 
+def _result(expression: str) -> str:
+    """The calculator's observation of a readable expression (`safe_eval`'s errors raise)."""
+    return f"<result>{_show(safe_eval(expression))}</result>"
+
+
 def _call(text: str) -> str | None:
     """The expression of the call that `text` ends with (`...<calc>EXPR</calc>`), or None."""
     body = text.rstrip()
@@ -116,8 +118,11 @@ class PythonCalculatorTask:
       max_turns: model turns per episode at most (a stop on `<calc>` counts as one).
       max_turn_tokens: tokens of one model turn at most.
       max_observation_tokens: tokens of one observation at most; None (the default) is
-        the longest the calculator writes with this tokenizer. A result that would be
-        longer is answered `<result>error</result>`, so no observation overflows.
+        the longest the warm-start's episodes read (their results, and the error). A
+        result that would be longer is answered `<result>error</result>` (`tool_error`
+        says why), so no observation overflows the sampler's limit; pass a larger value
+        to let the model read longer results (each observation chunk then takes more
+        cache slots).
 
     Examples:
       >>> task = PythonCalculatorTask(GSM8KTask(records, tokenizer))
@@ -142,10 +147,15 @@ class PythonCalculatorTask:
                 raise ValueError(f"PythonCalculatorTask: {name}={v!r} must be an int >= 1")
         least = len(self.tokenizer.encode(ERROR))
         v = self.max_observation_tokens
-        if v is None:
-            longest = max(len(self.tokenizer.encode(f"<result>{x}</result>"))
-                          for x in _LONGEST_VALUES)
-            object.__setattr__(self, "max_observation_tokens", max(least, longest))
+        if v is None:  # the data's longest result: every warm-start observation fits
+            longest = least
+            for r in [*self.base.records, *(self.base.heldout_records or ())]:
+                for m in _ANNOTATION.finditer(r["answer"]):
+                    try:
+                        longest = max(longest, len(self.tokenizer.encode(_result(m.group(1)))))
+                    except ValueError:  # unreadable: `sft_example` drops it
+                        pass
+            object.__setattr__(self, "max_observation_tokens", longest)
         elif not isinstance(v, int) or isinstance(v, bool) or v < least:
             raise ValueError(f"PythonCalculatorTask: max_observation_tokens={v!r} must be an "
                              f"int >= {least} (the tokens of {ERROR!r}), or None")
@@ -186,7 +196,7 @@ class PythonCalculatorTask:
         `tool_error` when it failed): what the environment answers, and what the
         warm-start's episodes read."""
         try:
-            observation = f"<result>{_show(safe_eval(expression))}</result>"
+            observation = _result(expression)
         except ValueError as e:
             return ERROR, {"tool_ok": False, "tool_error": str(e)[:100]}
         if len(self.tokenizer.encode(observation)) > self.max_observation_tokens:
