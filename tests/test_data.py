@@ -323,6 +323,46 @@ def test_sft_batch_pads_and_masks():
         sft_batch([([], [7, 2])], pad_id=0)
 
 
+def test_sft_batch_takes_a_per_token_loss_mask_and_pairs_stay_as_they_were():
+    pairs = [([1, 5, 6], [7, 2]), ([1, 5], [2])]
+    masked = [([1, 5], [7, 8, 2], [1.0, 0.0, 1.0]), ([1], [3, 2])]
+    b = sft_batch(masked + pairs, pad_id=0, seq_len=6)
+    np.testing.assert_array_equal(b.tokens_BxL, [[1, 5, 7, 8, 2, 0], [1, 3, 2, 0, 0, 0],
+                                                 [1, 5, 6, 7, 2, 0], [1, 5, 2, 0, 0, 0]])
+    np.testing.assert_array_equal(b.loss_mask_BxL, [[0, 0, 1, 0, 1, 0], [0, 1, 1, 0, 0, 0],
+                                                    [0, 0, 0, 1, 1, 0], [0, 0, 1, 0, 0, 0]])
+    assert b.tokens_BxL.dtype == np.int32 and b.loss_mask_BxL.dtype == np.float32
+    # A batch of pairs is what it was before masks existed, bit for bit: a mask of ones.
+    alone = sft_batch(pairs, pad_id=0, seq_len=6)
+    ones = sft_batch([(p, c, [1.0] * len(c)) for p, c in pairs], pad_id=0, seq_len=6)
+    for x in (alone, ones):
+        assert x.tokens_BxL.tobytes() == b.tokens_BxL[2:].tobytes()
+        assert x.loss_mask_BxL.tobytes() == b.loss_mask_BxL[2:].tobytes()
+    with pytest.raises(ValueError, match="example 0 has 3 completion tokens and a loss mask of 2"):
+        sft_batch([([1], [7, 8, 2], [1.0, 0.0])], pad_id=0)
+
+
+def test_sft_loader_keeps_a_multi_turn_tasks_observations_out_of_the_loss():
+    from jaxrl_lp.envs import CalculatorTask
+
+    task = CalculatorTask(tool_fraction=1.0)  # every episode calls the calculator
+    it = iter(sft_loader(task.train, task.sft_example, 8, seed=0, pad_id=TOK.pad_id,
+                         seq_len=task.max_sequence_length))
+    batch = next(it)
+    for row, mask in zip(batch.tokens_BxL, batch.loss_mask_BxL, strict=True):
+        text = TOK.decode(row)
+        prompt, episode = text.split("=", 1)
+        a, b = (int(x) for x in prompt.split("*"))
+        value = str(a * b)
+        assert episode == f"{a}*{b}?{value};{value}"
+        start = len(TOK.encode(prompt + "=", add_bos=True))
+        n = len(TOK.encode(episode, add_eos=True))
+        call, observation = len(f"{a}*{b}?"), len(value) + 1
+        expected = [0.0] * start + [1.0] * call + [0.0] * observation + [1.0] * (n - call
+                                                                                 - observation)
+        assert mask.tolist() == expected + [0.0] * (len(row) - start - n)
+
+
 def test_sft_loader_shapes_and_state():
     task = ArithmeticTask()
 

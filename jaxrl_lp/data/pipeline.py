@@ -122,6 +122,12 @@ def prompt_loader(records: Sequence[Any], batch_size: int, seed: int, shuffle: b
     return ds.to_iter_dataset(read_options or _SYNCHRONOUS)
 
 
+# What a task's `sft_example` returns: (prompt_ids, completion_ids), or with a third
+# element, the completion's per-token loss mask (a multi-turn episode's observations 0).
+SFTExample = (tuple[Sequence[int], Sequence[int]]
+              | tuple[Sequence[int], Sequence[int], Sequence[float]])
+
+
 class SFTBatch(NamedTuple):
     """A padded supervised batch; letters: B batch, L sequence length.
 
@@ -138,15 +144,16 @@ class SFTBatch(NamedTuple):
     loss_mask_BxL: np.ndarray
 
 
-def sft_batch(examples: Sequence[tuple[Sequence[int], Sequence[int]]], pad_id: int,
+def sft_batch(examples: Sequence[SFTExample], pad_id: int,
               seq_len: int | None = None) -> SFTBatch:
-    """Pads (prompt_ids, completion_ids) pairs into an `SFTBatch`.
+    """Pads (prompt_ids, completion_ids[, completion_mask]) examples into an `SFTBatch`.
 
     Args:
-      examples: pairs as returned by a task's `sft_example`; every prompt needs
-        at least one token (its BOS) so every completion token has a predecessor.
-        A multi-turn task's examples carry a third element, the completion's loss
-        mask (0 on an environment's observations, `envs.CalculatorTask`).
+      examples: as returned by a task's `sft_example`; every prompt needs at least
+        one token (its BOS) so every completion token has a predecessor. A
+        multi-turn task's examples carry a third element, the completion's loss
+        mask, one value per completion token (0 on an environment's observations,
+        `envs.CalculatorTask`); a pair's completion is all in the loss, as before.
       pad_id: the tokenizer's padding id.
       seq_len: the padded length L; None uses the longest example. Pass a fixed
         value in training so every step has one shape (no recompiles).
@@ -158,6 +165,8 @@ def sft_batch(examples: Sequence[tuple[Sequence[int], Sequence[int]]], pad_id: i
       >>> b = sft_batch([([1, 5, 6], [7, 2])], pad_id=0, seq_len=6)
       >>> b.tokens_BxL.tolist(), b.loss_mask_BxL.tolist()
       ([[1, 5, 6, 7, 2, 0]], [[0.0, 0.0, 0.0, 1.0, 1.0, 0.0]])
+      >>> sft_batch([([1], [7, 8, 2], [1.0, 0.0, 1.0])], pad_id=0).loss_mask_BxL.tolist()
+      [[0.0, 1.0, 0.0, 1.0]]
     """
     if len(examples) == 0:
         raise ValueError("sft_batch: no examples given")
@@ -188,12 +197,12 @@ def sft_batch(examples: Sequence[tuple[Sequence[int], Sequence[int]]], pad_id: i
     return SFTBatch(tokens, mask)
 
 
-def _batch_examples(examples: Sequence[tuple[Sequence[int], Sequence[int]]], pad_id: int,
+def _batch_examples(examples: Sequence[SFTExample], pad_id: int,
                     seq_len: int | None) -> SFTBatch:
     return sft_batch(examples, pad_id, seq_len)
 
 
-def sft_loader(records: Sequence[Any], example_fn: Callable[[Any], tuple[list[int], list[int]]],
+def sft_loader(records: Sequence[Any], example_fn: Callable[[Any], SFTExample],
                batch_size: int, seed: int, pad_id: int, seq_len: int | None = None, *,
                shuffle: bool = True, num_epochs: int | None = None,
                read_options: grain.ReadOptions | None = None,
@@ -202,7 +211,8 @@ def sft_loader(records: Sequence[Any], example_fn: Callable[[Any], tuple[list[in
 
     Args:
       records: random-access records, e.g. `task.train`.
-      example_fn: record -> (prompt_ids, completion_ids), e.g. `task.sft_example`.
+      example_fn: record -> (prompt_ids, completion_ids) or (prompt_ids, completion_ids,
+        completion_mask), e.g. `task.sft_example` (see `sft_batch`).
       batch_size: examples per batch; a short last batch (finite epochs) is dropped
         so every batch has the same shape.
       seed: shuffle seed.

@@ -10,8 +10,12 @@ turns' rewards.
 from __future__ import annotations
 
 import dataclasses
+import math
+import numbers
 from collections.abc import Mapping
 from typing import Any, Protocol
+
+import numpy as np
 
 __all__ = ["ENDINGS", "Environment", "StepResult", "Turn"]
 
@@ -36,6 +40,9 @@ class Turn:
     def __post_init__(self):
         if self.ended_by not in ENDINGS:
             raise ValueError(f"Turn.ended_by={self.ended_by!r}: one of {list(ENDINGS)}")
+        if not isinstance(self.text, str):
+            raise ValueError(f"Turn.text={self.text!r}: a str, the tokens decoded")
+        object.__setattr__(self, "tokens", tuple(int(t) for t in self.tokens))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,16 +52,37 @@ class StepResult:
     Attributes:
       observation: text appended to the context after the turn ("" for none); the
         task's tokenizer encodes it.
-      reward: this turn's reward.
+      reward: this turn's reward, a finite number (an episode's is the sum of its turns').
       done: the episode ended (no observation is appended then).
-      info: facts for the metrics: `tool_call` (the turn called a tool), `tool_ok`
-        (the tool answered), `failed` (the runner's reason when the environment failed).
+      info: facts for the metrics: `tool_call` (the turn called a tool), `tool_calls`
+        (the episode's calls so far), `tool_ok` (the tool answered), `tool_error` (why
+        it did not), `truncated` (the turn hit the token limit), `failed` (the runner's
+        reason when the environment failed).
+
+    Examples:
+      >>> call = StepResult(observation="10063;", info={"tool_call": True, "tool_ok": True})
+      >>> answer = StepResult(reward=1.0, done=True)
     """
 
     observation: str = ""
     reward: float = 0.0
     done: bool = False
     info: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+
+    def __post_init__(self):
+        # Checked here, in the environment's own call, so a malformed result is that
+        # episode's recorded failure (`EnvRunner`), not a crash of the sampler's loop.
+        if not isinstance(self.observation, str):
+            raise ValueError(f"StepResult.observation={self.observation!r}: a str ('' for none)")
+        if isinstance(self.reward, bool) or not isinstance(self.reward, numbers.Real) \
+                or not math.isfinite(self.reward):
+            raise ValueError(f"StepResult.reward={self.reward!r}: a finite number")
+        if not isinstance(self.done, (bool, np.bool_)):
+            raise ValueError(f"StepResult.done={self.done!r}: True or False")
+        if not isinstance(self.info, Mapping):
+            raise ValueError(f"StepResult.info={self.info!r}: a mapping (a dict)")
+        object.__setattr__(self, "reward", float(self.reward))
+        object.__setattr__(self, "done", bool(self.done))
 
 
 class Environment(Protocol):

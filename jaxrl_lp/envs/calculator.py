@@ -7,8 +7,11 @@ stop character `?` (`347*29?`), and reads its answer as the observation (`10063;
 or answers, writing the number and EOS (`10063`), which ends the episode: reward 1
 for the right answer, else 0. A call the calculator cannot read (anything but
 digits joined by `+-*`, or longer than `MAX_EXPRESSION`) gets the observation
-`err;`: an observation, not a crash. A turn cut by the per-turn token limit, or an
-episode out of turns, ends with reward 0.
+`err;`: an observation, not a crash. A turn cut by the per-turn token limit ends the
+episode with reward 0; so does running out of turns, which the sampler enforces
+(`TurnLimits.max_turns`, reason `max_turns`). A turn is read from its tokens with
+special tokens written out, so a stray `<pad>` inside an answer breaks the exact match
+(as `data.rewards` does) instead of vanishing from the text.
 
 The warm-start's episodes (`sft_example`) answer at once or, for a `tool_fraction`
 of the problems (chosen by a hash of the prompt, so a problem's episode never
@@ -22,6 +25,7 @@ from __future__ import annotations
 import ast
 import dataclasses
 import functools
+import re
 from collections.abc import Sequence
 from typing import Any
 
@@ -39,13 +43,21 @@ __all__ = ["CalculatorEnv", "CalculatorSplit", "CalculatorTask", "MAX_EXPRESSION
 MAX_EXPRESSION = 24
 STOP = "?"  # ends a tool call
 END = ";"  # ends the calculator's answer
+_LEADING_ZEROS = re.compile(r"\b0+(\d)")
 
 
 def evaluate_expression(text: str) -> int | None:
     """The value of digits joined by `+`, `-`, `*` (usual precedence), or None if `text` is
-    anything else or longer than `MAX_EXPRESSION`."""
+    anything else or longer than `MAX_EXPRESSION`.
+
+    Examples:
+      >>> evaluate_expression("347*29"), evaluate_expression("007+1"), evaluate_expression("2**3")
+      (10063, 8, None)
+    """
     if not text or len(text) > MAX_EXPRESSION or any(c not in "0123456789+-*" for c in text):
         return None
+    # Numbers are read as decimals: Python's grammar refuses leading zeros ("007").
+    text = _LEADING_ZEROS.sub(r"\1", text)
     try:
         tree = ast.parse(text, mode="eval")
     except SyntaxError:
@@ -107,6 +119,8 @@ class CalculatorTask:
       heldout_fraction: expected fraction of problems held out, in (0, 1).
       tool_fraction: share of warm-start episodes that call the calculator, in [0, 1].
       max_turns: model turns per episode at most (>= 1; 2 lets a call and an answer).
+      max_turn_tokens: tokens of one model turn at most, its stop token or EOS included;
+        None (the default) is the longest turn of a warm-start episode, the least allowed.
       size: the length of each split.
       tokenizer: a `CharTokenizer` (None: the default alphabet).
 
@@ -114,6 +128,8 @@ class CalculatorTask:
       >>> task = CalculatorTask()
       >>> env = task.make_env()
       >>> prompt = env.reset(task.train[0])  # BOS + "347*29="
+      >>> task.max_turn_tokens, task.stop_token_ids == tuple(task.tokenizer.encode("?"))
+      (7, True)
     """
 
     ops: str = "*"
@@ -122,6 +138,7 @@ class CalculatorTask:
     heldout_fraction: float = 0.1
     tool_fraction: float = 0.3
     max_turns: int = 3
+    max_turn_tokens: int | None = None
     size: int = 1 << 20
     tokenizer: Tokenizer | None = None
 
@@ -144,8 +161,22 @@ class CalculatorTask:
                              "[0, 1]")
         if not isinstance(self.max_turns, int) or self.max_turns < 1:
             raise ValueError(f"CalculatorTask: max_turns={self.max_turns!r} must be an int >= 1")
+        if not isinstance(self.size, int) or isinstance(self.size, bool) or self.size < 1:
+            raise ValueError(f"CalculatorTask: size={self.size!r} must be an int >= 1")
+        least = self._warm_start_turn_tokens
+        if self.max_turn_tokens is None:
+            object.__setattr__(self, "max_turn_tokens", least)
+        elif (not isinstance(self.max_turn_tokens, int) or isinstance(self.max_turn_tokens, bool)
+              or self.max_turn_tokens < least):
+            raise ValueError(f"CalculatorTask: max_turn_tokens={self.max_turn_tokens!r} must be "
+                             f"an int >= {least} (the longest warm-start turn), or None")
         if self.tokenizer is None:
             object.__setattr__(self, "tokenizer", CharTokenizer())
+        # One token per character: `max_observation_tokens` counts characters.
+        if not isinstance(self.tokenizer, CharTokenizer) or any(
+                c not in self.tokenizer.alphabet for c in "0123456789+-*=" + STOP + END):
+            raise ValueError("CalculatorTask: tokenizer must be a CharTokenizer whose alphabet "
+                             f"holds the digits and '+-*={STOP}{END}', or None")
 
     # ------------------------------------------------------------------ the data
     @functools.cached_property
@@ -166,21 +197,30 @@ class CalculatorTask:
 
     @property
     def _longest_answer(self) -> int:
+        """The longest answer text: the extremes of each op (a difference's longest is its
+        most negative or its largest, whichever the widths make longer)."""
         top = [10**d - 1 for d in self.digits]
         low = [10 ** (d - 1) for d in self.digits]
-        values = {"+": top[0] + top[1], "-": low[0] - top[1], "*": top[0] * top[1]}
-        return max(len(str(values[o])) for o in self.ops)
+        values = {"+": [top[0] + top[1]], "-": [low[0] - top[1], top[0] - low[1]],
+                  "*": [top[0] * top[1]]}
+        return max(len(str(v)) for o in self.ops for v in values[o])
 
     @property
-    def max_turn_tokens(self) -> int:
-        """The longest turn a warm-start episode writes: a call or an answer and its end."""
+    def _warm_start_turn_tokens(self) -> int:
+        """The longest warm-start turn: a call ("347*29?") or an answer and EOS ("10063" EOS)."""
         return max(sum(self.digits) + 2, self._longest_answer + 1)
 
     @property
     def max_observation_tokens(self) -> int:
-        """The calculator's longest answer to a call of one turn ("10063;", "err;"): an
-        expression of k characters has a value of at most k digits."""
-        return max(self.max_turn_tokens, self._longest_answer + 1, len("err" + END))
+        """The calculator's longest answer to a call of one turn ("10063;", "err;").
+
+        A call reads at most `min(max_turn_tokens - 1, MAX_EXPRESSION)` characters, and the
+        value of digits joined by `+-*` is never longer, sign included, than the
+        expression: by induction, `x*y` has at most len(x) + len(y) digits, `x±y` at most
+        max(len(x), len(y)) + 1, one more for a sign, and the operator adds a character.
+        """
+        read = min(self.max_turn_tokens - 1, MAX_EXPRESSION)
+        return max(read + len(END), len("err" + END))
 
     @property
     def stop_token_ids(self) -> tuple[int, ...]:
@@ -190,12 +230,18 @@ class CalculatorTask:
     @property
     def max_completion_tokens(self) -> int:
         """The longest warm-start completion: a call, its answer, the answer and EOS."""
-        return (sum(self.digits) + 2) + self.max_observation_tokens + self._longest_answer + 1
+        return ((sum(self.digits) + 2) + self._warm_start_turn_tokens
+                + self._longest_answer + 1)
 
     @property
     def max_sequence_length(self) -> int:
         """The longest prompt + completion of the warm-start: its `seq_len`."""
         return 1 + sum(self.digits) + 2 + self.max_completion_tokens
+
+    def solved(self, problem: ArithmeticProblem, total_reward: float) -> bool:
+        """Whether an episode of `problem` with this summed reward answered it (reward 1)."""
+        del problem  # the reward says it all: 1 for the right answer, else 0
+        return total_reward >= 1.0
 
     def uses_tool(self, problem: ArithmeticProblem) -> bool:
         """Whether the warm-start's episode of `problem` calls the calculator."""
@@ -203,7 +249,17 @@ class CalculatorTask:
 
     def sft_example(self, problem: ArithmeticProblem) -> tuple[list[int], list[int], list[float]]:
         """(prompt_ids, completion_ids, loss mask): a scripted episode, the calculator's
-        answer masked out."""
+        answer masked out.
+
+        Whether the episode calls the tool is `uses_tool(problem)` (a hash of the prompt,
+        not a generator): a problem's episode is the same in every epoch and every data
+        shard, and `sft_loader` maps records with one argument.
+
+        Returns:
+          With the tool, "347*29?" + "10063;" + "10063" EOS with the mask 1 on the call,
+          0 on the observation "10063;", 1 on the answer and EOS; without it, "10063" EOS
+          and a mask of ones.
+        """
         enc = self.tokenizer.encode
         answer = enc(problem.answer) + [self.tokenizer.eos_id]
         if not self.uses_tool(problem):
@@ -219,26 +275,36 @@ class CalculatorTask:
 
 
 class CalculatorEnv:
-    """One episode of a `CalculatorTask` (module docstring)."""
+    """One episode of a `CalculatorTask` (module docstring).
+
+    Every result's `info` holds `tool_call` (this turn called the calculator),
+    `tool_calls` (the episode's calls so far, this one included) and, on a call,
+    `tool_ok`; a turn cut by the token limit adds `truncated`.
+    """
 
     def __init__(self, task: CalculatorTask):
         self.task, self.problem = task, None
+        self.tool_calls, self.done = 0, False
 
     def reset(self, problem: ArithmeticProblem) -> list[int]:
-        self.problem = problem
+        self.problem, self.tool_calls, self.done = problem, 0, False
         return self.task.prompt_ids(problem)
 
     def step(self, turn: Turn) -> StepResult:
         if self.problem is None:
             raise RuntimeError("CalculatorEnv.step before reset")
+        if self.done:
+            raise RuntimeError("CalculatorEnv.step after the episode ended; reset it first")
+        text = self.task.tokenizer.decode(turn.tokens, skip_special=False)
         if turn.ended_by == "stop":  # a tool call
-            value = evaluate_expression(turn.text.removesuffix(STOP))
-            if value is None:
-                return StepResult(observation="err" + END,
-                                  info={"tool_call": True, "tool_ok": False})
-            return StepResult(observation=f"{value}{END}",
-                              info={"tool_call": True, "tool_ok": True})
+            self.tool_calls += 1
+            value = evaluate_expression(text.removesuffix(STOP))
+            info = {"tool_call": True, "tool_calls": self.tool_calls, "tool_ok": value is not None}
+            return StepResult(observation=("err" if value is None else str(value)) + END,
+                              info=info)
+        self.done = True
+        info = {"tool_call": False, "tool_calls": self.tool_calls}
         if turn.ended_by == "eos":  # the answer
-            right = turn.text == self.problem.answer
-            return StepResult(reward=1.0 if right else 0.0, done=True, info={"tool_call": False})
-        return StepResult(done=True, info={"tool_call": False, "truncated": True})
+            right = text == self.problem.answer
+            return StepResult(reward=1.0 if right else 0.0, done=True, info=info)
+        return StepResult(done=True, info={**info, "truncated": True})

@@ -12,6 +12,7 @@ comes back in row order.
 from __future__ import annotations
 
 import collections
+import math
 import queue
 import threading
 import time
@@ -31,9 +32,19 @@ class EnvRunner:
       calls: environment calls made.
       failures: failed calls by kind (`error`, `timeout`).
 
+    Args:
+      timeout_s: seconds one environment call may take, > 0.
+      max_workers: environment calls running at once, >= 1 (a call left behind after
+        its timeout no longer counts).
+      failure_reward: the reward of a turn whose environment failed.
+
     Examples:
       >>> runner = EnvRunner(timeout_s=5.0)
-      >>> results = runner.step(envs, turns)  # one StepResult (or None) per row
+      >>> task = CalculatorTask()
+      >>> env = task.make_env(); prompt_ids = env.reset(task.train[0])
+      >>> turn = Turn(tuple(task.tokenizer.encode("23")), "23", "eos")
+      >>> [r if r is None else r.done for r in runner.step([env, env], [turn, None])]
+      [True, None]
     """
 
     def __init__(self, *, timeout_s: float = 10.0, max_workers: int = 8,
@@ -43,6 +54,10 @@ class EnvRunner:
             raise ValueError(f"EnvRunner: timeout_s={timeout_s!r} must be a number > 0")
         if not isinstance(max_workers, int) or isinstance(max_workers, bool) or max_workers < 1:
             raise ValueError(f"EnvRunner: max_workers={max_workers!r} must be an int >= 1")
+        if isinstance(failure_reward, bool) or not isinstance(failure_reward, (int, float)) \
+                or not math.isfinite(failure_reward):
+            raise ValueError(f"EnvRunner: failure_reward={failure_reward!r} must be a finite "
+                             "number")
         self.timeout_s, self.max_workers = float(timeout_s), max_workers
         self.failure_reward = float(failure_reward)
         self.seconds, self.calls = 0.0, 0
@@ -65,7 +80,9 @@ class EnvRunner:
         def call(i):
             try:
                 answers.put((i, True, envs[i].step(turns[i])))
-            except Exception as e:  # noqa: BLE001 - any failure of a user's env is recorded
+            # BaseException too: an env's `sys.exit()` would otherwise end its thread
+            # silently and be reported, `timeout_s` later, as a hang.
+            except BaseException as e:  # noqa: BLE001 - any failure of a user's env is recorded
                 answers.put((i, False, f"error: {type(e).__name__}: {e}"[:300]))
 
         started: dict[int, float] = {}
