@@ -137,3 +137,39 @@ def test_the_gsm8k_tools_config_loads_and_names_its_missing_files(tmp_path, caps
     err = capsys.readouterr().err.strip()  # the checkpoint is not here: named, nothing written
     assert len(err.splitlines()) == 1 and "checkpoints/Qwen3-0.6B" in err, err
     assert not (tmp_path / "r").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.ci
+def test_a_multiturn_run_stopped_and_resumed_ends_bit_identical(tmp_path):
+    """Stopped after its first GRPO checkpoint and resumed, a calculator run ends with the
+    state and records of the run that was not stopped, and its GRPO steps moved the weights."""
+    from helpers import assert_bit_equal, checkpoints
+
+    from jaxrl_lp.train import apply_overrides, load_config
+    from jaxrl_lp.train.program import run_train
+
+    def cfg(out):
+        return apply_overrides(load_config("configs/multiturn_tools.py"), [
+            f"run.out_dir={out}", "task.ops=+", "task.max_digits=1", "task.second_digits=1",
+            "sft.steps=40", "grpo.steps=4", "grpo.prompts_per_step=4", "grpo.group_size=4",
+            "grpo.lr=1e-2", "run.checkpoint_every=42", "run.eval_every=2", "run.eval_size=8",
+            "run.progress=false"])
+
+    whole = run_train(cfg(tmp_path / "whole"))
+    run_train(cfg(tmp_path / "cut"), stop_after=42)
+    resumed = run_train(cfg(tmp_path / "cut"))
+    assert resumed["final_accuracy"] == whole["final_accuracy"]
+    a, b = checkpoints(tmp_path / "whole"), checkpoints(tmp_path / "cut")
+    assert sorted(a) == sorted(b) and 44 in a
+    assert_bit_equal(a[44]["state"], b[44]["state"])
+    # GRPO moved the weights between the checkpoints the resume compares.
+    moved = jax.tree.map(lambda x, y: bool(np.any(np.asarray(x) != np.asarray(y))),
+                         a[42]["state"]["params"], a[44]["state"]["params"])
+    assert any(jax.tree.leaves(moved))
+
+    def records(d):
+        return [{k: v for k, v in r.items() if not k.startswith("timing") and "per_s" not in k}
+                for r in map(json.loads, (d / "metrics.jsonl").read_text().splitlines())]
+
+    assert records(tmp_path / "whole") == records(tmp_path / "cut")
