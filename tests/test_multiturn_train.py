@@ -81,6 +81,10 @@ def test_an_environment_that_raises_or_hangs_ends_its_episode_and_nothing_else()
                                       np.asarray(clean.rollout.completion_tokens[r, :n]))
 
 
+# The README's multi-turn command end to end, in CI's slow tier: the default suite stays
+# under 15 minutes cold on 2 cores.
+@pytest.mark.slow
+@pytest.mark.ci
 def test_train_runs_multiturn_episodes_and_replays_every_step(tmp_path):
     out = tmp_path / "run"
     assert main(["train", "--config", "configs/multiturn_tools.py",
