@@ -15,7 +15,8 @@ row's tokens still sit at positions 0..n-1 whatever the holes, so its values dep
 its own inputs alone.
 
 Exactness by construction, as the single-turn sampler's (`rollout.generate`): two
-jitted programs, the chunk prefill and the decode segment, each takes the tokens to
+jitted programs (`rollout.multiturn_programs`), the chunk prefill and the decode
+segment, each takes the tokens to
 force and a flag, so the replay (`replay_multiturn`) runs the very executables the
 sampler ran, on the same inputs, in the same order: the segments' step counts, the
 chunk widths and the observations come from the record (`MultiTurnRecord`); no
@@ -33,7 +34,6 @@ they ran at). The learner's dense log-probs read it as any rollout; its replay i
 from __future__ import annotations
 
 import dataclasses
-import functools
 import time
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
@@ -47,25 +47,19 @@ from jaxrl_lp.models.cache import init_cache, unstack_cache
 from jaxrl_lp.models.config import ModelConfig
 from jaxrl_lp.numerics.fingerprint import tree_fingerprint
 from jaxrl_lp.numerics.policy import FP32, Policy, require
+from jaxrl_lp.rollout.multiturn_programs import (
+    ENDED_BY,
+    chunk_program,
+    segment_program,
+)
 from jaxrl_lp.rollout.request import bucket_length
 from jaxrl_lp.rollout.rollout import Rollout
-from jaxrl_lp.rollout.sampling import SamplingConfig, choose_tokens, token_logprobs
-from jaxrl_lp.rollout.step import (
-    LoopSpec,
-    decode_layout,
-    decode_step,
-    fused_readout,
-    prefill,
-    step_logits,
-)
+from jaxrl_lp.rollout.sampling import SamplingConfig
+from jaxrl_lp.rollout.step import LoopSpec, decode_layout
 
 __all__ = ["ENDED_BY", "MultiTurnRecord", "MultiTurnRollout", "TurnLimits", "TurnOutcome",
            "generate_multiturn", "replay_multiturn"]
 
-# How a model turn ended (the segment's per-row code): still running, EOS, a stop token, or
-# the per-turn token limit.
-ENDED_BY = ("running", "eos", "stop", "length")
-_RUNNING, _EOS, _STOP, _LENGTH = range(4)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -191,117 +185,6 @@ class MultiTurnRollout:
     env_seconds: float
 
 
-# ----------------------------------------------------------------------------- the programs
-@functools.partial(jax.jit, static_argnames=("cfg", "policy", "loop"))
-def _chunk_program(params, cache, tokens_BxW, positions_BxW, slot, readout_B, forced_on,
-                   *, cfg, policy, loop):
-    """Prefills a chunk at `slot`; (out at its last slot, cache, read-out step [B], evals).
-
-    Jitted; `cfg`, `policy`, `loop` and the chunk width are static, `slot` traced.
-    `readout_B` with `forced_on` replays a looped model's recorded read-out step.
-    """
-    force = jnp.broadcast_to(forced_on, readout_B.shape) if cfg.is_looped else None
-    out, cache, exits, evals = prefill(
-        params, cfg, policy, loop, tokens_BxW, positions_BxW, cache,
-        readout_B if cfg.is_looped else None, forced_B=force, hidden=fused_readout(policy),
-        index=slot)
-    return out, cache, exits, evals
-
-
-class _Segment(NamedTuple):
-    """The decode segment's `while_loop` state (B rows, T tokens of a turn at most)."""
-
-    i: jax.Array  # [] int32 the turn token being produced
-    token: jax.Array  # [B] int32 the last token (fed next)
-    length: jax.Array  # [B] int32 tokens of the turn so far
-    ended: jax.Array  # [B] int32 `ENDED_BY` code
-    cache: dict
-    key: jax.Array
-    evals: jax.Array  # [] int32 loop-step evaluations
-    tokens: jax.Array  # [B, T] int32
-    logprobs: jax.Array  # [B, T] f32
-    exits: jax.Array  # [B, T] int32
-
-
-@functools.partial(jax.jit, static_argnames=("cfg", "policy", "loop", "sampling", "turn_tokens",
-                                             "stop_ids", "eos_id", "pad_id"))
-def _segment_program(params, cache, out_B, exit0_B, slot, pos_B, active_B, key, limit,
-                     forced_BxT, forced_exits_BxT, forced_on,
-                     *, cfg, policy, loop, sampling, turn_tokens, stop_ids, eos_id, pad_id):
-    """Decodes one model turn of every active row from `out_B` (the output at the context's
-    last slot); samples (`forced_on` False) or replays (True) in one executable.
-
-    Jitted; the statics compile anew, `slot` (the first decode slot), `limit` and the
-    arrays are traced. Token 0 of the turn comes from `out_B`; each decode step feeds
-    token i-1 of a running row at slot `slot + i - 1`, position `pos_B + i - 1`. A row
-    that ended (or is not active) waits: it is computed (a looped model's deferred mode
-    skips it) and its slot is marked empty after the step. Sampling stops when no row
-    runs or at `turn_tokens`; the replay runs exactly `limit` tokens (the sampler's
-    count). Returns the final `_Segment`.
-    """
-    b, t = forced_BxT.shape
-    stops = jnp.asarray(stop_ids if stop_ids else (-1,), jnp.int32)
-    takes = cfg.is_looped
-    force_B = jnp.broadcast_to(forced_on, (b,))
-
-    def pick(out, key, i):
-        logits = step_logits(params, cfg, policy, out)
-        tok = choose_tokens(logits, key, sampling)
-        tok = jnp.where(forced_on, forced_BxT[:, i], tok)
-        return tok, token_logprobs(logits, tok, sampling.temperature)
-
-    def ended_by(tok, length):
-        code = jnp.where(jnp.isin(tok, stops), _STOP, _RUNNING)
-        if eos_id is not None:
-            code = jnp.where(tok == eos_id, _EOS, code)
-        return jnp.where((code == _RUNNING) & (length >= turn_tokens), _LENGTH, code)
-
-    key, sub = jax.random.split(key)
-    tok, lp = pick(out_B, sub, 0)
-    running = active_B
-    tok = jnp.where(running, tok, pad_id)
-    ended = jnp.where(running, ended_by(tok, jnp.ones((b,), jnp.int32)), _RUNNING)
-    state = _Segment(
-        i=jnp.int32(1), token=tok, length=running.astype(jnp.int32),
-        ended=ended, cache=cache, key=key, evals=jnp.int32(0),
-        tokens=jnp.full((b, t), pad_id, jnp.int32).at[:, 0].set(tok),
-        logprobs=jnp.zeros((b, t), jnp.float32).at[:, 0].set(jnp.where(running, lp, 0.0)),
-        exits=jnp.zeros((b, t), jnp.int32).at[:, 0].set(jnp.where(running, exit0_B, 0)))
-
-    def live(s: _Segment):
-        return active_B & (s.ended == _RUNNING)
-
-    def cond(s: _Segment):
-        go = jnp.where(forced_on, True, jnp.any(live(s)))
-        return (s.i < jnp.minimum(limit, t)) & go
-
-    def body(s: _Segment):
-        run = live(s)
-        # A running row feeds its last token at its next position; a waiting one is computed
-        # at the position after its last real one and its slot emptied below.
-        pos = pos_B + jnp.where(run, s.i - 1, jnp.maximum(s.length - 1, 0))
-        exits_in = forced_exits_BxT[:, s.i] if takes else None
-        out, cache, exits, ev = decode_step(params, cfg, policy, loop, s.token, pos, s.cache,
-                                            slot + s.i - 1, exits_in, active_B=run,
-                                            forced_B=force_B if takes else None,
-                                            hidden=fused_readout(policy))
-        cache = {**cache, "pos": cache["pos"].at[:, slot + s.i - 1].set(
-            jnp.where(run, cache["pos"][:, slot + s.i - 1], -1))}
-        key, sub = jax.random.split(s.key)
-        new, lp = pick(out, sub, s.i)
-        new = jnp.where(run, new, pad_id)
-        length = s.length + run.astype(jnp.int32)
-        ended = jnp.where(run, ended_by(new, length), s.ended)
-        return _Segment(
-            i=s.i + 1, token=jnp.where(run, new, s.token), length=length, ended=ended,
-            cache=cache, key=key, evals=s.evals + ev,
-            tokens=s.tokens.at[:, s.i].set(new),
-            logprobs=s.logprobs.at[:, s.i].set(jnp.where(run, lp, 0.0)),
-            exits=s.exits.at[:, s.i].set(jnp.where(run, exits, 0)))
-
-    return jax.lax.while_loop(cond, body, state)
-
-
 # ----------------------------------------------------------------------------- the host loop
 def _left_pad(rows: Sequence[Sequence[int]], starts: np.ndarray, width: int, pad_id: int):
     """(tokens [B, W], positions [B, W]) of chunks left-padded to `width`; row b's tokens at
@@ -338,7 +221,7 @@ def _run(params, cfg: ModelConfig, policy: Policy, loop: LoopSpec, sampling: Sam
     zeros_b = jnp.zeros((b,), jnp.int32)
     readout = lambda k: (jnp.asarray(record.turn_exits[k][:, 0])
                          if replay and k < len(record.turn_exits) else zeros_b)
-    out, cache, exit0, _ = _chunk_program(weights, cache, jnp.asarray(prompt_BxP),
+    out, cache, exit0, _ = chunk_program(weights, cache, jnp.asarray(prompt_BxP),
                                           jnp.asarray(positions_BxP), jnp.int32(0), readout(0),
                                           on, **statics)
     lengths = (positions_BxP >= 0).sum(axis=1).astype(np.int32)
@@ -362,7 +245,7 @@ def _run(params, cfg: ModelConfig, policy: Policy, loop: LoopSpec, sampling: Sam
             forced = forced_exits = jnp.zeros((b, t), jnp.int32)
             limit = t
         key, sub = jax.random.split(key)
-        seg = _segment_program(weights, cache, out, exit0, jnp.int32(slot),
+        seg = segment_program(weights, cache, out, exit0, jnp.int32(slot),
                                jnp.asarray(next_pos), jnp.asarray(active), sub,
                                jnp.int32(limit), forced, forced_exits, on, **seg_statics)
         ran = int(seg.i) - 1  # decode steps: slots [slot, slot + ran)
@@ -427,7 +310,7 @@ def _run(params, cfg: ModelConfig, policy: Policy, loop: LoopSpec, sampling: Sam
             ctoks, cpos = _left_pad(feed, next_pos + length - 1, width, limits.pad_id)
             chunks.append((ctoks, cpos))
         prefill_tokens += int((cpos >= 0).sum())
-        out, cache, exit0, _ = _chunk_program(weights, cache, jnp.asarray(ctoks),
+        out, cache, exit0, _ = chunk_program(weights, cache, jnp.asarray(ctoks),
                                               jnp.asarray(cpos), jnp.int32(slot),
                                               readout(turn + 1), on, **statics)
         slot += ctoks.shape[1]
@@ -454,9 +337,9 @@ def _compact(run: dict, b: int, n_loop: int, pad_id: int):
             for i in range(int(ln[r])):
                 idx[r, i] = len(seqs[r])
                 seqs[r].append((int(tok[r, i]), True, int(exits[r, i])))
-            obs_k = sum(1 for kk in range(k + 1) if run["actives"][kk][r]) - 1
-            if ln[r] and obs_k < len(run["observations"][r]):
-                for o in run["observations"][r][obs_k]:
+            # A row takes turns 0, 1, ... until its episode ends: turn k's observation is its k-th.
+            if ln[r] and k < len(run["observations"][r]):
+                for o in run["observations"][r][k]:
                     seqs[r].append((o, False, n_loop - 1))
         index.append(idx)
     n = bucket_length(max(max((len(s) for s in seqs), default=1), 1))
