@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from jaxrl_lp.data.pipeline import in_heldout
+from jaxrl_lp.data.pipeline import IndexedSplit, in_heldout
 from jaxrl_lp.data.rewards import exact_match_reward, score_completions
 from jaxrl_lp.models.tokenizer import CharTokenizer, Tokenizer
 
@@ -60,7 +60,7 @@ class ArithmeticProblem:
         return str(self.a * self.b)
 
 
-class ArithmeticSplit(Sequence):
+class ArithmeticSplit(IndexedSplit):
     """A random-access, deterministic split of the task (what `prompt_loader` takes).
 
     Built by `ArithmeticTask`; index it or iterate it like a list of `ArithmeticProblem`.
@@ -88,17 +88,7 @@ class ArithmeticSplit(Sequence):
         order = np.random.default_rng([self._seed, int(self._heldout)]).permutation(len(table))
         return table[order]
 
-    def __len__(self) -> int:
-        return self._size
-
-    def __getitem__(self, i: Any) -> Any:
-        if isinstance(i, slice):
-            return [self[j] for j in range(*i.indices(self._size))]
-        i = int(i)
-        if i < 0:
-            i += self._size
-        if not 0 <= i < self._size:
-            raise IndexError(f"ArithmeticSplit index {i} out of range [0, {self._size})")
+    def _item(self, i: int) -> Any:
         if self._table is not None:
             o, a, b = (int(v) for v in self._table[i])
             return ArithmeticProblem(a, self._ops[o], b)

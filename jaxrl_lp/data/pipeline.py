@@ -21,7 +21,7 @@ from typing import Any, NamedTuple
 import grain
 import numpy as np
 
-__all__ = ["SFTBatch", "hash_fraction", "in_heldout", "prompt_loader", "sft_batch",
+__all__ = ["IndexedSplit", "SFTBatch", "hash_fraction", "in_heldout", "prompt_loader", "sft_batch",
            "sft_loader"]
 
 
@@ -40,6 +40,29 @@ def hash_fraction(key: str) -> float:
     """
     digest = hashlib.blake2b(key.encode("utf-8"), digest_size=8).digest()
     return int.from_bytes(digest, "little") / 2.0**64
+
+
+class IndexedSplit(Sequence):
+    """A split read by index, as a list is (ints, negative ints, slices): a subclass sets
+    `_size` and returns item i in `_item(i)`, for 0 <= i < `_size`."""
+
+    _size: int
+
+    def __len__(self) -> int:
+        return self._size
+
+    def __getitem__(self, i: Any) -> Any:
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(self._size))]
+        i = int(i)
+        if i < 0:
+            i += self._size
+        if not 0 <= i < self._size:
+            raise IndexError(f"{type(self).__name__} index {i} out of range [0, {self._size})")
+        return self._item(i)
+
+    def _item(self, i: int) -> Any:
+        raise NotImplementedError
 
 
 def in_heldout(key: str, heldout_fraction: float) -> bool:

@@ -26,13 +26,12 @@ import ast
 import dataclasses
 import functools
 import re
-from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
 from jaxrl_lp.data.arithmetic import OPS, ArithmeticProblem
-from jaxrl_lp.data.pipeline import hash_fraction, in_heldout
+from jaxrl_lp.data.pipeline import IndexedSplit, hash_fraction, in_heldout
 from jaxrl_lp.envs.base import StepResult, Turn
 from jaxrl_lp.models.tokenizer import CharTokenizer, Tokenizer
 
@@ -78,7 +77,7 @@ def evaluate_expression(text: str) -> int | None:
         return None
 
 
-class CalculatorSplit(Sequence):
+class CalculatorSplit(IndexedSplit):
     """A random-access, deterministic split of a `CalculatorTask` (item i is drawn from a
     generator seeded by (seed, split, i), redrawn until it lands in the split)."""
 
@@ -87,17 +86,7 @@ class CalculatorSplit(Sequence):
         self._ops, self._digits, self._seed = ops, digits, seed
         self._heldout, self._fraction, self._size = heldout, heldout_fraction, size
 
-    def __len__(self) -> int:
-        return self._size
-
-    def __getitem__(self, i: Any) -> Any:
-        if isinstance(i, slice):
-            return [self[j] for j in range(*i.indices(self._size))]
-        i = int(i)
-        if i < 0:
-            i += self._size
-        if not 0 <= i < self._size:
-            raise IndexError(f"CalculatorSplit index {i} out of range [0, {self._size})")
+    def _item(self, i: int) -> Any:
         rng = np.random.default_rng([self._seed, int(self._heldout), i])
         (da, db) = self._digits
         while True:
