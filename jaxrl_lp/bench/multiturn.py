@@ -61,6 +61,8 @@ def _check(args) -> None:
 def _scripted(turns: int, obs_tokens: int, env_ms: float, pool):
     """The `step` callback: every turn answered after `env_ms` on `pool`'s threads with
     `obs_tokens` tokens, the episode ended at turn `turns`."""
+    from jaxrl_lp.rollout.multiturn import TurnOutcome
+
     calls: dict[int, int] = {}
 
     def one(r):
@@ -68,8 +70,6 @@ def _scripted(turns: int, obs_tokens: int, env_ms: float, pool):
         k = calls.get(r, 0)
         calls[r] = k + 1
         done = k + 1 >= turns
-        from jaxrl_lp.rollout.multiturn import TurnOutcome
-
         return TurnOutcome(observation=() if done else tuple(range(10, 10 + obs_tokens)),
                            reward=0.0, done=done, info={})
 

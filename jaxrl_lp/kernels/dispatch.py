@@ -271,13 +271,12 @@ def _divides(mesh, spec, shape) -> bool:
 
 def _trace_context() -> tuple:
     """What a kernel's trace reads besides its arguments: the active mesh and rules
-    (`per_shard`), the kernel targets its tiles are planned for (`kernels.targets`) and
-    the backend, which a policy's `storage=auto` reads (`numerics.policy`)."""
+    (`per_shard`) and the kernel targets its tiles are planned for (`kernels.targets`).
+    How low precision is stored is the policy's, a static argument (`numerics.policy`)."""
     from jaxrl_lp.kernels.targets import current_target
     from jaxrl_lp.parallel.context import current_mesh
 
-    return (current_mesh(), current_target("cuda").name, current_target("tpu").name,
-            jax.default_backend())
+    return current_mesh(), current_target("cuda").name, current_target("tpu").name
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1, 2))
