@@ -50,7 +50,7 @@ def _start(run_dir: Path, port: int, log_dir: Path, *extra: str,
     moment (`_SIGNAL_AT`), the plain command line otherwise."""
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4",
                JAX_PLATFORMS="cpu")
-    entry = ["-m", "jaxrl_lp.cli.main"] if signal_at is None else ["-c", _SIGNAL_AT, signal_at]
+    entry = ["-c", _PLAIN] if signal_at is None else ["-c", _SIGNAL_AT, signal_at]
     procs = []
     for i in range(2):
         args = [sys.executable, *entry, "train",
@@ -62,11 +62,23 @@ def _start(run_dir: Path, port: int, log_dir: Path, *extra: str,
     return procs
 
 
+# `python -c _PLAIN train ...` is `jaxrl-lp train ...` that prints every thread's stack on
+# SIGUSR1, which `_wait` sends before it kills a process that outlived its timeout.
+_STACKS_ON_SIGUSR1 = """
+import faulthandler, signal
+faulthandler.register(signal.SIGUSR1)
+"""
+_PLAIN = _STACKS_ON_SIGUSR1 + """
+import sys
+from jaxrl_lp.cli.main import main
+sys.exit(main(sys.argv[1:]))
+"""
+
 # `python -c _SIGNAL_AT MOMENT train ...` is `jaxrl-lp train ...` in which, at MOMENT, one
 # process sends itself SIGTERM (as tests/test_preemption.py does in one process):
 # `log:S`, process 0 once it has logged step S's record; `save:S`, process 1 as its
 # checkpoint save of step S begins.
-_SIGNAL_AT = """
+_SIGNAL_AT = _STACKS_ON_SIGUSR1 + """
 import os, signal, sys
 import jax
 from jaxrl_lp.cli.main import main
@@ -87,10 +99,23 @@ sys.exit(main(sys.argv[1:]))
 """
 
 
-def _wait(procs, timeout=600) -> list[int]:
+def _wait(procs, log_dir: Path, timeout: float = 600) -> list[int]:
+    """The processes' exit codes; a process still running after `timeout` seconds fails the
+    test with the logs, which end with every thread's stack at that moment."""
     deadline = time.time() + timeout
-    for p in procs:
-        p.wait(timeout=max(1.0, deadline - time.time()))
+    try:
+        for p in procs:
+            p.wait(timeout=max(1.0, deadline - time.time()))
+    except subprocess.TimeoutExpired:
+        for p in procs:
+            if p.poll() is None:
+                p.send_signal(signal.SIGUSR1)
+        time.sleep(5)
+        for p in procs:
+            p.kill()
+            p.wait()
+        pytest.fail(f"the processes did not exit within {timeout:.0f} s (exit codes "
+                    f"{[p.returncode for p in procs]}); their logs:\n{_logs(log_dir)}")
     return [p.returncode for p in procs]
 
 
@@ -110,7 +135,7 @@ def _assert_ends_as(run: Path, whole: Path):
 
 
 def _logs(log_dir: Path) -> str:
-    return "\n".join(p.read_text()[-3000:] for p in sorted(log_dir.glob("*.log")))
+    return "\n".join(f"== {p.name}\n{p.read_text()[-8000:]}" for p in sorted(log_dir.glob("*.log")))
 
 
 @pytest.fixture(scope="module")
@@ -128,7 +153,7 @@ def two_processes(tmp_path_factory):
     root = tmp_path_factory.mktemp("two_processes")
     run, logs = root / "run", root / "logs"
     logs.mkdir()
-    assert _wait(_start(run, _port(), logs)) == [0, 0], _logs(logs)
+    assert _wait(_start(run, _port(), logs), logs) == [0, 0], _logs(logs)
     return run
 
 
@@ -174,10 +199,10 @@ def test_sigkill_of_one_process_and_a_restart_of_both_resumes_bit_identically(tm
     procs[1].send_signal(signal.SIGKILL)  # one process dies...
     time.sleep(2)
     procs[0].send_signal(signal.SIGKILL)  # ...and the run is restarted as a whole
-    _wait(procs)
+    _wait(procs, logs)
     killed_at = max(int(p.name) for p in ckpts.glob("*") if p.name.isdigit())
     assert killed_at < STEPS, "the kill should land mid-run"
-    assert _wait(_start(run, _port(), logs)) == [0, 0], _logs(logs)
+    assert _wait(_start(run, _port(), logs), logs) == [0, 0], _logs(logs)
     _assert_ends_as(run, two_processes)
 
 
@@ -206,12 +231,12 @@ def test_sigterm_to_either_process_at_three_moments_stops_both_and_the_resume_is
     for moment, step in (("log:1", 1), ("save:2", 2), ("log:4", 4)):
         cadence = "run.checkpoint_every=" + ("1" if moment.startswith("save") else "100")
         procs = _start(run, _port(), logs, cadence, signal_at=moment)
-        assert _wait(procs, timeout=300) == [EXIT_PREEMPTED] * 2, _logs(logs)
+        assert _wait(procs, logs) == [EXIT_PREEMPTED] * 2, _logs(logs)
         done = sorted(int(p.name) for p in ckpts.glob("*") if p.name.isdigit())
         assert done[-1] == step, (moment, done)
         assert not [p for p in ckpts.iterdir() if "tmp" in p.name]
         assert [r["step"] for r in _records(run)][-1] == step
-    assert _wait(_start(run, _port(), logs, "run.checkpoint_every=100")) == [0, 0], _logs(logs)
+    assert _wait(_start(run, _port(), logs, "run.checkpoint_every=100"), logs) == [0, 0], _logs(logs)
     _assert_ends_as(run, two_processes)
     assert [without_wall_clock(r) for r in _records(run)] == \
         [without_wall_clock(r) for r in _records(two_processes)]
