@@ -274,6 +274,9 @@ def grpo_iteration(state: RunState, step: int, cfg, plan, programs: IterationPro
 
         old_logp_fn = lambda p, _ro: replay_multiturn(p, plan.model, plan.learner_policy,
                                                        episodes)
+        if programs.reference is not None:  # the reference's values: the same replay
+            programs = programs._replace(
+                reference=programs.reference._replace(logprobs=old_logp_fn))
     # The weights the loss computes with: the served copy (constant over the step's updates)
     # or the master (moved by each update).
     loss_weights = (lambda: sampler_params) if on_served else (lambda: view(params))

@@ -262,10 +262,6 @@ def _multiturn(cfg: TrainConfig, task, mcfg: ModelConfig, weights) -> None:
         why = "record no weight products: set grpo.reuse_products=false"
     elif weights is not None or cfg.lora.enabled:
         why = "train plain weights: set sft.optimizer=adamw and lora.rank=0"
-    elif cfg.loss.kl_beta > 0:
-        why = "have no KL reference program yet: set loss.kl_beta=0"
-    elif cfg.sync.exporter != "none":
-        why = "sample the learner's weights: set sync.exporter=none"
     if why:
         raise ValueError(f"task.kind={cfg.task.kind!r}: multi-turn episodes {why}")
     limits = turn_limits(task)
