@@ -102,3 +102,22 @@ def test_every_named_docs_page_exists():
     assert not found, "\n".join(found[:20])
     assert DOC_PATH.findall("see docs/design/lora.md, docs/guide.md.") == [
         "docs/design/lora.md", "docs/guide.md"]
+
+
+def _choices(parser):
+    """What `parser`'s first positional argument with choices takes (its subcommands or
+    names)."""
+    return next(a.choices for a in parser._actions if not a.option_strings and a.choices)
+
+
+def test_the_readme_table_names_every_bench_target_and_study():
+    """The README's command table lists what `jaxrl-lp bench` and `jaxrl-lp study` take: a
+    target added to the command line and not to the README fails here."""
+    from jaxrl_lp.cli.main import build_parser
+
+    commands = _choices(build_parser())
+    lines = (ROOT / "README.md").read_text().splitlines()
+    for command in ("bench", "study"):
+        row = next(x for x in lines if x.startswith(f"| `jaxrl-lp {command} "))
+        listed = set(re.findall(r"`([a-z0-9-]+)`", row.split("|")[2]))
+        assert listed == set(_choices(commands[command])), (command, row)

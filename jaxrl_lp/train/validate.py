@@ -260,8 +260,8 @@ def _multiturn(cfg: TrainConfig, task, mcfg: ModelConfig, weights) -> None:
         why = "decode with the plain sampler: set grpo.speculative=''"
     elif g.reuse_products:
         why = "record no weight products: set grpo.reuse_products=false"
-    elif weights is not None or cfg.lora.enabled:
-        why = "train plain weights: set sft.optimizer=adamw and lora.rank=0"
+    elif weights is not None:
+        why = "train plain weights: set sft.optimizer=adamw"
     if why:
         raise ValueError(f"task.kind={cfg.task.kind!r}: multi-turn episodes {why}")
     limits = turn_limits(task)
