@@ -6,7 +6,14 @@
 #
 #   benchmarks/fetch_wheels.sh                    # grain and tensorboardX, with their missing needs
 #   PY_VERSION=3.11 benchmarks/fetch_wheels.sh    # for another Python
-#   benchmarks/fetch_wheels.sh google-tunix==X    # and more (each named: --no-deps fetches none)
+#   TUNIX=1 benchmarks/fetch_wheels.sh            # and Tunix 0.1.7 for `bench iteration`
+#   benchmarks/fetch_wheels.sh NAME==X            # and more (each named: --no-deps fetches none)
+#
+# Tunix's `bench iteration` path (its Qwen3 model and loader, vanilla rollout, GRPO learner and
+# trainer) imports, beyond the image's packages, only google-metrax, clu and perfetto: found by
+# importing that path in a venv with `pip install google-tunix==0.1.7` and mapping the modules
+# it loaded to their distributions; with these four wheels and --no-deps it races on CPU
+# (tests/test_bench_iteration.py covers the race without Tunix).
 #
 # The versions are those of the development venv. Each wheel's own needs are listed by
 # `unzip -p .whl/NAME-*.whl '*/METADATA' | grep ^Requires-Dist`; the image holds the rest
@@ -17,6 +24,9 @@ PYTHON="${PYTHON:-python3}"
 PY_VERSION="${PY_VERSION:-3.12}"
 DEST="${DEST:-.whl}"
 WHEELS=(grain==0.2.18 array_record==0.8.6 portpicker==1.6.0 tensorboardX==2.6.5 "$@")
+if [[ -n "${TUNIX:-}" ]]; then
+  WHEELS+=(google-tunix==0.1.7 google-metrax==0.2.4 clu==0.0.12 perfetto==0.59.1)
+fi
 platforms=()
 for p in manylinux_2_28_x86_64 manylinux_2_27_x86_64 manylinux_2_17_x86_64 manylinux2014_x86_64 \
          manylinux1_x86_64 any; do

@@ -27,6 +27,13 @@
 #                          tokens, dense and on the recorded log-probs (hybrid-recorded): MFU
 #                          against the device's dense bf16 peak
 #
+# SUITE=iteration races whole GRPO iterations, ours against Tunix's on the same checkpoint
+# (Tunix from .whl/: `TUNIX=1 benchmarks/fetch_wheels.sh`; without it ours alone), writing
+# gpu-iteration-<device>.json and .log beside:
+#   iteration-<device>.json  jaxrl-lp bench iteration: Qwen3-0.6B bf16, 32 rows (8 prompts x
+#                          G 4), 128 + 256 tokens, minibatches 1 and 4, ours hybrid and dense,
+#                          the per-phase split and the device's roofline measured in the run
+#
 # Needs a python3 with JAX for the GPU, flax, optax, orbax-checkpoint, ml_dtypes and pytest. What
 # it lacks (grain, tensorboardX and their needs) comes as wheels in .whl/, fetched beforehand on
 # a machine with PyPI by benchmarks/fetch_wheels.sh and installed with --no-index --no-deps into a
@@ -36,6 +43,7 @@
 #   benchmarks/gpu.sh [DIR]                    # on the GPU machine, from the checkout
 #   PRESETS=qwen3-0.6b SKIP_TRAIN=1 benchmarks/gpu.sh   # a part of it
 #   SUITE=speed benchmarks/gpu.sh                        # the speed cells
+#   SUITE=iteration benchmarks/gpu.sh                    # the iteration against Tunix
 #   QUICK=1 ALLOW_CPU=1 benchmarks/gpu.sh /tmp/x        # the script's own check on a CPU
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -63,7 +71,8 @@ SUITE="${SUITE:-exactness}"
 case "$SUITE" in
   exactness) TAG=gpu ;;
   speed) TAG=gpu-speed ;;
-  *) echo "$0: SUITE must be exactness or speed, got '$SUITE'" >&2; exit 2 ;;
+  iteration) TAG=gpu-iteration ;;
+  *) echo "$0: SUITE must be exactness, speed or iteration, got '$SUITE'" >&2; exit 2 ;;
 esac
 LOG="$DIR/$TAG-$DEV.log"
 STEPS="$DIR/.steps-$TAG-$DEV.tsv"
@@ -99,12 +108,14 @@ if [[ -n "${QUICK:-}" ]]; then  # tiny sizes, a few seconds a step
   SAMPLER=(--sizes tiny-qwen3 --batch 2,4 --looped-sizes tiny-ouro --looped-batches 2
            --prompt-len 8 --new-tokens 8)
   LEARNER=(--size tiny-qwen3 --batch 4 --seq-len 24 --prompt-len 8)
+  ITERATION=(--size tiny-qwen3 --batch 4 --group 2 --prompt-len 4 --new-tokens 4)
 else
   REPLAY=()
   TRAIN=()
   SAMPLER=(--sizes qwen3-0.6b --batch 32,256 --looped-sizes ouro-1.4b --looped-batches 32
            --prompt-len 128 --new-tokens 256)
   LEARNER=(--size qwen3-0.6b --batch 32 --seq-len 384 --prompt-len 128)
+  ITERATION=(--size qwen3-0.6b --batch 32 --group 4 --prompt-len 128 --new-tokens 256)
 fi
 
 if [[ "$SUITE" == speed ]]; then
@@ -113,6 +124,13 @@ if [[ "$SUITE" == speed ]]; then
     --repeats 2 --min-time 0 --out "$DIR/sampler-$DEV.json"
   step learner 200 "${JAXRL[@]}" bench learner "${LEARNER[@]}" --policy bf16 --no-tunix \
     --methods dense,hybrid-recorded --repeats 2 --min-time 0 --out "$DIR/learner-$DEV.json"
+fi
+
+if [[ "$SUITE" == iteration ]]; then
+  # One step, alone on the GPU: ours and Tunix's alternate after two warm-ups each.
+  step iteration 420 "${JAXRL[@]}" bench iteration "${ITERATION[@]}" --looped-size "" \
+    --policy bf16 --minibatches 1,4 --methods hybrid,dense --repeats 2 \
+    --out "$DIR/iteration-$DEV.json"
 fi
 
 if [[ "$SUITE" == exactness ]]; then

@@ -143,3 +143,26 @@ def test_bench_iteration_refuses_bad_arguments(capsys):
     assert main(["bench", "iteration", "--size", "tiny", "--methods", "sparse",
                  "--no-tunix"]) == 2
     assert "--methods" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+@pytest.mark.ci
+def test_bench_iteration_takes_model_presets_by_name(capsys):
+    """`--size` and `--looped-size` take model presets by name (`benchmarks/gpu.sh` races
+    qwen3-0.6b and ouro-1.4b)."""
+    assert main(["bench", "iteration", "--size", "tiny-qwen3", "--looped-size", "tiny-ouro",
+                 "--batch", "2", "--group", "2", "--prompt-len", "4", "--new-tokens", "2",
+                 "--minibatches", "1", "--methods", "hybrid", "--repeats", "1", "--no-tunix",
+                 "--no-roofline"]) == 0
+    res = json.loads(capsys.readouterr().out)
+    assert res["tiny-qwen3"]["hybrid_mb1"]["tokens_per_s"] > 0
+    assert res["tiny-ouro"]["hybrid_mb1"]["tokens_per_s"] > 0
+
+
+def test_bench_iteration_refuses_a_preset_of_the_other_kind(capsys):
+    assert main(["bench", "iteration", "--size", "tiny-ouro", "--no-tunix"]) == 2
+    assert "pass it to --looped-size" in capsys.readouterr().err
+    assert main(["bench", "iteration", "--looped-size", "tiny-qwen3", "--no-tunix"]) == 2
+    assert "pass it to --size" in capsys.readouterr().err
+    assert main(["bench", "iteration", "--size", "qwen9", "--no-tunix"]) == 2
+    assert "unknown model preset 'qwen9'" in capsys.readouterr().err

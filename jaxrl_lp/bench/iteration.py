@@ -4,8 +4,9 @@ One GRPO iteration is what the training program does per step
 (`train.grpo_iteration`): sample G completions for each of B / G prompts,
 score them, compute the group advantages, take the behaviour log-probs, and
 run the updates (`--minibatches` optimizer steps on row slices of the batch,
-one pass: mu = 1). Both sides start from the same random `small-qwen3`
-weights (8 layers, hidden 512, vocab 32000), saved as a Hugging Face
+one pass: mu = 1). Both sides start from the same random weights of the
+dense preset (`--size`: `small-qwen3`, 8 layers, hidden 512, vocab 32000, by
+default; `qwen3-0.6b` on a GPU), saved as a Hugging Face
 checkpoint that Tunix loads with its own Qwen3 loader, and race alternately
 after a warm-up (`bench.sampler._race`, the fastest iteration reported, with
 its per-phase split).
@@ -61,9 +62,9 @@ decode's weights"); each entry says which (`decode_layout`). `--decode-layouts
 auto,as_stored` races the stored layout beside it (`<method>_mb<k>_as_stored`),
 the replays following each rollout's layout.
 
-A looped preset (`--looped-size`, the `small-qwen3` shapes as an Ouro-style
-model, R = 4) runs ours only: Tunix has no looped model (and `products` is a
-dense model's).
+A looped preset (`--looped-size`: the `small-qwen3` shapes as an Ouro-style
+model, R = 4, by default; or a looped model preset, `ouro-1.4b`) runs ours
+only: Tunix has no looped model (and `products` is a dense model's).
 
 The roofline (`bench.roofline`, module docstring there, which also assembles
 the bounds): in the same process
@@ -307,11 +308,13 @@ class _TunixIteration:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The options of `jaxrl-lp bench iteration`."""
-    parser.add_argument("--size", default="small", choices=sorted(SIZES),
-                        help="dense preset raced against Tunix: small (small-qwen3) or tiny")
-    parser.add_argument("--looped-size", default="small", choices=["", *sorted(LOOPED_SIZES)],
-                        help="looped preset (the dense preset's shapes, Ouro-style, R=4), "
-                             "ours only; '' to skip")
+    parser.add_argument("--size", default="small",
+                        help="dense preset raced against Tunix: small (small-qwen3), tiny, or "
+                             "a dense model preset (qwen3-0.6b on a GPU)")
+    parser.add_argument("--looped-size", default="small",
+                        help="looped preset, ours only: small or tiny (the dense preset's "
+                             "shapes, Ouro-style, R=4), or a looped model preset (ouro-1.4b); "
+                             "'' to skip")
     parser.add_argument("--batch", type=int, default=8, help="sequences B per iteration")
     parser.add_argument("--group", type=int, default=4, help="GRPO group size G (divides B)")
     parser.add_argument("--prompt-len", type=int, default=16)
@@ -365,6 +368,27 @@ def _check(args) -> tuple[list[int], list[str], list[str], list[str]]:
         raise ValueError(f"--decode-layouts: some of auto, {', '.join(DECODE_LAYOUTS)}; got "
                          f"{args.decode_layouts!r}")
     return mbs, methods, draws, layouts
+
+
+def _presets(args) -> tuple[tuple[str, ModelConfig], tuple[str, ModelConfig] | None]:
+    """`--size` and `--looped-size` as (name, config); a preset of the wrong kind is an
+    error naming the option it belongs to."""
+    if args.size in SIZES:
+        dense = SIZES[args.size], get_preset(SIZES[args.size])
+    else:
+        dense = args.size, get_preset(args.size)
+        if dense[1].is_looped:
+            raise ValueError(f"--size {args.size!r} is a looped preset; pass it to --looped-size")
+    if not args.looped_size:
+        return dense, None
+    if args.looped_size in LOOPED_SIZES:
+        cfg = LOOPED_SIZES[args.looped_size]
+        return dense, (f"{SIZES[args.looped_size]}-looped-r{cfg.loop_steps}", cfg)
+    cfg = get_preset(args.looped_size)
+    if not cfg.is_looped:
+        raise ValueError(f"--looped-size {args.looped_size!r} is a dense preset; pass it to "
+                         "--size")
+    return dense, (args.looped_size, cfg)
 
 
 def _summary(times: dict, phases: dict, tokens: int) -> dict:
@@ -448,6 +472,7 @@ def _preset_race(cfg, policy, args, mbs, methods, draws, layouts, optimizer, tun
 def run(args: argparse.Namespace) -> dict:
     """Runs the benchmark; returns one JSON-serializable dict."""
     mbs, methods, draws, layouts = _check(args)
+    (dense_name, dense_cfg), looped = _presets(args)
     policy = args.policy
     optimizer = optax.chain(optax.clip_by_global_norm(1.0), optax.adam(1e-6))
     why_not = "--no-tunix" if args.no_tunix else tunix_ref.unavailable()
@@ -467,17 +492,16 @@ def run(args: argparse.Namespace) -> dict:
         info["tunix"]["version"] = tunix_ref.tunix_version()
     else:
         info["tunix"]["reason"] = why_not
-    dense_cfg = get_preset(SIZES[args.size])
     rows = args.batch * (args.prompt_len + args.new_tokens)
     before = None if args.no_roofline else measure_machine(dense_cfg, args.batch, rows)
     races = {}
     with tempfile.TemporaryDirectory() as tmp:
-        races[SIZES[args.size]] = dense_cfg, _preset_race(
+        races[dense_name] = dense_cfg, _preset_race(
             dense_cfg, policy, args, mbs, methods, draws, layouts, optimizer,
             tunix_ckpt=tmp if why_not is None else None)
-    if args.looped_size:
-        cfg = LOOPED_SIZES[args.looped_size]
-        races[f"{SIZES[args.looped_size]}-looped-r{cfg.loop_steps}"] = cfg, _preset_race(
+    if looped is not None:
+        name, cfg = looped
+        races[name] = cfg, _preset_race(
             cfg, policy, args, mbs, methods, draws, layouts, optimizer)
     if not args.no_roofline:
         info["machine"] = best_machine(before, measure_machine(dense_cfg, args.batch, rows))
@@ -486,7 +510,7 @@ def run(args: argparse.Namespace) -> dict:
             add_bounds(res, ours, cfg, args.new_tokens, mbs, info["machine"])
         info[name] = res
     checks = {}
-    dense = info[SIZES[args.size]]
+    dense = info[dense_name]
     for k in mbs:
         for m in ("hybrid", "products"):
             if "vs_tunix" in dense.get(f"{m}_mb{k}", {}):
