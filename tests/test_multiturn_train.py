@@ -82,6 +82,44 @@ def test_an_environment_that_raises_or_hangs_ends_its_episode_and_nothing_else()
                                       np.asarray(clean.rollout.completion_tokens[r, :n]))
 
 
+def test_episodes_of_two_calls_concatenate_and_replay_row_for_row():
+    """Dynamic sampling's refilled batch of episodes: rows taken from two calls of different
+    slot counts are concatenated (right-padded to the wider, `env_mask` kept), and
+    `replay_episodes` (each call replayed whole, its rows taken) is the sampler's bits on
+    every policy token; a multi-turn and a single-turn rollout do not mix."""
+    from jaxrl_lp.rollout.generate import concat_rollouts, generate, take_rows
+    from jaxrl_lp.train.episodes import replay_episodes
+
+    task = CalculatorTask(max_turns=3)
+    cfg = MODEL.replace(vocab_size=task.tokenizer.vocab_size)
+    params = init_params(cfg, jax.random.PRNGKey(0))
+    runner = EnvRunner(timeout_s=5.0)
+
+    def call(task, records, seed):
+        return sample_episodes(params, cfg, task, records, group_size=2, policy=FP32,
+                               sampling=SamplingConfig(temperature=1.0), loop=LoopSpec(),
+                               key=jax.random.PRNGKey(seed), runner=runner)
+
+    a = call(task, [task.train[i] for i in range(2)], 1)
+    b = call(CalculatorTask(max_turns=1), [task.train[i] for i in range(2, 4)], 2)
+    assert a.rollout.completion_tokens.shape[1] > b.rollout.completion_tokens.shape[1]
+    rows_a, rows_b = np.array([2, 3]), np.array([0, 1, 2, 3])
+    ro = concat_rollouts([take_rows(a.rollout, rows_a), take_rows(b.rollout, rows_b)],
+                         task.tokenizer.pad_id)
+    n = a.rollout.completion_tokens.shape[1]
+    assert ro.completion_tokens.shape == (6, n) and ro.env_mask.shape == (6, n)
+    np.testing.assert_array_equal(np.asarray(ro.env_mask[:2]), np.asarray(a.rollout.env_mask)[2:])
+    assert not np.asarray(ro.env_mask[2:, b.rollout.completion_tokens.shape[1]:]).any()
+    got = np.asarray(replay_episodes(params, cfg, FP32, [(a, rows_a), (b, rows_b)]))
+    mask = np.asarray(ro.completion_mask) > 0
+    assert mask.sum() > 0
+    np.testing.assert_array_equal(got[mask], np.asarray(ro.logprobs)[mask])
+    single = generate(params, cfg, [task.prompt_ids(task.train[0])], max_new_tokens=4,
+                      policy=FP32, key=jax.random.PRNGKey(3))
+    with pytest.raises(ValueError, match="multi-turn rollout .* and a single-turn one"):
+        concat_rollouts([a.rollout, single], task.tokenizer.pad_id)
+
+
 # The README's multi-turn command end to end, in CI's slow tier: the default suite stays
 # under 15 minutes cold on 2 cores.
 @pytest.mark.slow
@@ -108,7 +146,7 @@ def test_train_runs_multiturn_episodes_and_replays_every_step(tmp_path):
 
 @pytest.mark.parametrize("setting,words", [
     ("grpo.max_staleness=1", ["task.kind='calculator'", "grpo.max_staleness=0"]),
-    ("grpo.dynamic_sampling=true", ["grpo.dynamic_sampling=false"]),
+    ("grpo.reuse_products=true", ["grpo.reuse_products=false"]),
     ("grpo.overlong_buffer=2", ["grpo.overlong_buffer=0"]),
     ("sft.optimizer=error_diffusion:ternary", ["sft.optimizer=adamw"])])
 def test_options_episodes_do_not_support_are_refused_in_one_line(tmp_path, capsys, setting,
@@ -148,14 +186,17 @@ def test_the_gsm8k_tools_config_loads_and_names_its_missing_files(tmp_path, caps
 @pytest.mark.ci
 @pytest.mark.parametrize("options", [
     pytest.param([*FAIR_CAST, *GRPO_MOVES], id="fair_cast_kl"),
-    pytest.param(["lora.rank=4", "lora.alpha=8.0", *GRPO_MOVES], id="lora_kl")])
+    pytest.param(["lora.rank=4", "lora.alpha=8.0", *GRPO_MOVES], id="lora_kl"),
+    pytest.param(["grpo.dynamic_sampling=true", "grpo.verify_every=1", *GRPO_MOVES],
+                 id="dynamic_sampling_kl")])
 def test_a_multiturn_run_stopped_and_resumed_ends_bit_identical(tmp_path, options):
     """Stopped after its first GRPO checkpoint and resumed, a calculator run ends with the
     state and records of the run that was not stopped, and its GRPO steps moved the weights.
-    With a KL term to the GRPO start, and either a bf16 error-feedback served copy (Fair
-    Cast: the resume reads the exporter's residual from the checkpoint) or LoRA adapters
-    (the base read back from the run directory): the resume reads the reference from the
-    run directory, the KL term is live, and the verified steps replay bit for bit."""
+    With a KL term to the GRPO start, and a bf16 error-feedback served copy (Fair Cast: the
+    resume reads the exporter's residual from the checkpoint), LoRA adapters (the base read
+    back from the run directory) or dynamic sampling (batches refilled from further calls,
+    the prompt stream's state covering them): the resume reads the reference from the run
+    directory, the KL term is live, and the verified steps replay bit for bit."""
     from jaxrl_lp.train import apply_overrides, load_config
     from jaxrl_lp.train.program import run_train
 
@@ -184,9 +225,12 @@ def test_a_multiturn_run_stopped_and_resumed_ends_bit_identical(tmp_path, option
 
     assert records(tmp_path / "whole") == records(tmp_path / "cut")
     grpo = [r for r in records(tmp_path / "whole") if r["phase"] == "grpo"]
-    assert all(r["replay_verified"] == 1.0 for r in grpo[::2])  # grpo.verify_every=2
+    verified = grpo if "grpo.verify_every=1" in options else grpo[::2]  # else every 2nd
+    assert all(r["replay_verified"] == 1.0 for r in verified)
     assert max(r["kl_ref"] for r in grpo) > 0
     if "lora.rank=4" in options:  # the checkpoints hold the adapters; the base stands still
         assert set(a[44]["state"]["params"]) == {"adapters"}
+    elif "grpo.dynamic_sampling=true" in options:  # a verified batch joined several calls
+        assert any(r["refilled_groups"] > 0 for r in grpo)
     else:
         assert all("served_master_k3" in r for r in grpo)

@@ -172,8 +172,10 @@ def concat_rollouts(rollouts: Sequence[Rollout], pad_id: int) -> Rollout:
 
     The rollouts must agree on everything that is not per row: the policy,
     loop spec, temperature, verification chunk, decode layout, weights version and weights
-    digest (one sampler, one set of weights), and the completion width N.
-    Prompts of different bucketed widths are left-padded to the widest with
+    digest (one sampler, one set of weights), and the completion width N (multi-turn
+    rollouts, `env_mask` set, are right-padded to the widest: their calls' slots end
+    where their episodes did; they are replayed by their own calls,
+    `train.episodes.replay_episodes`). Prompts of different bucketed widths are left-padded to the widest with
     `pad_id` (pad slots are never attended to, and positions come from
     `prompt_lengths`). `loop_evals` are summed. The recorded log-probs are the
     sampler's, each row as its own call computed it, and the rows keep their
@@ -189,15 +191,16 @@ def concat_rollouts(rollouts: Sequence[Rollout], pad_id: int) -> Rollout:
     head = rollouts[0]
     if len(rollouts) == 1:
         return head
-    if any(ro.env_mask is not None for ro in rollouts):
-        raise ValueError("concat_rollouts: multi-turn rollouts (env_mask) are replayed by "
-                         "their own calls; they are not concatenated")
+    multiturn = {ro.env_mask is not None for ro in rollouts}
+    if len(multiturn) > 1:
+        raise ValueError("concat_rollouts: a multi-turn rollout (env_mask) and a single-turn one")
+    multiturn = multiturn.pop()
     for ro in rollouts[1:]:
         for f in ("policy", "loop", "temperature", "verify_tokens", "decode_layout"):
             if getattr(ro, f) != getattr(head, f):
                 raise ValueError(f"concat_rollouts: rollouts with different {f} "
                                  f"({getattr(head, f)!r} and {getattr(ro, f)!r})")
-        if ro.completion_tokens.shape[1] != head.completion_tokens.shape[1]:
+        if not multiturn and ro.completion_tokens.shape[1] != head.completion_tokens.shape[1]:
             raise ValueError("concat_rollouts: rollouts of different completion widths "
                              f"({head.completion_tokens.shape[1]} and "
                              f"{ro.completion_tokens.shape[1]})")
@@ -219,8 +222,17 @@ def concat_rollouts(rollouts: Sequence[Rollout], pad_id: int) -> Rollout:
         return ro.prompt_tokens if not extra else jnp.pad(
             ro.prompt_tokens, ((0, 0), (extra, 0)), constant_values=pad_id)
 
-    fields = _ROW_FIELDS + (() if head.verify_counts is None else ("verify_counts",))
-    rows = {f: jnp.concatenate([prompts(ro) if f == "prompt_tokens" else getattr(ro, f)
+    n = max(ro.completion_tokens.shape[1] for ro in rollouts)  # one width unless multi-turn
+
+    def completions(ro, f):  # a multi-turn call's slots end where its episodes did
+        x, extra = getattr(ro, f), n - ro.completion_tokens.shape[1]
+        return x if not extra else jnp.pad(x, ((0, 0), (0, extra)), constant_values=(
+            pad_id if f == "completion_tokens" else 0))
+
+    fields = (_ROW_FIELDS + (() if head.verify_counts is None else ("verify_counts",))
+              + (("env_mask",) if multiturn else ()))
+    rows = {f: jnp.concatenate([prompts(ro) if f == "prompt_tokens" else
+                                getattr(ro, f) if f == "prompt_lengths" else completions(ro, f)
                                 for ro in rollouts]) for f in fields}
     calls = dict(calls=(), call_rows=None, call_keys=None)
     if all(ro.call_rows is not None for ro in rollouts):

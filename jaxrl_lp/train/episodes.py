@@ -6,7 +6,8 @@ runs them through `rollout.generate_multiturn`, the environments stepped on host
 threads by an `envs.EnvRunner` (a per-call timeout; an environment that raises or
 hangs ends its episode with the runner's reason and `failure_reward`, and the run goes
 on). `episode_metrics` measures what happened; `evaluate_episodes` is the held-out
-score (greedy episodes).
+score (greedy episodes); `replay_episodes` replays episodes gathered from several calls
+(dynamic sampling's rounds).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from jaxrl_lp.envs import EnvRunner, Turn
@@ -24,12 +26,13 @@ from jaxrl_lp.rollout.multiturn import (
     TurnLimits,
     TurnOutcome,
     generate_multiturn,
+    replay_multiturn,
 )
 from jaxrl_lp.rollout.sampling import SamplingConfig
 from jaxrl_lp.rollout.step import LoopSpec
 
-__all__ = ["episode_metrics", "evaluate_episodes", "is_multiturn", "sample_episodes",
-           "turn_limits", "turn_step"]
+__all__ = ["episode_metrics", "evaluate_episodes", "is_multiturn", "replay_episodes",
+           "sample_episodes", "turn_limits", "turn_step"]
 
 
 def is_multiturn(task: Any) -> bool:
@@ -75,8 +78,24 @@ def sample_episodes(params, mcfg, task, records: Sequence[Any], *, group_size: i
                               key=key, weights_version=weights_version)
 
 
-def episode_metrics(mt: MultiTurnRollout) -> dict[str, float]:
-    """Per-episode means of what the episodes did (`metrics.jsonl` keys).
+def replay_episodes(params, mcfg, policy: Policy,
+                    parts: Sequence[tuple[MultiTurnRollout, np.ndarray | None]]) -> jax.Array:
+    """The log-probs [B, N] of episodes gathered from several calls (dynamic sampling's
+    rounds, in `concat_rollouts`' order): each call `(mt, rows)` replayed whole by its own
+    programs (`rollout.multiturn.replay_multiturn`), its `rows` taken (None: all), right-
+    padded with 0 to the widest call's slots and concatenated."""
+    outs = [replay_multiturn(params, mcfg, policy, mt) for mt, _ in parts]
+    outs = [o if rows is None else o[jnp.asarray(rows)]
+            for o, (_, rows) in zip(outs, parts, strict=True)]
+    if len(outs) == 1:
+        return outs[0]
+    n = max(o.shape[1] for o in outs)
+    return jnp.concatenate([jnp.pad(o, ((0, 0), (0, n - o.shape[1]))) for o in outs])
+
+
+def episode_metrics(*mts: MultiTurnRollout) -> dict[str, float]:
+    """Per-episode means of what the episodes of one or several calls did (`metrics.jsonl`
+    keys; `prefill_tokens`, `decode_steps` and `timing_s/env` summed over the calls).
 
     `turns_per_episode`; `tool_calls` per episode, `tool_success` (the share of
     calls the tool answered), `tool_use` (the share of episodes that called a tool) and
@@ -86,26 +105,29 @@ def episode_metrics(mt: MultiTurnRollout) -> dict[str, float]:
     `policy_tokens` and `env_tokens` per episode (tokens by origin); `prefill_tokens`
     and `decode_steps` of the call; `timing_s/env` (seconds in the environments).
     """
-    infos = [i for row in mt.infos for i in row if isinstance(i, dict)]
+    rows = [row for mt in mts for row in mt.infos]
+    reasons = [r for mt in mts for r in mt.reasons]
+    rewards = np.concatenate([mt.rewards for mt in mts])
+    infos = [i for row in rows for i in row if isinstance(i, dict)]
     calls = sum(1 for i in infos if i.get("tool_call"))
     ok = sum(1 for i in infos if i.get("tool_call") and i.get("tool_ok"))
-    ro = mt.rollout
-    b = len(mt.reasons)
+    b = len(reasons)
     used = np.array([any(isinstance(i, dict) and i.get("tool_call") for i in row)
-                     for row in mt.infos], bool)
+                     for row in rows], bool)
+    tokens = lambda f: sum(np.asarray(getattr(mt.rollout, f)).sum() for mt in mts)
     return {
-        "turns_per_episode": float(np.mean(mt.turns)),
+        "turns_per_episode": float(np.mean(np.concatenate([mt.turns for mt in mts]))),
         "tool_calls": calls / b,
         "tool_success": ok / calls if calls else 0.0,
         "tool_use": float(used.mean()),
-        "tool_solved": float((mt.rewards[used] >= 1.0).mean()) if used.any() else 0.0,
-        "env_failed": float(sum(r.startswith(("error", "timeout")) for r in mt.reasons)),
-        "episode_overflow": float(sum(r == "observation_overflow" for r in mt.reasons)),
-        "policy_tokens": float(np.asarray(ro.completion_mask).sum() / b),
-        "env_tokens": float(np.asarray(ro.env_mask).sum() / b),
-        "prefill_tokens": float(mt.prefill_tokens),
-        "decode_steps": float(mt.decode_steps),
-        "timing_s/env": float(mt.env_seconds),
+        "tool_solved": float((rewards[used] >= 1.0).mean()) if used.any() else 0.0,
+        "env_failed": float(sum(r.startswith(("error", "timeout")) for r in reasons)),
+        "episode_overflow": float(sum(r == "observation_overflow" for r in reasons)),
+        "policy_tokens": float(tokens("completion_mask") / b),
+        "env_tokens": float(tokens("env_mask") / b),
+        "prefill_tokens": float(sum(mt.prefill_tokens for mt in mts)),
+        "decode_steps": float(sum(mt.decode_steps for mt in mts)),
+        "timing_s/env": float(sum(mt.env_seconds for mt in mts)),
     }
 
 

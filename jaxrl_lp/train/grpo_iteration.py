@@ -146,6 +146,13 @@ class _Round(NamedTuple):
     penalty: np.ndarray              # [B] the overlong penalty (<= 0), zeros when off
 
 
+def _episode_round(mt) -> _Round:
+    """A multi-turn call as a round: the environments' rewards, each episode's sum over its
+    turns (no overlong penalty: episodes end by their turn limits)."""
+    return _Round(mt.rollout, mt.rewards.astype(np.float32),
+                  np.zeros(len(mt.rewards), np.float32))
+
+
 def _score(ro, problems, cfg, plan, timer) -> tuple[np.ndarray, np.ndarray]:
     """(task rewards, overlong penalty) of a rollout, [B] f32 host arrays each."""
     g = cfg.grpo
@@ -225,12 +232,17 @@ def grpo_iteration(state: RunState, step: int, cfg, plan, programs: IterationPro
     if episodes is None:
         rounds = [_Round(ro, *_score(ro, problems, cfg, plan, timer))]
     else:  # the environments' rewards, each episode's sum over its turns
-        rounds = [_Round(ro, episodes.rewards.astype(np.float32),
-                         np.zeros(len(episodes.rewards), np.float32))]
+        rounds = [_episode_round(episodes)]
+    calls = [episodes]  # a multi-turn task's calls, one per round
     ds_metrics, picked = {}, None
     if g.dynamic_sampling:
         def draw(r):  # round r >= 1: the next prompts of the run's stream, a key of their own
-            if r:  # sampled on the weights of the step's first round
+            if r and episodes is not None:  # sampled on the step's export, as round 0
+                more = [task.train[int(i)] for i in prompt_it.next_global()]
+                calls.append(_sample_episodes(sampler_params, version, jax.random.fold_in(
+                    key, r), cfg, plan, more, timer, programs.env_runner))
+                rounds.append(_episode_round(calls[-1]))
+            elif r:  # sampled on the weights of the step's first round
                 more = [task.train[int(i)] for i in prompt_it.next_global()]
                 ro_r, sm = _sample(rollout_weights, version, jax.random.fold_in(key, r), cfg,
                                    plan, more, timer, side)
@@ -268,12 +280,15 @@ def grpo_iteration(state: RunState, step: int, cfg, plan, programs: IterationPro
     on_served = hooks.active and cfg.sync.loss_on_served
     rule, old_logp_fn = programs.rule, programs.behaviour_logprobs
     if episodes is not None and g.logprobs == "hybrid":
-        # A multi-turn rollout's replay is its own programs' (`rollout.multiturn`), the whole
-        # batch at once; the dense log-probs read it as any rollout.
-        from jaxrl_lp.rollout.multiturn import replay_multiturn
+        # A multi-turn rollout's replay is its own programs' (`rollout.multiturn`), each
+        # call's whole batch at once; the dense log-probs read it as any rollout.
+        from jaxrl_lp.train.episodes import replay_episodes
 
-        old_logp_fn = lambda p, _ro: replay_multiturn(p, plan.model, plan.learner_policy,
-                                                       episodes)
+        replayed = ([(calls[0], None)] if picked is None or picked.single_round else
+                    [(mt, rows) for mt, rows in zip(calls, picked.rows, strict=True)
+                     if len(rows)])
+        old_logp_fn = lambda p, _ro: replay_episodes(p, plan.model, plan.learner_policy,
+                                                      replayed)
         if programs.reference is not None:  # the reference's values: the same replay
             programs = programs._replace(
                 reference=programs.reference._replace(logprobs=old_logp_fn))
@@ -372,7 +387,7 @@ def grpo_iteration(state: RunState, step: int, cfg, plan, programs: IterationPro
     if episodes is not None:
         from jaxrl_lp.train.episodes import episode_metrics
 
-        metrics.update(episode_metrics(episodes))
+        metrics.update(episode_metrics(*calls))  # every episode sampled, refills too
     metrics.update(sync_metrics)
     metrics.update(spec_metrics)
     metrics.update(ds_metrics)

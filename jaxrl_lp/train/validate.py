@@ -237,9 +237,9 @@ def _weights(cfg: TrainConfig):
 def _multiturn(cfg: TrainConfig, task, mcfg: ModelConfig, weights) -> None:
     """A multi-turn task's run checked against what its episodes support.
 
-    Its episodes run on one device with the plain sampler (`rollout.multiturn`), one
-    rollout per step on the step's weights, replayed as whole calls; the options below
-    compose with it not yet, each refused with the key to change.
+    Its episodes run on one device with the plain sampler (`rollout.multiturn`), on the
+    step's weights (a dynamic-sampling step's refills too), each call replayed whole; the
+    options below compose with it not yet, each refused with the key to change.
     """
     from jaxrl_lp.train.episodes import is_multiturn, turn_limits
 
@@ -251,9 +251,6 @@ def _multiturn(cfg: TrainConfig, task, mcfg: ModelConfig, weights) -> None:
         why = "run on one device: set run.mesh='', run.learner_mesh='' and one process"
     elif g.max_staleness:
         why = "are sampled on the step's weights: set grpo.max_staleness=0"
-    elif g.dynamic_sampling:
-        why = ("are not refilled (their calls are replayed whole): set "
-               "grpo.dynamic_sampling=false")
     elif g.overlong_buffer:
         why = "end by their turn limits, not a completion budget: set grpo.overlong_buffer=0"
     elif g.speculative:
