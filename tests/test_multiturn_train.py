@@ -147,6 +147,7 @@ def test_train_runs_multiturn_episodes_and_replays_every_step(tmp_path):
 @pytest.mark.parametrize("setting,words", [
     ("grpo.max_staleness=1", ["task.kind='calculator'", "grpo.max_staleness=0"]),
     ("grpo.reuse_products=true", ["grpo.reuse_products=false"]),
+    ("distributed.num_processes=2", ["distributed.num_processes=1", "run.learner_mesh=''"]),
     ("grpo.overlong_buffer=2", ["grpo.overlong_buffer=0"]),
     ("sft.optimizer=error_diffusion:ternary", ["sft.optimizer=adamw"])])
 def test_options_episodes_do_not_support_are_refused_in_one_line(tmp_path, capsys, setting,
@@ -234,3 +235,43 @@ def test_a_multiturn_run_stopped_and_resumed_ends_bit_identical(tmp_path, option
         assert any(r["refilled_groups"] > 0 for r in grpo)
     else:
         assert all("served_master_k3" in r for r in grpo)
+
+
+@pytest.mark.slow
+@pytest.mark.ci
+def test_a_multiturn_run_on_a_mesh_is_the_one_device_run_with_exact_replays(tmp_path):
+    """`run.mesh=data=2,fsdp=2,tensor=2` with episodes: the warm-start's losses are the
+    one-device run's (to rounding), every GRPO step (dynamic sampling on) replays bit for
+    bit on the mesh, and the checkpoint restores sharded over it."""
+    from jaxrl_lp.train import apply_overrides, load_config
+    from jaxrl_lp.train.checkpoint import Checkpointer
+    from jaxrl_lp.train.program import initial_state, run_train
+
+    def run(name, mesh):
+        cfg = apply_overrides(load_config("configs/multiturn_tools.py"), [
+            f"run.out_dir={tmp_path / name}", f"run.mesh={mesh}", "task.ops=+",
+            "task.max_digits=1", "task.second_digits=1", "sft.steps=6", "sft.batch_size=16",
+            "grpo.steps=2", "grpo.prompts_per_step=4", "grpo.group_size=4",
+            "grpo.dynamic_sampling=true", "grpo.verify_every=1", "run.eval_every=2",
+            "run.eval_size=4", "run.progress=false"])
+        run_train(cfg)
+        return cfg, [json.loads(x) for x in (tmp_path / name / "metrics.jsonl").read_text()
+                     .splitlines()]
+
+    _, one = run("one", "")
+    cfg, mesh = run("mesh", "data=2,fsdp=2,tensor=2")
+    sft = [(a, b) for a, b in zip(one, mesh, strict=True) if a["phase"] == "sft"]
+    assert len(sft) == 6
+    for a, b in sft:
+        np.testing.assert_allclose(b["loss"], a["loss"], rtol=1e-5)
+    grpo = [r for r in mesh if r["phase"] == "grpo"]
+    assert len(grpo) == 2 and all(r["replay_verified"] == 1.0 and
+                                  r["mismatch_max_abs_dlogp"] == 0.0 for r in grpo)
+    plan, like, _ = initial_state(cfg)
+    ckpt = Checkpointer(cfg.run.out_dir)
+    try:
+        state, _ = ckpt.restore(like.tree(), plan.model)
+    finally:
+        ckpt.close()
+    big = [x for x in jax.tree.leaves(state["params"]) if x.size > 64]
+    assert big and all(all(s.data.shape != x.shape for s in x.addressable_shards) for x in big)

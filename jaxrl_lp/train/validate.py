@@ -237,7 +237,8 @@ def _weights(cfg: TrainConfig):
 def _multiturn(cfg: TrainConfig, task, mcfg: ModelConfig, weights) -> None:
     """A multi-turn task's run checked against what its episodes support.
 
-    Its episodes run on one device with the plain sampler (`rollout.multiturn`), on the
+    Its episodes run with the plain sampler (`rollout.multiturn`) on the learner's devices
+    (one, or `run.mesh`) and in one process (the host steps the environments), on the
     step's weights (a dynamic-sampling step's refills too), each call replayed whole; the
     options below compose with it not yet, each refused with the key to change.
     """
@@ -247,8 +248,9 @@ def _multiturn(cfg: TrainConfig, task, mcfg: ModelConfig, weights) -> None:
         return
     g = cfg.grpo
     why = None
-    if cfg.run.mesh or cfg.run.learner_mesh or cfg.distributed.num_processes > 1:
-        why = "run on one device: set run.mesh='', run.learner_mesh='' and one process"
+    if cfg.run.learner_mesh or cfg.distributed.num_processes > 1:
+        why = ("are sampled and learned from on the same devices, by one process: set "
+               "run.learner_mesh='' (run.mesh shards both) and distributed.num_processes=1")
     elif g.max_staleness:
         why = "are sampled on the step's weights: set grpo.max_staleness=0"
     elif g.overlong_buffer:
