@@ -175,8 +175,9 @@ def concat_rollouts(rollouts: Sequence[Rollout], pad_id: int) -> Rollout:
     digest (one sampler, one set of weights), and the completion width N (multi-turn
     rollouts, `env_mask` set, are right-padded to the widest: their calls' slots end
     where their episodes did; they are replayed by their own calls,
-    `train.episodes.replay_episodes`). Prompts of different bucketed widths are left-padded to the widest with
-    `pad_id` (pad slots are never attended to, and positions come from
+    `train.episodes.replay_episodes`). Prompts of different bucketed widths are
+    left-padded to the widest with `pad_id` (pad slots are never attended to, and
+    positions come from
     `prompt_lengths`). `loop_evals` are summed. The recorded log-probs are the
     sampler's, each row as its own call computed it, and the rows keep their
     calls (`Rollout.calls`; dropped where one part has none). Recorded weight

@@ -103,7 +103,7 @@ def episode_metrics(*mts: MultiTurnRollout) -> dict[str, float]:
     `env_failed` (episodes a failing environment ended: raised or timed out) and
     `episode_overflow` (an observation over the limit);
     `policy_tokens` and `env_tokens` per episode (tokens by origin); `prefill_tokens`
-    and `decode_steps` of the call; `timing_s/env` (seconds in the environments).
+    and `decode_steps` of the calls; `timing_s/env` (seconds in the environments).
     """
     rows = [row for mt in mts for row in mt.infos]
     reasons = [r for mt in mts for r in mt.reasons]
