@@ -159,6 +159,36 @@ def test_options_episodes_do_not_support_are_refused_in_one_line(tmp_path, capsy
     assert not (tmp_path / "r").exists()
 
 
+def test_the_start_probe_samples_episodes_and_stops_a_planted_mismatch(tmp_path, monkeypatch,
+                                                                        capsys):
+    """A multi-turn run's start probe samples a call of episodes at the run's shapes and
+    replays it whole: as built, every policy token is the sampler's bits; with a replay one
+    ulp off, `jaxrl-lp train` exits 2 with one line and nothing is written."""
+    import jax.numpy as jnp
+
+    import jaxrl_lp.train.probe as probe
+    from jaxrl_lp.train import apply_overrides, load_config
+    from jaxrl_lp.train.validate import validate
+
+    small = ["grpo.prompts_per_step=4", "grpo.group_size=2"]
+    cfg = apply_overrides(load_config("configs/multiturn_tools.py"),
+                          [*small, f"run.out_dir={tmp_path / 'ok'}"])
+    checked = probe.probe_exactness(cfg, validate(cfg))
+    assert checked["rows"] == 8 and checked["slices"] == [] and checked["tokens"] > 8
+    real = probe.replay_multiturn
+    monkeypatch.setattr(probe, "replay_multiturn",
+                        lambda *a, **k: jnp.nextafter(real(*a, **k), 0.0))
+    out = tmp_path / "run"
+    assert main(["train", "--config", "configs/multiturn_tools.py",
+                 *[x for kv in small for x in ("--set", kv)],
+                 "--set", f"run.out_dir={out}"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1, err
+    assert "a call of episodes" in err and "grpo.replay=always" in err and \
+        "nothing was written" in err, err
+    assert not out.exists()
+
+
 def test_bench_multiturn_prints_its_json(tmp_path):
     out = tmp_path / "mt.json"
     assert main(["bench", "multiturn", "--rows", "2", "--turns", "2", "--turn-tokens", "4",

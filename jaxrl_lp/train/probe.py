@@ -13,6 +13,12 @@ and temperature) where the run's sampler runs (its mesh, or its replicas),
 replays it on the learner's side whole and in the slices the run replays (a
 minibatch, a micro-batch), and compares the bits. The sampler's
 program it compiles is the one the run then uses.
+
+A multi-turn task's run is probed with what its GRPO steps run: one call of
+episodes at its shapes (`train.episodes.sample_episodes`, its environments
+stepped as the run steps them), on the learner's devices, replayed whole by
+the episodes' programs (`rollout.multiturn.replay_multiturn`): its updates
+replay whole calls and take their rows, so there is no slice to check.
 """
 
 from __future__ import annotations
@@ -20,11 +26,15 @@ from __future__ import annotations
 import jax
 import numpy as np
 
+from jaxrl_lp.envs import EnvRunner
 from jaxrl_lp.models.model import init_params
-from jaxrl_lp.parallel.shard import to_host
+from jaxrl_lp.parallel.rules import param_shardings
+from jaxrl_lp.parallel.shard import put_tree, to_host
 from jaxrl_lp.rollout.generate import take_rows
+from jaxrl_lp.rollout.multiturn import replay_multiturn
 from jaxrl_lp.rollout.replay import replay_logprobs
 from jaxrl_lp.rollout.sampling import SamplingConfig
+from jaxrl_lp.train.episodes import is_multiturn, sample_episodes
 from jaxrl_lp.train.grpo_iteration import sampler_side
 
 __all__ = ["ExactnessProbeError", "probe_exactness"]
@@ -47,9 +57,10 @@ def probe_exactness(cfg, plan) -> dict | None:
     Returns None where the run does not take recorded log-probs as the
     replay's (`grpo.replay=always`, dense log-probs, unmatched policies) or
     `grpo.start_probe` is false; else what was checked: `{"rows": B,
-    "slices": [...], "tokens": n}`. A speculative sampler's batch is checked
-    whole (its replay re-traces the verification chunks, `rollout.replay`: the
-    slices of a later update are not the sampler's program).
+    "slices": [...], "tokens": n}`. A multi-turn task's call of episodes is checked
+    whole (its updates replay whole calls), and so is a speculative sampler's batch
+    (its replay re-traces the verification chunks, `rollout.replay`: the slices of a
+    later update are not the sampler's program).
 
     Raises:
       ExactnessProbeError: the replay of the whole batch or of a slice differs
@@ -69,6 +80,8 @@ def probe_exactness(cfg, plan) -> dict | None:
               sampling=SamplingConfig(temperature=g.temperature, draw=g.draw),
               max_new_tokens=plan.max_new_tokens, num_samples=g.group_size, eos_id=tok.eos_id,
               pad_id=tok.pad_id, loop=plan.loop, key=jax.random.PRNGKey(cfg.run.seed))
+    if is_multiturn(task):
+        return _probe_episodes(cfg, plan, params)
     if g.speculative:
         from jaxrl_lp.rollout.speculative import speculative_generate
 
@@ -87,15 +100,42 @@ def probe_exactness(cfg, plan) -> dict | None:
         got = np.concatenate([replay(ro if size == rows else
                                      take_rows(ro, np.arange(i, i + size)))
                               for i in range(0, rows, size)])
-        differ = mask & (got.view(np.uint32) != want.view(np.uint32))
-        if differ.any():
-            worst = float(np.max(np.abs(np.where(differ, got - want, 0.0))))
-            shape = "the whole batch" if size == rows else f"slices of {size} rows"
-            raise ExactnessProbeError(
-                f"grpo.start_probe: on {jax.default_backend()} the learner's replay of "
-                f"{shape} differs from the sampler on {int(differ.sum())} of {int(mask.sum())} "
-                f"tokens (max |dlogp| {worst:.3g}), so the sampler's log-probs cannot stand for "
-                "the learner's; nothing was written. Set grpo.replay=always (every update "
-                "replays; the mismatch metrics measure it), or grpo.logprobs=dense, or "
-                "grpo.start_probe=false to run as configured")
+        _compare(got, want, mask, "the whole batch" if size == rows else f"slices of {size} rows")
     return {"rows": rows, "slices": slices, "tokens": int(mask.sum())}
+
+
+def _compare(got: np.ndarray, want: np.ndarray, mask: np.ndarray, shape: str) -> None:
+    """Raises `ExactnessProbeError` where a replayed value under `mask` is not the sampler's
+    bits (`shape`: what was replayed, for the message)."""
+    differ = mask & (got.view(np.uint32) != want.view(np.uint32))
+    if differ.any():
+        worst = float(np.max(np.abs(np.where(differ, got - want, 0.0))))
+        raise ExactnessProbeError(
+            f"grpo.start_probe: on {jax.default_backend()} the learner's replay of "
+            f"{shape} differs from the sampler on {int(differ.sum())} of {int(mask.sum())} "
+            f"tokens (max |dlogp| {worst:.3g}), so the sampler's log-probs cannot stand for "
+            "the learner's; nothing was written. Set grpo.replay=always (every update "
+            "replays; the mismatch metrics measure it), or grpo.logprobs=dense, or "
+            "grpo.start_probe=false to run as configured")
+
+
+def _probe_episodes(cfg, plan, params) -> dict:
+    """A multi-turn run's probe (module docstring): one call of episodes, replayed whole."""
+    g, task = cfg.grpo, plan.task
+    if plan.mesh is not None:  # the episodes' programs as the run compiles them: sharded
+        params = put_tree(params, param_shardings(params, plan.model, plan.mesh))
+    runner = EnvRunner(timeout_s=cfg.task.env_timeout_s, failure_reward=cfg.task.failure_reward)
+    try:
+        mt = sample_episodes(params, plan.model, task,
+                             [task.train[i % len(task.train)] for i in range(g.prompts_per_step)],
+                             group_size=g.group_size, policy=plan.sampler_policy,
+                             sampling=SamplingConfig(temperature=g.temperature, draw=g.draw),
+                             loop=plan.loop, key=jax.random.PRNGKey(cfg.run.seed), runner=runner)
+    finally:
+        runner.close()
+    got = np.asarray(to_host(replay_multiturn(params, plan.model, plan.learner_policy, mt)),
+                     np.float32)
+    want = np.asarray(to_host(mt.rollout.logprobs), np.float32)
+    mask = np.asarray(to_host(mt.rollout.completion_mask)) > 0
+    _compare(got, want, mask, "a call of episodes")
+    return {"rows": int(want.shape[0]), "slices": [], "tokens": int(mask.sum())}
