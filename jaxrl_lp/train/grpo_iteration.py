@@ -233,15 +233,16 @@ def grpo_iteration(state: RunState, step: int, cfg, plan, programs: IterationPro
         rounds = [_Round(ro, *_score(ro, problems, cfg, plan, timer))]
     else:  # the environments' rewards, each episode's sum over its turns
         rounds = [_episode_round(episodes)]
-    calls = [episodes]  # a multi-turn task's calls, one per round
+    episode_calls = [episodes]  # a multi-turn task's calls of episodes, one per round
     ds_metrics, picked = {}, None
     if g.dynamic_sampling:
         def draw(r):  # round r >= 1: the next prompts of the run's stream, a key of their own
             if r and episodes is not None:  # sampled on the step's export, as round 0
                 more = [task.train[int(i)] for i in prompt_it.next_global()]
-                calls.append(_sample_episodes(sampler_params, version, jax.random.fold_in(
-                    key, r), cfg, plan, more, timer, programs.env_runner))
-                rounds.append(_episode_round(calls[-1]))
+                episode_calls.append(_sample_episodes(
+                    sampler_params, version, jax.random.fold_in(key, r), cfg, plan, more, timer,
+                    programs.env_runner))
+                rounds.append(_episode_round(episode_calls[-1]))
             elif r:  # sampled on the weights of the step's first round
                 more = [task.train[int(i)] for i in prompt_it.next_global()]
                 ro_r, sm = _sample(rollout_weights, version, jax.random.fold_in(key, r), cfg,
@@ -284,8 +285,8 @@ def grpo_iteration(state: RunState, step: int, cfg, plan, programs: IterationPro
         # call's whole batch at once; the dense log-probs read it as any rollout.
         from jaxrl_lp.train.episodes import replay_episodes
 
-        replayed = ([(calls[0], None)] if picked is None or picked.single_round else
-                    [(mt, rows) for mt, rows in zip(calls, picked.rows, strict=True)
+        replayed = ([(episodes, None)] if picked is None or picked.single_round else
+                    [(mt, rows) for mt, rows in zip(episode_calls, picked.rows, strict=True)
                      if len(rows)])
         old_logp_fn = lambda p, _ro: replay_episodes(p, plan.model, plan.learner_policy,
                                                       replayed)
@@ -387,7 +388,7 @@ def grpo_iteration(state: RunState, step: int, cfg, plan, programs: IterationPro
     if episodes is not None:
         from jaxrl_lp.train.episodes import episode_metrics
 
-        metrics.update(episode_metrics(*calls))  # every episode sampled, refills too
+        metrics.update(episode_metrics(*episode_calls))  # every episode sampled, refills too
     metrics.update(sync_metrics)
     metrics.update(spec_metrics)
     metrics.update(ds_metrics)

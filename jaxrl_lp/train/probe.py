@@ -72,16 +72,16 @@ def probe_exactness(cfg, plan) -> dict | None:
     if not (g.start_probe and relies):
         return None
     task, tok = plan.task, plan.task.tokenizer
-    side = sampler_side(plan)  # where the run's sampler runs, as it holds its weights
     params = init_params(plan.model, jax.random.PRNGKey(cfg.run.seed))
+    if is_multiturn(task):
+        return _probe_episodes(cfg, plan, params)
+    side = sampler_side(plan)  # where the run's sampler runs, as it holds its weights
     prompts = [task.prompt_ids(task.train[i % len(task.train)])
                for i in range(g.prompts_per_step)]
     kw = dict(policy=plan.sampler_policy,
               sampling=SamplingConfig(temperature=g.temperature, draw=g.draw),
               max_new_tokens=plan.max_new_tokens, num_samples=g.group_size, eos_id=tok.eos_id,
               pad_id=tok.pad_id, loop=plan.loop, key=jax.random.PRNGKey(cfg.run.seed))
-    if is_multiturn(task):
-        return _probe_episodes(cfg, plan, params)
     if g.speculative:
         from jaxrl_lp.rollout.speculative import speculative_generate
 
