@@ -246,66 +246,6 @@ class _Iteration:
         return t.seconds["verify"]
 
 
-class _TunixIteration:
-    """Tunix's GRPO iteration on its own model (module docstring); same call contract."""
-
-    def __init__(self, ckpt, cfg, policy, prompts, optimizer, *, group, new_tokens,
-                 minibatches, seed):
-        self.update, self.model = tunix_ref.tunix_update(
-            ckpt, cfg, optimizer, compute_dtype=policy.compute_dtype,
-            aggregation=LOSS.aggregation, epsilon=LOSS.epsilon, num_generations=group,
-            pad_id=PAD_ID, eos_id=NO_EOS)
-        prompt_len = len(prompts[0])
-        self.rollout, self.rollout_config = tunix_ref.tunix_rollout(
-            self.model, cfg, pad_id=PAD_ID, eos_id=NO_EOS, prompt_len=prompt_len,
-            new_tokens=new_tokens)
-        # GRPO repeats each prompt G times before the rollout (prompt-major, as ours).
-        self.texts = [tunix_ref.ids_text(p) for p in prompts for _ in range(group)]
-        self.group, self.new_tokens, self.minibatches = group, new_tokens, minibatches
-        self.seed, self.count = seed, 0
-
-    def __call__(self) -> dict:
-        from flax import nnx
-        from tunix.generate import utils
-        from tunix.rl import function_registry
-        from tunix.rl.grpo import grpo_learner
-
-        timer, i = PhaseTimer(), self.count
-        self.count += 1
-        with timer("sample"):
-            config = dataclasses.replace(self.rollout_config, seed=jax.random.fold_in(
-                jax.random.PRNGKey(self.seed), i))
-            out = self.rollout.generate(self.texts, config)
-            # `_generate_and_compute_advantage`: completions right-padded, masks from pad ids.
-            completion = np.array([utils.pad_to_length(t, target_length=self.new_tokens,
-                                                       pad_value=PAD_ID, left=False)
-                                   for t in out.tokens])
-            prompt_ids = jnp.array(out.left_padded_prompt_tokens)
-            prompt_mask = prompt_ids != PAD_ID
-            completion_ids = jnp.array(completion)
-            completion_mask = jnp.array(completion != PAD_ID)
-            jax.block_until_ready(completion_ids)
-        with timer("score"):
-            estimator = function_registry.get_advantage_estimator("grpo")
-            adv = estimator(rewards=_reward(completion), num_generations=self.group)
-            adv = jax.block_until_ready(jax.device_put(adv))
-        size = completion.shape[0] // self.minibatches
-        with timer("update"):
-            for k in range(self.minibatches):
-                sl = slice(k * size, (k + 1) * size)
-                example = grpo_learner.TrainExample(
-                    prompt_ids=prompt_ids[sl], prompt_mask=prompt_mask[sl],
-                    completion_ids=completion_ids[sl], completion_mask=completion_mask[sl],
-                    ref_per_token_logps=None, advantages=adv[sl], old_per_token_logps=None)
-                loss, _, _ = self.update(example)
-            jax.block_until_ready(loss)
-        with timer("sync"):  # RLCluster.sync_weights: the actor's params into the rollout
-            # (without its `filter_types`: Tunix's reshard needs a mesh, which one device lacks)
-            self.rollout.update_params(nnx.state(self.model, nnx.Param))
-            jax.block_until_ready(jax.tree.leaves(self.rollout.model()))
-        return timer.metrics()
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The options of `jaxrl-lp bench iteration`."""
     parser.add_argument("--size", default="small",
@@ -445,8 +385,9 @@ def _preset_race(cfg, policy, args, mbs, methods, draws, layouts, optimizer, tun
     if tunix_ckpt is not None:
         save_hf_checkpoint(tunix_ckpt, cfg, params, dtype="f32")
         for k in mbs:
-            calls[f"tunix_mb{k}"] = _TunixIteration(tunix_ckpt, cfg, policy, prompts, optimizer,
-                                                    minibatches=k, **common)
+            calls[f"tunix_mb{k}"] = tunix_ref.TunixIteration(
+                tunix_ckpt, cfg, policy, prompts, optimizer, minibatches=k, loss=LOSS,
+                pad_id=PAD_ID, eos_id=NO_EOS, reward=_reward, **common)
     firsts, times, phases = _race_iterations(calls, args.repeats, args.min_time)
     tokens = args.batch * args.new_tokens
     res = _summary(times, phases, tokens)

@@ -55,6 +55,7 @@ from jaxrl_lp.rollout.generate import (
 from jaxrl_lp.rollout.replay import replay_logprobs
 from jaxrl_lp.rollout.sampling import SamplingConfig
 from jaxrl_lp.rollout.step import LoopSpec
+from jaxrl_lp.train.behaviour import bit_mismatch
 
 __all__ = ["add_arguments", "replay_cell", "run", "run_replay"]
 
@@ -82,10 +83,8 @@ def _model(preset: str, seed: int) -> tuple[ModelConfig, dict, LoopSpec, int]:
 
 
 def _compare(got: jax.Array, want: jax.Array, mask: np.ndarray) -> dict:
-    got, want = np.asarray(got, np.float32)[mask], np.asarray(want, np.float32)[mask]
-    differ = got.view(np.uint32) != want.view(np.uint32)
-    return {"differ": int(differ.sum()), "tokens": int(mask.sum()),
-            "max_abs_diff": float(np.max(np.abs(got - want), initial=0.0))}
+    differ, tokens, worst = bit_mismatch(got, want, mask)
+    return {"differ": differ, "tokens": tokens, "max_abs_diff": worst}
 
 
 def _seconds(fn, repeats: int) -> float:

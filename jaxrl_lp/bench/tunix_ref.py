@@ -12,6 +12,9 @@ grpo_loss_fn`) called with the learner's `GRPOConfig`, pad and EOS ids. What
 the learner adds around that step (rollouts, rewards, advantages, metric
 buffering) is left out, as it is on our side.
 
+`TunixIteration` is Tunix's whole GRPO iteration (rollout, advantages, updates,
+weight sync), the side `jaxrl-lp bench iteration` races against ours.
+
 Tunix runs its model at its config's `dtype` (compute) with `param_dtype`
 parameters; we map our policy's compute dtype onto the first and keep f32
 parameters, as our learner does.
@@ -19,12 +22,17 @@ parameters, as our learner does.
 
 from __future__ import annotations
 
+import dataclasses
+
+import jax
+import jax.numpy as jnp
 import numpy as np
 
 from jaxrl_lp.models.config import ModelConfig
+from jaxrl_lp.train.behaviour import PhaseTimer
 
-__all__ = ["AGGREGATIONS", "IdTokenizer", "ids_text", "tunix_model_config", "tunix_rollout",
-           "tunix_train_example", "tunix_update", "unavailable"]
+__all__ = ["AGGREGATIONS", "IdTokenizer", "TunixIteration", "ids_text", "tunix_model_config",
+           "tunix_rollout", "tunix_train_example", "tunix_update", "unavailable"]
 
 # Our loss aggregation names -> Tunix's `loss_agg_mode`.
 AGGREGATIONS = {"token_mean": "token-mean", "seq_mean_token_mean": "sequence-mean-token-mean"}
@@ -49,7 +57,6 @@ def tunix_version() -> str:
 
 def tunix_model_config(cfg: ModelConfig, compute_dtype):
     """Tunix's Qwen3 `ModelConfig` of our dense Qwen3 architecture."""
-    import jax.numpy as jnp
     from tunix.models.qwen3 import model as qwen3_model
 
     if cfg.is_looped or not cfg.qk_norm or cfg.attention_bias:
@@ -113,7 +120,6 @@ def tunix_train_example(ro, adv_B, old_logp_BxN=None):
     as our rollouts are laid out; `old_logp_BxN` (our PPO anchor) becomes its
     `old_per_token_logps`.
     """
-    import jax.numpy as jnp
     from tunix.rl.grpo import grpo_learner
 
     prompt = jnp.asarray(ro.prompt_tokens)
@@ -185,3 +191,72 @@ def tunix_rollout(model, cfg: ModelConfig, *, pad_id: int, eos_id: int, prompt_l
         max_prompt_length=prompt_len, kv_cache_size=prompt_len + new_tokens,
         eos_tokens=[eos_id])
     return rollout, config
+
+
+class TunixIteration:
+    """Tunix's whole GRPO iteration on its own model, as `jaxrl-lp bench iteration` races it
+    (that module's docstring): its vanilla rollout, the completion padding and masks its
+    GRPO learner builds, its `grpo` advantage estimator, its jitted update per minibatch
+    and its weight sync to the rollout. Each call runs one iteration and returns its
+    seconds by phase (`timing_s/<phase>`).
+
+    `loss` (our `LossConfig`: aggregation, epsilon), `pad_id`, `eos_id` and `reward`
+    (completions [B, N] -> rewards [B]) are the race's, so both sides do the same work.
+    """
+
+    def __init__(self, ckpt, cfg: ModelConfig, policy, prompts, optimizer, *, group: int,
+                 new_tokens: int, minibatches: int, seed: int, loss, pad_id: int, eos_id: int,
+                 reward):
+        self.update, self.model = tunix_update(
+            ckpt, cfg, optimizer, compute_dtype=policy.compute_dtype,
+            aggregation=loss.aggregation, epsilon=loss.epsilon, num_generations=group,
+            pad_id=pad_id, eos_id=eos_id)
+        prompt_len = len(prompts[0])
+        self.rollout, self.rollout_config = tunix_rollout(
+            self.model, cfg, pad_id=pad_id, eos_id=eos_id, prompt_len=prompt_len,
+            new_tokens=new_tokens)
+        # GRPO repeats each prompt G times before the rollout (prompt-major, as ours).
+        self.texts = [ids_text(p) for p in prompts for _ in range(group)]
+        self.group, self.new_tokens, self.minibatches = group, new_tokens, minibatches
+        self.seed, self.count, self.pad_id, self.reward = seed, 0, pad_id, reward
+
+    def __call__(self) -> dict:
+        from flax import nnx
+        from tunix.generate import utils
+        from tunix.rl import function_registry
+        from tunix.rl.grpo import grpo_learner
+
+        timer, i = PhaseTimer(), self.count
+        self.count += 1
+        with timer("sample"):
+            config = dataclasses.replace(self.rollout_config, seed=jax.random.fold_in(
+                jax.random.PRNGKey(self.seed), i))
+            out = self.rollout.generate(self.texts, config)
+            # `_generate_and_compute_advantage`: completions right-padded, masks from pad ids.
+            completion = np.array([utils.pad_to_length(t, target_length=self.new_tokens,
+                                                       pad_value=self.pad_id, left=False)
+                                   for t in out.tokens])
+            prompt_ids = jnp.array(out.left_padded_prompt_tokens)
+            prompt_mask = prompt_ids != self.pad_id
+            completion_ids = jnp.array(completion)
+            completion_mask = jnp.array(completion != self.pad_id)
+            jax.block_until_ready(completion_ids)
+        with timer("score"):
+            estimator = function_registry.get_advantage_estimator("grpo")
+            adv = estimator(rewards=self.reward(completion), num_generations=self.group)
+            adv = jax.block_until_ready(jax.device_put(adv))
+        size = completion.shape[0] // self.minibatches
+        with timer("update"):
+            for k in range(self.minibatches):
+                sl = slice(k * size, (k + 1) * size)
+                example = grpo_learner.TrainExample(
+                    prompt_ids=prompt_ids[sl], prompt_mask=prompt_mask[sl],
+                    completion_ids=completion_ids[sl], completion_mask=completion_mask[sl],
+                    ref_per_token_logps=None, advantages=adv[sl], old_per_token_logps=None)
+                loss, _, _ = self.update(example)
+            jax.block_until_ready(loss)
+        with timer("sync"):  # RLCluster.sync_weights: the actor's params into the rollout
+            # (without its `filter_types`: Tunix's reshard needs a mesh, which one device lacks)
+            self.rollout.update_params(nnx.state(self.model, nnx.Param))
+            jax.block_until_ready(jax.tree.leaves(self.rollout.model()))
+        return timer.metrics()

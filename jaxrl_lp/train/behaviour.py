@@ -29,7 +29,8 @@ from jaxrl_lp.numerics.fingerprint import fingerprint_equal, tree_fingerprint
 from jaxrl_lp.parallel.shard import to_host
 from jaxrl_lp.rollout.generate import Rollout
 
-__all__ = ["PhaseTimer", "ReplayMismatchError", "ReplayRule", "check_replay_equal"]
+__all__ = ["PhaseTimer", "ReplayMismatchError", "ReplayRule", "bit_mismatch",
+           "check_replay_equal"]
 
 
 class ReplayMismatchError(RuntimeError):
@@ -67,19 +68,26 @@ class ReplayRule:
         return fingerprint_equal(tree_fingerprint(weights), ro.weights_digest)
 
 
+def bit_mismatch(got, want, mask) -> tuple[int, int, float]:
+    """(tokens under `mask` whose f32 values differ in any bit, tokens under `mask`, the
+    largest |got - want| there) of two [B, N] log-prob arrays, compared on the host."""
+    # `to_host`: across processes the arrays span devices no one process holds.
+    mask = np.asarray(to_host(mask)) > 0
+    got = np.asarray(to_host(got), np.float32)
+    want = np.asarray(to_host(want), np.float32)
+    differ = mask & (got.view(np.uint32) != want.view(np.uint32))
+    worst = float(np.max(np.abs(np.where(differ, got - want, 0.0)), initial=0.0))
+    return int(differ.sum()), int(mask.sum()), worst
+
+
 def check_replay_equal(replayed, ro: Rollout, step: int) -> None:
     """Raises `ReplayMismatchError` unless `replayed` equals `ro.logprobs` bit for bit on the mask."""
-    # `to_host`: across processes the arrays span devices no one process holds.
-    mask = np.asarray(to_host(ro.completion_mask)) > 0
-    got = np.asarray(to_host(replayed), np.float32)
-    want = np.asarray(to_host(ro.logprobs), np.float32)
-    differ = mask & (got.view(np.uint32) != want.view(np.uint32))
-    if differ.any():
-        worst = float(np.max(np.abs(np.where(differ, got - want, 0.0))))
+    differ, tokens, worst = bit_mismatch(replayed, ro.logprobs, ro.completion_mask)
+    if differ:
         raise ReplayMismatchError(
             f"grpo.verify_every: at step {step} the learner's replay of the training batch under "
             f"the weights the sampler ran differs from the sampler's recorded log-probs on "
-            f"{int(differ.sum())} of {int(mask.sum())} tokens (max |dlogp| {worst:.3g}). Replay "
+            f"{differ} of {tokens} tokens (max |dlogp| {worst:.3g}). Replay "
             "== sampler does not hold for this configuration, so the recorded log-probs are not "
             "the learner's values; run with grpo.replay=always (every update replays, and the "
             "mismatch metrics measure the difference) and report the configuration")

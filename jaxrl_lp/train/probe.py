@@ -34,6 +34,7 @@ from jaxrl_lp.rollout.generate import take_rows
 from jaxrl_lp.rollout.multiturn import replay_multiturn
 from jaxrl_lp.rollout.replay import replay_logprobs
 from jaxrl_lp.rollout.sampling import SamplingConfig
+from jaxrl_lp.train.behaviour import bit_mismatch
 from jaxrl_lp.train.episodes import is_multiturn, sample_episodes
 from jaxrl_lp.train.grpo_iteration import sampler_side
 
@@ -104,15 +105,14 @@ def probe_exactness(cfg, plan) -> dict | None:
     return {"rows": rows, "slices": slices, "tokens": int(mask.sum())}
 
 
-def _compare(got: np.ndarray, want: np.ndarray, mask: np.ndarray, shape: str) -> None:
+def _compare(got, want, mask, shape: str) -> None:
     """Raises `ExactnessProbeError` where a replayed value under `mask` is not the sampler's
     bits (`shape`: what was replayed, for the message)."""
-    differ = mask & (got.view(np.uint32) != want.view(np.uint32))
-    if differ.any():
-        worst = float(np.max(np.abs(np.where(differ, got - want, 0.0))))
+    differ, tokens, worst = bit_mismatch(got, want, mask)
+    if differ:
         raise ExactnessProbeError(
             f"grpo.start_probe: on {jax.default_backend()} the learner's replay of "
-            f"{shape} differs from the sampler on {int(differ.sum())} of {int(mask.sum())} "
+            f"{shape} differs from the sampler on {differ} of {tokens} "
             f"tokens (max |dlogp| {worst:.3g}), so the sampler's log-probs cannot stand for "
             "the learner's; nothing was written. Set grpo.replay=always (every update "
             "replays; the mismatch metrics measure it), or grpo.logprobs=dense, or "
@@ -133,9 +133,8 @@ def _probe_episodes(cfg, plan, params) -> dict:
                              loop=plan.loop, key=jax.random.PRNGKey(cfg.run.seed), runner=runner)
     finally:
         runner.close()
-    got = np.asarray(to_host(replay_multiturn(params, plan.model, plan.learner_policy, mt)),
-                     np.float32)
-    want = np.asarray(to_host(mt.rollout.logprobs), np.float32)
-    mask = np.asarray(to_host(mt.rollout.completion_mask)) > 0
-    _compare(got, want, mask, "a call of episodes")
-    return {"rows": int(want.shape[0]), "slices": [], "tokens": int(mask.sum())}
+    ro = mt.rollout
+    _compare(replay_multiturn(params, plan.model, plan.learner_policy, mt), ro.logprobs,
+             ro.completion_mask, "a call of episodes")
+    return {"rows": int(ro.logprobs.shape[0]), "slices": [],
+            "tokens": int(np.asarray(to_host(ro.completion_mask)).sum())}
