@@ -108,8 +108,10 @@ RUNS = {
     # two micro-batches; the second minibatch computes its forward.
     "products": ["model.family=qwen3", "model.loop_steps=1", "grpo.reuse_products=true",
                  "grpo.minibatches=2", "grpo.micro_batches=2"],
-    # Speculative rollouts, self-drafted at one loop step.
-    "speculative": ["grpo.speculative=self:loops=1,k=2"],
+    # Speculative rollouts, self-drafted at one loop step, in two minibatches (the start
+    # probe replays their 4-row slices by the speculative sampler's program), verified.
+    "speculative": ["grpo.speculative=self:loops=1,k=2", "grpo.minibatches=2",
+                    "grpo.verify_every=1"],
     # Sharded over the 8 CPU devices the tests have (conftest's XLA_FLAGS).
     "mesh": ["run.mesh=fsdp=8", "grpo.prompts_per_step=8"],
     # Off-policy: the sampler two versions behind, on 2 replicas of its own beside a learner

@@ -55,19 +55,11 @@ def test_replay_equals_the_sampler_at_model_sizes(preset, policy):
     assert cell["other_weights_max_abs_diff"] > 0  # the replay computes with its weights
 
 
-# Measured on an H200 (docs/bench/gpu-h200.json): 3 of the speculative cell's tokens differ by
-# 4.8e-7, its replay re-tracing the verification chunks (`rollout.replay`); the start probe
-# checks such a run's batch before it writes anything. Strict: an unexpected pass fails the
-# tier.
-SPECULATIVE = pytest.param("speculative", marks=pytest.mark.xfail(
-    ON_GPU, strict=True, reason="the speculative replay is not yet its sampler's executable"))
-
-
-@pytest.mark.parametrize("path", [SPECULATIVE, "lora_unmerged", "mxfp8", "nvfp4"])
+@pytest.mark.parametrize("path", ["speculative", "lora_unmerged", "mxfp8", "nvfp4"])
 def test_the_other_paths_replay_exactly(path):
     """The tiny exactness cells of the other sampling paths: a speculative rollout (its
-    verification chunks), a LoRA tree sampled unmerged (base and adapters), the MX and NVFP4
-    matmul policies."""
+    sampler's program with the verification chunks forced), a LoRA tree sampled unmerged (base
+    and adapters), the MX and NVFP4 matmul policies."""
     from jaxrl_lp.lora.adapters import init_adapters, with_adapters
     from jaxrl_lp.lora.config import LoraConfig
 
@@ -81,7 +73,7 @@ def test_the_other_paths_replay_exactly(path):
                                   policy=policy, sampling=SamplingConfig(temperature=0.8),
                                   max_new_tokens=12, num_samples=2, loop=loop,
                                   key=jax.random.PRNGKey(2))
-        _assert_replays(params, cfg, policy, ro, slices=(1,))
+        _assert_replays(params, cfg, policy, ro)
         return
     cfg, params, loop = exactness_model("dense")
     if path == "lora_unmerged":
@@ -128,17 +120,20 @@ def test_a_run_in_minibatches_replays_at_the_samplers_bits(tmp_path):
     assert all(r["mismatch_max_abs_dlogp"] == 0.0 for r in grpo), grpo
 
 
-def test_the_start_probe_checks_the_runs_slices():
-    """The probe at a run's shapes (16 rows in 4 minibatches of 2 micro-batches) passes here."""
+@pytest.mark.parametrize("sampler", ["plain", "speculative"])
+def test_the_start_probe_checks_the_runs_slices(sampler):
+    """The probe at a run's shapes (16 rows in 4 minibatches of 2 micro-batches) passes here,
+    for the plain sampler and a self-speculative one."""
     from helpers import TINY_MODEL
 
     from jaxrl_lp.train import apply_overrides, load_config
     from jaxrl_lp.train.probe import probe_exactness
     from jaxrl_lp.train.validate import validate
 
+    spec = ["grpo.speculative=self:loops=1,k=2"] if sampler == "speculative" else []
     cfg = apply_overrides(load_config(None), [*TINY_MODEL, "grpo.prompts_per_step=4",
                                               "grpo.group_size=4", "grpo.minibatches=4",
-                                              "grpo.micro_batches=2"])
+                                              "grpo.micro_batches=2", *spec])
     got = probe_exactness(cfg, validate(cfg))
     assert got is not None and got["slices"] == [4, 2] and got["tokens"] > 0, got
 

@@ -15,11 +15,17 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxrl_lp.bench.exactness import exactness_model, exactness_rollout
+from jaxrl_lp.bench.exactness import EOS_ID, TEMPERATURE, exactness_model, exactness_rollout
 from jaxrl_lp.numerics.policy import Policy
 from jaxrl_lp.rl.logprobs import traced_replay_logprobs
 from jaxrl_lp.rollout.generate import Rollout, concat_rollouts, sampler_program, take_rows
 from jaxrl_lp.rollout.replay import replay_logprobs
+from jaxrl_lp.rollout.sampling import SamplingConfig
+from jaxrl_lp.rollout.speculative import (
+    replay_speculative,
+    speculative_generate,
+    speculative_program,
+)
 
 PROMPTS = ((1, 5, 7), (2, 9, 4, 11, 3, 8), (6,), (12, 13))
 FP32 = Policy.parse("fp32")
@@ -73,6 +79,48 @@ def test_rows_of_several_calls_replay_each_in_its_call():
                                max_new_tokens=8, seed=5)
     both = concat_rollouts([take_rows(ro, np.array([7, 2])), second], pad_id=0)
     assert len(both.calls) == 2 and both.prompt_tokens.shape[1] == ro.prompt_tokens.shape[1]
+    _bits_equal(replay_logprobs(params, cfg, FP32, both), both)
+
+
+def _speculative_case(params, cfg, loop, prompts=PROMPTS, seed=1):
+    """Self-speculation (1 of 3 loop steps drafts, k = 2), sampled, rows ending at EOS."""
+    return speculative_generate(params, cfg, prompts, "self:loops=1,k=2", policy=FP32,
+                                sampling=SamplingConfig(temperature=TEMPERATURE), loop=loop,
+                                max_new_tokens=8, num_samples=2, eos_id=EOS_ID,
+                                key=jax.random.PRNGKey(seed))
+
+
+def test_a_speculative_rollout_replays_by_its_samplers_program():
+    """The speculative sampler's program replays with the recorded tokens, verification counts
+    and exit steps forced in place of the drafts: nothing compiles, and the whole batch, 2-
+    and 4-row slices, shuffled rows and a refill of two calls are the sampler's bits. Under
+    weights whose rule exits elsewhere the recorded exits are taken: the traced replay of the
+    chunks (which always takes them) agrees to 1e-5."""
+    cfg, params, loop = exactness_model("looped_dense", loop_steps=3)
+    ro = _speculative_case(params, cfg, loop)
+    counts = np.asarray(ro.verify_counts)
+    assert (counts > 1).any() and (counts[:, 0] != counts[0, 0]).any()  # ragged acceptance
+    compiled = speculative_program._cache_size()
+    _bits_equal(replay_logprobs(params, cfg, FP32, ro), ro)
+    for size in (2, 4):
+        for i in range(0, 8, size):
+            part = take_rows(ro, np.arange(i, i + size))
+            _bits_equal(replay_logprobs(params, cfg, FP32, part), part)
+    rows = take_rows(ro, np.array([6, 1, 3]))
+    _bits_equal(replay_logprobs(params, cfg, FP32, rows), rows)
+    other = dict(params, exit_gate={"kernel": -params["exit_gate"]["kernel"],
+                                    "bias": params["exit_gate"]["bias"]})
+    exact = np.asarray(replay_logprobs(other, cfg, FP32, ro))
+    assert speculative_program._cache_size() == compiled
+    traced = np.asarray(jax.jit(replay_speculative, static_argnums=(1, 2, 4))(other, cfg, FP32,
+                                                                             ro, loop))
+    mask = np.asarray(ro.completion_mask) > 0
+    np.testing.assert_allclose(exact[mask], traced[mask], atol=1e-5)
+    fresh = _speculative_case(other, cfg, loop)  # the other weights' rule exits elsewhere
+    assert (np.asarray(fresh.exit_steps)[mask] != np.asarray(ro.exit_steps)[mask]).any()
+    second = _speculative_case(params, cfg, loop, prompts=((3, 4),), seed=5)
+    both = concat_rollouts([take_rows(ro, np.array([7, 2])), second], pad_id=0)
+    assert len(both.calls) == 2
     _bits_equal(replay_logprobs(params, cfg, FP32, both), both)
 
 

@@ -18,10 +18,17 @@ from jaxrl_lp.models import forward, init_params
 from jaxrl_lp.models.config import ModelConfig
 from jaxrl_lp.numerics.policy import Policy
 from jaxrl_lp.rl.logprobs import jit_learner_logprobs
-from jaxrl_lp.rollout import SamplingConfig, generate
+from jaxrl_lp.rollout import LoopSpec, SamplingConfig, generate
 from jaxrl_lp.rollout.drafter import sampling_probs, self_drafter_config
+from jaxrl_lp.rollout.generate import call_inputs, take_rows
+from jaxrl_lp.rollout.replay import replay_logprobs
 from jaxrl_lp.rollout.request import check_request
-from jaxrl_lp.rollout.speculative import SpecConfig, drafter_cache_bytes, speculative_generate
+from jaxrl_lp.rollout.speculative import (
+    SpecConfig,
+    drafter_cache_bytes,
+    speculative_generate,
+    speculative_program,
+)
 
 TOL = 1e-5  # f32 verification chunks vs one f32 full forward: log-probs, absolute
 N = 8
@@ -100,6 +107,24 @@ def test_replay_equals_sampler_bit_for_bit(policy):
     replay = jit_learner_logprobs(TARGET, Policy.parse(policy), "replay")(target_params(), ro)
     mask = np.asarray(ro.completion_mask) > 0
     assert (np.asarray(replay)[mask] == np.asarray(ro.logprobs)[mask]).all()
+
+
+def test_a_dense_drafters_rollout_replays_without_the_drafters_weights():
+    """The replay runs the sampler's program with the drafts replaced: zeros of the drafter's
+    recorded weight shapes stand in, nothing compiles, and the batch and each row alone
+    replay the sampler's bits."""
+    ro, st = spec_rollout(DENSE, sampling=SamplingConfig(temperature=0.7),
+                          key=jax.random.PRNGKey(4))
+    assert 0 < int(st.accepted) < int(st.proposed)  # drafts accepted and rejected
+    (call,) = ro.calls
+    assert call.speculative.drafter_cfg == DRAFTER and call.speculative.drafter_leaves
+    compiled = speculative_program._cache_size()
+    mask = np.asarray(ro.completion_mask) > 0
+    for rows in (np.arange(2), np.array([1]), np.array([0])):
+        got = replay_logprobs(target_params(), TARGET, Policy.parse("fp32"), take_rows(ro, rows))
+        np.testing.assert_array_equal(np.asarray(got)[mask[rows]],
+                                      np.asarray(ro.logprobs)[rows][mask[rows]])
+    assert speculative_program._cache_size() == compiled
 
 
 def test_one_row_path_is_exact_and_batched_rows_draft_as_alone():
@@ -253,11 +278,11 @@ def test_dense_drafter_cache_is_bounded_and_positions_rebased(monkeypatch):
 
     The re-basing is read off a run (`greedy(DENSE)`). The cache is read off the sampler's
     program: `draft` is wrapped to record the arrays of the drafter's cache state that the
-    decode loop hands it (and the target's cache beside them), and `speculative_generate` is
-    traced (`jax.eval_shape`) at two context lengths, prompts of 10 and 30 tokens (bucketed to
-    16 and 32) + 8 new. A jitted loop's state has fixed shapes, so these are the buffers the
+    decode loop hands it (and the target's cache beside them), and the program
+    (`speculative_program`, with the inputs `speculative_generate` gives it) is traced
+    (`jax.eval_shape`) at two context lengths, prompts of 10 and 30 tokens (bucketed to 16
+    and 32) + 8 new. A jitted loop's state has fixed shapes, so these are the buffers the
     compiled run allocates; tracing costs no compilation (two compiled runs cost ~16 s of CPU).
-    The two prompt shapes are sampled by no other test here, so `_speculate` is traced anew.
     """
     import jaxrl_lp.rollout.speculative as speculative
 
@@ -284,9 +309,16 @@ def test_dense_drafter_cache_is_bounded_and_positions_rebased(monkeypatch):
     for context in (10, 30):  # both past the trained length (12) and sink + window (7)
         seen.clear()
         prompts = [list(rng.randint(0, V, context)) for _ in range(2)]
-        jax.eval_shape(lambda p=prompts: speculative_generate(
-            target_params(), TARGET, p, DENSE, drafter=(drafter_params(), DRAFTER),
-            max_new_tokens=N))
+        req = check_request(prompts, TARGET, sampling=SamplingConfig(greedy=True), max_new_tokens=N,
+                            num_samples=1, eos_id=None, pad_id=0, key=None, draft_slots=spec.k)
+        zeros = np.zeros((2, N), np.int32)
+        args = call_inputs(req.tokens_BxP, req.positions_BxP, req.lengths_B, req.key, 0, zeros,
+                           zeros, False, counts_BxN=zeros)
+        jax.eval_shape(functools.partial(
+            speculative.speculative_program, cfg=TARGET, dcfg=DRAFTER, spec=spec,
+            policy=Policy.parse("fp32"), loop=LoopSpec().resolve(TARGET),
+            sampling=SamplingConfig(greedy=True), max_new_tokens=N, eos_id=None, pad_id=0,
+            layout="as_stored"), target_params(), drafter_params(), *args)
         assert len(set(seen)) == 1, f"the loop was not traced, or carries other sizes: {seen}"
         per_context[context] = seen[0]
     (short_d, short_slots, short_t), (long_d, long_slots, long_t) = per_context.values()

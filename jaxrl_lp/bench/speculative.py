@@ -20,7 +20,7 @@ the target's output means something. (`--past-eos` decodes exactly
 the continuation was never trained and the acceptance measures agreement on
 noise.) One timed run of an arm decodes every prompt;
 runs of the two arms alternate (so a change in load falls on both), each
-arm calls its jitted program (`_speculate`, `sampler_program`: what
+arm calls its jitted program (`speculative_program`, `sampler_program`: what
 `speculative_generate` and `generate` run after their host-side checks and
 padding, about 1 ms a call that both pay alike) on the same padded device
 arrays after a warm-up call (compile excluded), and `speedup_vs_plain` is
@@ -55,7 +55,7 @@ from jaxrl_lp.numerics.policy import FP32
 from jaxrl_lp.rollout import LoopSpec, SamplingConfig
 from jaxrl_lp.rollout.generate import call_inputs, one_device, pad_prompts, sampler_program
 from jaxrl_lp.rollout.rows import cache_bytes
-from jaxrl_lp.rollout.speculative import SpecConfig, _speculate, drafter_cache_bytes
+from jaxrl_lp.rollout.speculative import SpecConfig, drafter_cache_bytes, speculative_program
 from jaxrl_lp.rollout.step import decode_layout
 
 __all__ = ["add_arguments", "run", "warm_start"]
@@ -104,7 +104,7 @@ def warm_start(mcfg: ModelConfig, task, steps: int, seq_len: int, seed: int = 0)
 def _arm(params, cfg, batches, spec, drafter, args, new_tokens, eos_id, pad_id):
     """Times plain against speculative decoding of `batches` (lists of prompts), alternating.
 
-    Both arms run their jitted program (`sampler_program`, `_speculate`: what `generate` and
+    Both arms run their jitted program (`sampler_program`, `speculative_program`: what `generate` and
     `speculative_generate` call after validating and padding on the host) on the same
     padded device arrays, so the times are the programs' (prefill and decode), not the
     host wrappers' (about 1 ms a call here, the same for both).
@@ -121,17 +121,21 @@ def _arm(params, cfg, batches, spec, drafter, args, new_tokens, eos_id, pad_id):
     kw = dict(cfg=cfg, policy=policy, loop=loop, sampling=sampling, eos_id=eos_id, pad_id=pad_id,
               layout=decode_layout(params, policy))
 
+    def placed(x, n, counts):  # the inputs as the samplers place them, nothing forced
+        zeros = np.zeros((x[0].shape[0], n), np.int32)
+        return call_inputs(*x, key, 0, zeros, zeros, False, device=one_device(params),
+                           counts_BxN=zeros if counts else None)
+
     def spec_call(n):
-        return lambda: [jax.block_until_ready(_speculate(
-            params, dparams, *x, key, 0, dcfg=dcfg, spec=spec, max_new_tokens=n, **kw))
-            for x in inputs]
+        held = None if dparams is None else jax.device_put(dparams, one_device(params))
+        ready = [placed(x, n, True) for x in inputs]
+        return lambda: [jax.block_until_ready(speculative_program(
+            params, held, *a, dcfg=dcfg, spec=spec, max_new_tokens=n, **kw)) for a in ready]
 
     def plain_call(n):
-        def one(x):
-            zeros = np.zeros((x[0].shape[0], n), np.int32)
-            args = call_inputs(*x, key, 0, zeros, zeros, False, device=one_device(params))
-            return sampler_program(params, *args, max_new_tokens=n, **kw)
-        return lambda: [jax.block_until_ready(one(x)) for x in inputs]
+        ready = [placed(x, n, False) for x in inputs]
+        return lambda: [jax.block_until_ready(sampler_program(
+            params, *a, max_new_tokens=n, **kw)) for a in ready]
 
     calls = {"speculative": spec_call(new_tokens), "plain": plain_call(new_tokens),
              "prefill_only": plain_call(1), "speculative_prefill_only": spec_call(1)}

@@ -68,11 +68,14 @@ class Forced(NamedTuple):
     tokens_BxN: [B, N] int32 the tokens to take.
     exit_steps_BxN: [B, N] int32 a looped model's exit steps to take (unused for a dense one).
     on: [] bool, True to take them (the replay), False to draw (sampling).
+    counts_BxN: [B, N] int32 a speculative sampler's verification counts to take
+      (`Rollout.verify_counts`, `rollout.speculative`); None for the plain sampler.
     """
 
     tokens_BxN: jax.Array
     exit_steps_BxN: jax.Array
     on: jax.Array
+    counts_BxN: jax.Array | None = None
 
 
 class _DecodeState(NamedTuple):
@@ -342,7 +345,7 @@ def one_device(tree) -> jax.Device | None:
 
 def call_inputs(prompt_BxP, positions_BxP, lengths_B, key, version, forced_BxN, exits_BxN,
                 on: bool, mesh: Mesh | None = None, rules: ShardingRules = DEFAULT_RULES,
-                device: jax.Device | None = None):
+                device: jax.Device | None = None, counts_BxN=None):
     """The arguments of `sampler_program` after `params`, placed as the program takes them.
 
     One placement for `generate` and the replay (`rollout.replay`), so that both
@@ -350,9 +353,11 @@ def call_inputs(prompt_BxP, positions_BxP, lengths_B, key, version, forced_BxN, 
     data shards under `mesh`, the key and the scalars (`version` int32, `on`
     bool) replicated; without a mesh every input on `device` (the weights'),
     uncommitted (None: where `jnp.asarray` puts them, for weights that span
-    several devices).
+    several devices). `counts_BxN` (a speculative sampler's verification
+    counts, `Forced.counts_BxN`) is placed as the rows are.
     """
-    rows = (prompt_BxP, positions_BxP, lengths_B, forced_BxN, exits_BxN)
+    rows = (prompt_BxP, positions_BxP, lengths_B, forced_BxN, exits_BxN, counts_BxN)
+    rows = rows if counts_BxN is not None else rows[:-1]
     scalars = (jnp.asarray(version, jnp.int32), jnp.asarray(on))
     if mesh is None and device is None:
         rows = tuple(jnp.asarray(a) for a in rows)
@@ -366,5 +371,6 @@ def call_inputs(prompt_BxP, positions_BxP, lengths_B, key, version, forced_BxN, 
         rows = put_tree(rows, batch_shardings(rows, mesh, rules))
         key, scalars = (put_tree(x, jax.tree.map(lambda _: replicated(mesh), x))
                         for x in (key, scalars))
-    prompts, positions, lengths, forced, exits = rows
-    return prompts, positions, lengths, key, scalars[0], Forced(forced, exits, scalars[1])
+    prompts, positions, lengths, forced, exits, *counts = rows
+    return prompts, positions, lengths, key, scalars[0], Forced(forced, exits, scalars[1],
+                                                                *counts)

@@ -28,9 +28,11 @@ them, each row in the place it had in that call:
 
 A rollout records what that needs (`Rollout.calls`, `call_rows`,
 `call_keys`; `generate` writes them); a rollout built by hand is replayed as
-one call of its own shape. Speculative rollouts replay their verification
-chunks (`rollout.speculative.replay_speculative`, jitted here): not yet one
-executable with their sampler.
+one call of its own shape. A speculative sampler's call runs its own program
+(`rollout.speculative.speculative_program`) the same way: the recorded tokens,
+verification counts and exit steps forced in place of the drafts (a speculative
+rollout that records no calls re-traces its verification chunks,
+`rollout.speculative.replay_speculative`).
 
 The replay is a host-level call (it runs compiled programs, one per sampler
 call); inside a traced function use `traced_replay_logprobs`, the same steps
@@ -64,7 +66,7 @@ from jaxrl_lp.rollout.generate import (
     tree_devices,
 )
 from jaxrl_lp.rollout.sampling import SamplingConfig
-from jaxrl_lp.rollout.speculative import replay_speculative
+from jaxrl_lp.rollout.speculative import drafter_stand_in, replay_speculative, speculative_program
 from jaxrl_lp.rollout.step import LoopSpec, decode_step, fused_readout, prefill, step_logprobs
 
 __all__ = ["ReplayProgram", "prompt_positions", "replay_logprobs", "rollout_loop",
@@ -240,12 +242,13 @@ def replay_logprobs(params: dict, cfg: ModelConfig, policy: Policy, ro: Rollout,
     policy = require(policy, "replay_logprobs")
     _refuse_traced(params, ro)
     loop = rollout_loop(ro, cfg, loop)
-    if ro.verify_tokens:  # a speculative rollout: its verification chunks, re-traced
+    if ro.verify_tokens and ro.call_rows is None:  # built by hand: its chunks, re-traced
         return _speculative(params, cfg, policy, ro, loop)
     b, n = ro.completion_tokens.shape
     calls, where, keys = _calls(ro, mesh)
     host = {f: np.asarray(to_host(getattr(ro, f))) for f in
-            ("prompt_tokens", "prompt_lengths", "completion_tokens", "exit_steps")}
+            ("prompt_tokens", "prompt_lengths", "completion_tokens", "exit_steps",
+             "verify_counts") if getattr(ro, f) is not None}
     version = int(np.asarray(to_host(ro.weights_version)).reshape(-1)[0])
     out = None
     for c, call in enumerate(calls):
@@ -261,13 +264,20 @@ def replay_logprobs(params: dict, cfg: ModelConfig, policy: Policy, ro: Rollout,
             call.prompt_width - lengths[:, None])
         positions = np.where(positions >= 0, positions, -1).astype(np.int32)
         held = _placed(params, cfg, call, rules)
+        device = None if call.mesh else one_device(held)
+        counts = host["verify_counts"][src] if call.speculative else None
         args = call_inputs(prompts, positions, lengths, keys[c], version,
                            host["completion_tokens"][src], host["exit_steps"][src], True,
-                           call.mesh, rules, None if call.mesh else one_device(held))
-        lp = sampler_program(held, *args, cfg=cfg,
-                             policy=policy, loop=loop, sampling=call.sampling, max_new_tokens=n,
-                             eos_id=call.eos_id, pad_id=call.pad_id, mesh=call.mesh, rules=rules,
-                             record=call.record, layout=ro.decode_layout).logprobs
+                           call.mesh, rules, device, counts)
+        kw = dict(cfg=cfg, policy=policy, loop=loop, sampling=call.sampling, max_new_tokens=n,
+                  eos_id=call.eos_id, pad_id=call.pad_id, layout=ro.decode_layout)
+        if call.speculative:
+            spec = call.speculative
+            lp = speculative_program(held, drafter_stand_in(spec, device), *args,
+                                     dcfg=spec.drafter_cfg, spec=spec.spec, **kw)[0].logprobs
+        else:
+            lp = sampler_program(held, *args, mesh=call.mesh, rules=rules, record=call.record,
+                                 **kw).logprobs
         if len(calls) == 1 and call.rows == b and (at == np.arange(b)).all():
             # The whole call, in its order, placed as the rollout's rows are (a sampler of its
             # own ran it on its devices).

@@ -20,12 +20,36 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
+from jaxrl_lp.models.config import ModelConfig
 from jaxrl_lp.models.recorded import Products, split_products, take_product_rows
 from jaxrl_lp.numerics.policy import FP32, Policy
 from jaxrl_lp.rollout.sampling import SamplingConfig
+from jaxrl_lp.rollout.spec_config import SpecConfig
 from jaxrl_lp.rollout.step import LoopSpec
 
-__all__ = ["Rollout", "SamplerCall", "concat_rollouts", "split_rows", "take_rows"]
+__all__ = ["Rollout", "SamplerCall", "SpecCall", "concat_rollouts", "split_rows", "take_rows"]
+
+
+@dataclasses.dataclass(frozen=True)
+class SpecCall:
+    """What a speculative sampler call adds to its `SamplerCall` (`rollout.speculative`).
+
+    The replay runs the call's program with the recorded tokens in place of
+    the drafts, so it needs the drafter's static configuration and the shapes
+    of its weights, not the weights: zeros of those shapes stand in
+    (`rollout.speculative.drafter_stand_in`).
+
+    Attributes:
+      spec: the resolved `SpecConfig` (drafter kind, k, ...).
+      drafter_cfg: a dense drafter's config, or None (self-speculation).
+      drafter_tree: the tree structure of the dense drafter's weights, or None.
+      drafter_leaves: ((shape, dtype name), ...) of those weights' leaves.
+    """
+
+    spec: SpecConfig
+    drafter_cfg: ModelConfig | None = None
+    drafter_tree: jax.tree_util.PyTreeDef | None = None
+    drafter_leaves: tuple[tuple[tuple[int, ...], str], ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,6 +71,8 @@ class SamplerCall:
       mesh: the device mesh it ran on, or None (one device): the replay runs
         there, with the weights placed as the sampler held them.
       device: without a mesh, the one device it ran on (None: the default).
+      speculative: a speculative sampler's call (`SpecCall`: it ran
+        `rollout.speculative`'s program), or None (`sampler_program`).
     """
 
     rows: int
@@ -57,6 +83,7 @@ class SamplerCall:
     record: bool = False
     mesh: Mesh | None = None
     device: jax.Device | None = None
+    speculative: SpecCall | None = None
 
 
 @jax.tree_util.register_dataclass
@@ -97,8 +124,8 @@ class Rollout:
         out (static; `rollout.step.decode_layout`): the replay unstacks the
         learner's weights the same way, so its sums are the sampler's.
       calls: the sampler calls the rows came from (static; `SamplerCall`),
-        one for a rollout of `generate`, several for a concatenation; () for
-        a rollout built otherwise.
+        one for a rollout of `generate` or `speculative_generate`, several
+        for a concatenation; () for a rollout built otherwise.
       call_rows: [B, 2] int32 (call, row within that call) of each row, or
         None (no calls): slices and concatenations keep it, so that any
         row is replayed where the sampler computed it.

@@ -9,11 +9,11 @@ a unit batch axis inside) with a per-row slot: the arithmetic of each row is
 the one `forward` performs, and the cache write becomes a per-row scatter.
 A single row (B = 1) skips the vmap: its slot is a scalar, so `forward`
 writes it in place (`dynamic_update_slice`), as plain decoding does (a
-batch-1 speculative round measured 5-15% cheaper on CPU). The sampler and
-its replay take the same path (the batch size is the rollout's); a row's
-bits are not promised across batch sizes (XLA picks other kernels for other
-shapes: the prefill alone already differs in the last bit between B = 1 and
-B = 2).
+batch-1 speculative round measured 5-15% cheaper on CPU). A row's bits are
+not the same across batch sizes (XLA picks other kernels for other shapes:
+the prefill alone already differs in the last bit between B = 1 and B = 2),
+so the replay runs the sampler's program at the sampler's batch size
+(`rollout.speculative.speculative_program`).
 
 Attention over the cache is by positions (a slot is visible when its position
 is >= 0 and <= the query's), never by slot order, so where a row's chunk sits
@@ -42,7 +42,7 @@ def _cache_axes(cache: dict, looped: bool) -> dict:
 
 def rowwise_forward(params, cfg: ModelConfig, policy: Policy, tokens_BxT, positions_BxT,
                     cache: dict, index_B, *, loop: LoopSpec | None = None, depth_BxT=None,
-                    hidden: bool = False):
+                    forced_B=None, hidden: bool = False):
     """`forward` over a per-layer (`unstack_cache`) cache, row b's chunk at slots `index_B[b] + [0, T)`.
 
     Not jitted itself (traced inside the speculative sampler and its replay).
@@ -55,14 +55,21 @@ def rowwise_forward(params, cfg: ModelConfig, policy: Policy, tokens_BxT, positi
       index_B: int32 first slot of each row's chunk.
       loop: a looped model's exit rule and compute mode (`dense` only here).
       depth_BxT: a recorded exit schedule to replay instead of the rule.
+      forced_B: bool [B], the rows `depth_BxT` applies to (the rule decides the
+        others); None: every row.
       hidden: return the final hidden state (fused log-prob read-out).
 
     Returns:
       (logits [B, T, V] or hidden [B, T, D], the cache, exit steps [B, T] int32).
     """
     looped = cfg.is_looped
+    if not looped or depth_BxT is None:
+        depth_BxT = forced_B = None
+    elif forced_B is not None:
+        forced_B = jnp.broadcast_to(forced_B[:, None], depth_BxT.shape)
     if tokens_BxT.shape[0] == 1:
-        sched = None if depth_BxT is None or not looped else ExitSchedule(depth_BxT=depth_BxT)
+        sched = None if depth_BxT is None else ExitSchedule(depth_BxT=depth_BxT,
+                                                            forced_BxT=forced_B)
         out, cache, lo = forward(params, cfg, policy, tokens_BxT, positions_BxT, cache,
                                  index_B[0], loop=loop if looped else None, schedule=sched,
                                  hidden=hidden)
@@ -71,12 +78,13 @@ def rowwise_forward(params, cfg: ModelConfig, policy: Policy, tokens_BxT, positi
     ax = 1 if looped else 0
     axes = _cache_axes(cache, looped)
 
-    def one(tok_T, pos_T, c, i, depth_T):
+    def one(tok_T, pos_T, c, i, depth_T, forced_T):
         c1 = {"k": tuple(jnp.expand_dims(x, ax) for x in c["k"]),
               "v": tuple(jnp.expand_dims(x, ax) for x in c["v"]), "pos": c["pos"][None]}
         sched = None
-        if looped and depth_T is not None:
-            sched = ExitSchedule(depth_BxT=depth_T[None])
+        if depth_T is not None:
+            sched = ExitSchedule(depth_BxT=depth_T[None],
+                                 forced_BxT=None if forced_T is None else forced_T[None])
         out, c1, lo = forward(params, cfg, policy, tok_T[None], pos_T[None], c1, i,
                               loop=loop if looped else None, schedule=sched, hidden=hidden)
         c = {"k": tuple(jnp.squeeze(x, ax) for x in c1["k"]),
@@ -84,8 +92,10 @@ def rowwise_forward(params, cfg: ModelConfig, policy: Policy, tokens_BxT, positi
         exits = lo.exit_steps[0] if looped else jnp.zeros(tok_T.shape, jnp.int32)
         return out[0], c, exits
 
-    return jax.vmap(one, in_axes=(0, 0, axes, 0, None if depth_BxT is None else 0),
-                    out_axes=(0, axes, 0))(tokens_BxT, positions_BxT, cache, index_B, depth_BxT)
+    rows = tuple(None if x is None else 0 for x in (depth_BxT, forced_B))
+    return jax.vmap(one, in_axes=(0, 0, axes, 0, *rows),
+                    out_axes=(0, axes, 0))(tokens_BxT, positions_BxT, cache, index_B, depth_BxT,
+                                           forced_B)
 
 
 def take_chunk(x_BxS: jax.Array, start_B: jax.Array, length: int) -> jax.Array:

@@ -28,13 +28,17 @@ Design decisions:
   never read by a committed token. Cache length P + N + k.
 - Log-probs: the target's (`step_logprobs` of the verification chunk at the
   emitted token, f32 after temperature, unfiltered), as plain sampling records.
-- Exactness record: the rollout carries `verify_tokens` (k + 1, static) and
-  `verify_counts` [B, N] (tokens each row committed at each iteration). The
-  learner's replay (`replay_speculative`) re-runs the same prefill and the
-  same chunk forwards at the same slots with the same shapes; inputs at the
-  rejected positions differ (the drafts are not recorded) but a committed
-  token's output never reads them (causal by position; a masked slot's
-  softmax weight is exactly 0), so replay == sampler bit for bit.
+- Exactness record: the rollout carries `verify_tokens` (k + 1, static),
+  `verify_counts` [B, N] (tokens each row committed at each iteration) and
+  its sampler call (`SamplerCall.speculative`). The learner's replay
+  (`rollout.replay`) runs the sampler's own compiled program
+  (`speculative_program`) with the recorded tokens, counts and exit steps
+  forced in place of the drafts, at the call's batch shape with each row
+  in its place: the same prefill and the same chunk forwards at the same
+  slots. Inputs at the rejected positions differ (the drafts are not
+  recorded) but a committed token's output never reads them (causal by
+  position; a masked slot's softmax weight is exactly 0), so replay ==
+  sampler bit for bit, for the whole batch and any slice of it.
 - Looped targets run in `dense` compute mode (every loop step); a deferred
   speculative rollout is refused.
 - Sharding: the speculative sampler runs without a mesh (a clear error).
@@ -57,10 +61,17 @@ from jaxrl_lp.models.config import ModelConfig
 from jaxrl_lp.numerics.fingerprint import tree_fingerprint
 from jaxrl_lp.numerics.policy import FP32, Policy, require
 from jaxrl_lp.rollout.drafter import DraftState, draft, init_draft, sampling_probs
-from jaxrl_lp.rollout.generate import Rollout
+from jaxrl_lp.rollout.generate import Forced, Rollout, SamplerCall, call_inputs, one_device
 from jaxrl_lp.rollout.request import check_request
+from jaxrl_lp.rollout.rollout import SpecCall
 from jaxrl_lp.rollout.rows import put_chunk, rowwise_forward, take_chunk
-from jaxrl_lp.rollout.sampling import SamplingConfig, first_argmax, gumbel_max, sample_tokens
+from jaxrl_lp.rollout.sampling import (
+    SamplingConfig,
+    choose_tokens,
+    first_argmax,
+    gumbel_max,
+    token_logprobs,
+)
 from jaxrl_lp.rollout.sampling import _filter as filter_logits  # the sampler's own filter
 from jaxrl_lp.rollout.spec_config import SpecConfig
 from jaxrl_lp.rollout.step import (
@@ -73,7 +84,8 @@ from jaxrl_lp.rollout.step import (
 )
 
 __all__ = ["SpecConfig", "SpecStats", "accept_drafts", "chunk_logprobs", "drafter_cache_bytes",
-           "load_drafter", "replay_speculative", "speculative_generate"]
+           "drafter_stand_in", "load_drafter", "replay_speculative", "spec_call",
+           "speculative_generate", "speculative_program"]
 
 
 class SpecStats(NamedTuple):
@@ -162,12 +174,27 @@ def accept_drafts(drafts_BxK, q_BxKxV, logits_BxK1xV, key, sampling: SamplingCon
 
 @functools.partial(jax.jit, static_argnames=("cfg", "dcfg", "spec", "policy", "loop", "sampling",
                                              "max_new_tokens", "eos_id", "pad_id", "layout"))
-def _speculate(params, dparams, prompt_BxP, positions_BxP, lengths_B, key, version, *, cfg, dcfg,
-               spec, policy, loop, sampling, max_new_tokens, eos_id, pad_id, layout):
-    """The jitted speculative sampler; static: the configs, `spec`, `policy`, `loop`,
-    `sampling`, `max_new_tokens`, `eos_id`, `pad_id`, `layout` (the decode layout of the
-    target's and the drafter's weights, `rollout.step.decode_layout`) and the prompt shapes.
-    Nothing donated. Traced by `speculative_generate` only."""
+def speculative_program(params, dparams, prompt_BxP, positions_BxP, lengths_B, key, version,
+                        forced: Forced | None, *, cfg, dcfg, spec, policy, loop, sampling,
+                        max_new_tokens, eos_id, pad_id, layout):
+    """The speculative sampler's compiled program: samples (`forced.on` False) or replays (True).
+
+    Jitted. Static: the configs, `spec`, `policy`, `loop`, `sampling`,
+    `max_new_tokens`, `eos_id`, `pad_id`, `layout` (the decode layout of the
+    target's and the drafter's weights, `rollout.step.decode_layout`) and the
+    prompt shapes. Nothing donated. Returns (`Rollout`, `SpecStats`).
+
+    As `generate.sampler_program` for the plain sampler: `forced.on` is traced,
+    so sampling and its replay are one executable. Replaying, the program
+    takes the recorded tokens as each verification chunk (the committed
+    tokens after the row's last one, in place of the drafts), the recorded
+    counts as what each row commits, and a looped target's recorded exit
+    steps. The drafter still runs (its drafts unused; the verification
+    rewrites every cache slot a self-drafter wrote), so a dense drafter's
+    weights may be zeros of their shapes (`drafter_stand_in`). `forced=None`
+    compiles the sampler without that input. Called by
+    `speculative_generate`, `rollout.replay` and `bench speculative`.
+    """
     b, p = prompt_BxP.shape
     n, k = max_new_tokens, spec.k
     transpose = layout == "transposed"
@@ -176,10 +203,23 @@ def _speculate(params, dparams, prompt_BxP, positions_BxP, lengths_B, key, versi
                                                                  policy=policy)
     cache = unstack_cache(init_cache(cfg, policy, b, p + n + k), cfg)
     fused = fused_readout(policy)
-    out, cache, exit0, _ = prefill(params, cfg, policy, loop, prompt_BxP, positions_BxP, cache,
-                                   hidden=fused)
+    # What the replay takes, laid out as the sampler's `seq` and `exit_steps` (k + 1 slack).
+    takes = forced is not None
+    force_B = jnp.broadcast_to(forced.on, (b,)) if takes and cfg.is_looped else None
+    if takes:
+        recorded = jnp.concatenate([forced.tokens_BxN, jnp.zeros((b, k + 1), jnp.int32)], axis=1)
+        depth = jnp.concatenate([forced.exit_steps_BxN,
+                                 jnp.full((b, k + 1), cfg.loop_steps - 1, jnp.int32)], axis=1)
+    out, cache, exit0, _ = prefill(
+        params, cfg, policy, loop, prompt_BxP, positions_BxP, cache,
+        forced.exit_steps_BxN[:, 0] if force_B is not None else None, forced_B=force_B,
+        hidden=fused)
     key, sub = jax.random.split(key)
-    tok, lp = sample_tokens(step_logits(params, cfg, policy, out), sub, sampling)
+    logits0 = step_logits(params, cfg, policy, out)
+    tok = choose_tokens(logits0, sub, sampling)
+    if takes:
+        tok = jnp.where(forced.on, forced.tokens_BxN[:, 0], tok)
+    lp = token_logprobs(logits0, tok, sampling.temperature)
     t_k1 = jnp.arange(k + 1)[None]
     evals = cfg.loop_steps  # a dense-mode verification runs every loop step
 
@@ -195,18 +235,29 @@ def _speculate(params, dparams, prompt_BxP, positions_BxP, lengths_B, key, versi
         last = take_chunk(s.seq, slot, 1)[:, 0]
         prev = take_chunk(s.seq, slot - 1, 1)[:, 0]
         pos = lengths_B + s.n - 1
+
+        # Replaying, the drafter runs as it did and the recorded tokens replace its drafts (a
+        # `lax.cond` skipping it slowed the sampler: docs/design/replay.md).
         drafts, q, cache, dstate = draft(spec, s.draft, params, cfg, dparams, dcfg, policy,
                                          sampling, s.cache, last, prev, pos, slot, kd)
+        if takes:
+            drafts = jnp.where(forced.on, take_chunk(recorded, s.n, k), drafts)
         chunk = jnp.concatenate([last[:, None], drafts], axis=1)
-        out, cache, exits = rowwise_forward(params, cfg, policy, chunk, pos[:, None] + t_k1,
-                                            cache, slot, loop=loop, hidden=fused)
+        out, cache, exits = rowwise_forward(
+            params, cfg, policy, chunk, pos[:, None] + t_k1, cache, slot, loop=loop,
+            depth_BxT=take_chunk(depth, s.n, k + 1) if force_B is not None else None,
+            forced_B=force_B, hidden=fused)
         logits = step_logits(params, cfg, policy, out)
         a, emitted = accept_drafts(drafts, q, logits, ka, sampling)
+        if takes:
+            emitted = jnp.where(forced.on, take_chunk(recorded, s.n, k + 1), emitted)
         lps = chunk_logprobs(params, cfg, policy, out, emitted, sampling.temperature, logits)
         count = a + 1
         hit = jnp.zeros((b, k + 1), bool) if eos_id is None else (emitted == eos_id) & (t_k1 < count[:, None])
         count = jnp.where(jnp.any(hit, axis=1), jnp.argmax(hit, axis=1) + 1, count)
         count = jnp.where(s.done, 0, jnp.minimum(count, n - s.n)).astype(jnp.int32)
+        if takes:
+            count = jnp.where(forced.on, forced.counts_BxN[:, s.it], count)
         hit = hit & (t_k1 < count[:, None])
         live = ~s.done
         new_n = s.n + count
@@ -241,11 +292,23 @@ def _speculate(params, dparams, prompt_BxP, positions_BxP, lengths_B, key, versi
         exit_steps=jnp.where(mask, s.exit_steps[:, :n], 0),
         loop_evals=s.loop_evals, weights_version=jnp.asarray(version, jnp.int32),
         policy=policy, loop=loop, temperature=sampling.temperature,
-        verify_counts=s.counts, verify_tokens=k + 1, decode_layout=layout)
+        verify_counts=s.counts, verify_tokens=k + 1, decode_layout=layout,
+        call_rows=jnp.stack([jnp.zeros((b,), jnp.int32), jnp.arange(b, dtype=jnp.int32)], 1))
     stats = SpecStats(iterations=s.it, proposed=s.proposed, accepted=s.accepted,
                       committed=jnp.sum(s.counts), draft_steps=s.draft.steps,
                       max_draft_position=s.draft.max_pos)
     return ro, stats
+
+
+def drafter_stand_in(call: SpecCall, device: jax.Device | None):
+    """Zeros of a call's dense drafter's weights (None for self-speculation), on `device`,
+    committed as `speculative_generate` holds the real ones: what the replay passes to
+    `speculative_program`, whose drafts it replaces with the recorded tokens."""
+    if call.drafter_tree is None:
+        return None
+    device = device or jax.devices()[0]
+    leaves = [jnp.zeros(shape, dtype, device=device) for shape, dtype in call.drafter_leaves]
+    return jax.tree_util.tree_unflatten(call.drafter_tree, leaves)
 
 
 def drafter_cache_bytes(spec: SpecConfig, drafter_cfg: ModelConfig | None, policy: Policy,
@@ -337,26 +400,49 @@ def speculative_generate(
     loop = LoopSpec.parse(loop).resolve(cfg)
     if loop.compute_mode != "dense":
         raise ValueError(f"speculative rollouts verify in dense compute mode; got loop spec {loop}")
-    ro, stats = _speculate(params, dparams, jnp.asarray(req.tokens_BxP),
-                           jnp.asarray(req.positions_BxP), jnp.asarray(req.lengths_B), req.key,
-                           weights_version, cfg=cfg, dcfg=dcfg,
-                           spec=spec, policy=policy, loop=loop, sampling=sampling,
-                           max_new_tokens=max_new_tokens, eos_id=eos_id, pad_id=pad_id,
-                           layout=decode_layout(params, policy))
-    ro = dataclasses.replace(ro, weights_digest=tree_fingerprint(params))  # the target's weights
+    device = one_device(params)
+    if dparams is not None:  # held on the target's device, as the replay holds its stand-in
+        dparams = jax.device_put(dparams, device)
+    zeros = np.zeros((req.tokens_BxP.shape[0], max_new_tokens), np.int32)
+    args = call_inputs(req.tokens_BxP, req.positions_BxP, req.lengths_B, req.key,
+                       weights_version, zeros, zeros, False, device=device, counts_BxN=zeros)
+    ro, stats = speculative_program(params, dparams, *args, cfg=cfg, dcfg=dcfg, spec=spec,
+                                    policy=policy, loop=loop, sampling=sampling,
+                                    max_new_tokens=max_new_tokens, eos_id=eos_id, pad_id=pad_id,
+                                    layout=decode_layout(params, policy))
+    # What the replay calls the program with again (`rollout.replay`): the target's weights
+    # are compared by their digest; the drafts are replaced, so the drafter's shapes suffice.
+    call = SamplerCall(*req.tokens_BxP.shape, sampling, eos_id, pad_id, device=device,
+                       speculative=spec_call(spec, dparams, dcfg))
+    ro = dataclasses.replace(ro, weights_digest=tree_fingerprint(params), calls=(call,),
+                             call_keys=jnp.expand_dims(req.key, 0))
     return (ro, stats) if with_stats else ro
+
+
+def spec_call(spec: SpecConfig, dparams, dcfg: ModelConfig | None) -> SpecCall:
+    """The `SpecCall` a speculative rollout records: `spec` resolved, and the dense drafter's
+    config and weight shapes (`drafter_stand_in` rebuilds zeros of them)."""
+    if dparams is None:
+        return SpecCall(spec)
+    leaves, tree = jax.tree_util.tree_flatten(dparams)
+    return SpecCall(spec, dcfg, tree, tuple((tuple(x.shape), np.dtype(x.dtype).name)
+                                            for x in leaves))
 
 
 def replay_speculative(params: dict, cfg: ModelConfig, policy: Policy, ro: Rollout,
                        loop: LoopSpec) -> jax.Array:
-    """The speculative sampler's target computation replayed: log-probs [B, N] (0 off the mask).
+    """The speculative sampler's target computation traced into the caller's program: [B, N].
 
     Runs the same prefill and, for each recorded iteration, the same k + 1
     token verification chunk at the same slots (`ro.verify_counts`), with the
-    recorded exit schedule; bit-equal to `ro.logprobs` when `params` and
-    `policy` are the sampler's. Not differentiable (a `while_loop`; the
-    hybrid learner takes its gradient from the dense forward). Not jitted
-    itself.
+    recorded exit schedule: a program of its own, so its values are the
+    sampler's only where the compiler compiles both alike (on XLA:CPU at the
+    sampler's batch shape). The exact replay is the sampler's own program
+    (`speculative_program` with the tokens forced, which `rollout.replay`
+    runs); this is the traceable form (`traced_replay_logprobs`) and the
+    replay of a speculative rollout that records no calls. 0 off the mask.
+    Not differentiable (a `while_loop`; the hybrid learner takes its gradient
+    from the dense forward). Not jitted itself.
     """
     if not ro.verify_tokens or ro.verify_counts is None:
         raise ValueError("replay_speculative needs a speculative rollout (verify_tokens > 0)")

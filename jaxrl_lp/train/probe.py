@@ -59,9 +59,8 @@ def probe_exactness(cfg, plan) -> dict | None:
     replay's (`grpo.replay=always`, dense log-probs, unmatched policies) or
     `grpo.start_probe` is false; else what was checked: `{"rows": B,
     "slices": [...], "tokens": n}`. A multi-turn task's call of episodes is checked
-    whole (its updates replay whole calls), and so is a speculative sampler's batch
-    (its replay re-traces the verification chunks, `rollout.replay`: the slices of a
-    later update are not the sampler's program).
+    whole (its updates replay whole calls); a speculative sampler's batch, whole and in
+    the slices, as a plain one's.
 
     Raises:
       ExactnessProbeError: the replay of the whole batch or of a slice differs
@@ -96,7 +95,7 @@ def probe_exactness(cfg, plan) -> dict | None:
     rows = want.shape[0]
     replay = lambda r: np.asarray(to_host(replay_logprobs(params, plan.model, plan.learner_policy,
                                                           r, mesh=mesh)), np.float32)
-    slices = [] if g.speculative else _slices(rows, g.minibatches, g.micro_batches)
+    slices = _slices(rows, g.minibatches, g.micro_batches)
     for size in [rows, *slices]:
         got = np.concatenate([replay(ro if size == rows else
                                      take_rows(ro, np.arange(i, i + size)))
