@@ -29,6 +29,7 @@ further batches until the batch is informative (`refill_rounds`,
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from typing import Any, NamedTuple
 
@@ -50,7 +51,7 @@ from jaxrl_lp.train.run_state import RunState
 from jaxrl_lp.train.sync_hooks import SyncHooks
 
 __all__ = ["IterationPrograms", "Reference", "dispatch_rollout", "grpo_iteration",
-           "sampler_side", "sampling_key"]
+           "sample_step_episodes", "sampler_side", "sampling_key"]
 
 
 def sampler_side(plan) -> SamplerSide:
@@ -125,16 +126,18 @@ def _sample(weights, step, key, cfg, plan, problems, timer, side: SamplerSide):
     return ro, spec
 
 
-def _sample_episodes(params, step, key, cfg, plan, problems, timer, runner):
-    """A multi-turn task's episodes (`train.episodes`), G of each problem, on one device."""
+def sample_step_episodes(params, version, key, cfg, plan, problems, runner, timer=None):
+    """A multi-turn task's episodes (`train.episodes`) of `problems`, G each, on `params`
+    (exported at step `version`), the environments stepped by `runner`; timed as `sample`
+    by `timer` when given."""
     from jaxrl_lp.train.episodes import sample_episodes
 
     g = cfg.grpo
-    with timer("sample"):
+    with timer("sample") if timer is not None else contextlib.nullcontext():
         mt = sample_episodes(params, plan.model, plan.task, problems, group_size=g.group_size,
                              policy=plan.sampler_policy,
                              sampling=SamplingConfig(temperature=g.temperature, draw=g.draw),
-                             loop=plan.loop, key=key, runner=runner, weights_version=step)
+                             loop=plan.loop, key=key, runner=runner, weights_version=version)
     return mt
 
 
@@ -213,8 +216,8 @@ def grpo_iteration(state: RunState, step: int, cfg, plan, programs: IterationPro
     episodes = None  # a multi-turn task's `MultiTurnRollout`
     if queue is None and programs.env_runner is not None:  # episodes (`train.episodes`)
         rollout_weights = side.hold(sampler_params, copy=False)
-        episodes = _sample_episodes(sampler_params, step, key, cfg, plan, problems, timer,
-                                    programs.env_runner)
+        episodes = sample_step_episodes(sampler_params, step, key, cfg, plan, problems,
+                                        programs.env_runner, timer)
         ro, spec_metrics = episodes.rollout, {}
     elif queue is None:  # synchronous: this step's rollout, on this step's export
         rollout_weights = side.hold(sampler_params, copy=False)
@@ -223,7 +226,11 @@ def grpo_iteration(state: RunState, step: int, cfg, plan, programs: IterationPro
         with timer("sample"):
             queue.fill(step, side.hold(sampler_params, copy=True))
             entry, rollout_weights = queue.pop(step)
-            ro = side.to_learner(jax.block_until_ready(entry.rollout))
+            if programs.env_runner is not None:  # a call of episodes, on the learner's devices
+                episodes = entry.rollout
+                ro = episodes.rollout
+            else:
+                ro = side.to_learner(jax.block_until_ready(entry.rollout))
         problems, spec_metrics = [task.train[i] for i in entry.problems], dict(entry.spec_metrics)
     version = int(ro.weights_version)  # the export the rollout was sampled on
     # The sampler's weight products (`grpo.reuse_products`) go to the updates that compute
@@ -237,11 +244,11 @@ def grpo_iteration(state: RunState, step: int, cfg, plan, programs: IterationPro
     ds_metrics, picked = {}, None
     if g.dynamic_sampling:
         def draw(r):  # round r >= 1: the next prompts of the run's stream, a key of their own
-            if r and episodes is not None:  # sampled on the step's export, as round 0
+            if r and episodes is not None:  # sampled on the weights of round 0
                 more = [task.train[int(i)] for i in prompt_it.next_global()]
-                episode_calls.append(_sample_episodes(
-                    sampler_params, version, jax.random.fold_in(key, r), cfg, plan, more, timer,
-                    programs.env_runner))
+                episode_calls.append(sample_step_episodes(
+                    rollout_weights.copies[0], version, jax.random.fold_in(key, r), cfg, plan,
+                    more, programs.env_runner, timer))
                 rounds.append(_episode_round(episode_calls[-1]))
             elif r:  # sampled on the weights of the step's first round
                 more = [task.train[int(i)] for i in prompt_it.next_global()]

@@ -40,6 +40,7 @@ from jaxrl_lp.train.grpo_iteration import (
     Reference,
     dispatch_rollout,
     grpo_iteration,
+    sample_step_episodes,
     sampler_side,
     sampling_key,
 )
@@ -163,8 +164,11 @@ def _reference_params(cfg: TrainConfig, plan: RunPlan, run_dir: Path, start) -> 
     return params if shardings is None else put_tree(params, shardings)
 
 
-def _rollout_queue(cfg: TrainConfig, plan: RunPlan, prompt_it, total: int) -> RolloutQueue | None:
-    """The off-policy run's rollouts in flight (`grpo.max_staleness > 0`), else None."""
+def _rollout_queue(cfg: TrainConfig, plan: RunPlan, prompt_it, total: int,
+                   runner: EnvRunner | None) -> RolloutQueue | None:
+    """The off-policy run's rollouts in flight (`grpo.max_staleness > 0`), else None. A
+    multi-turn task's are calls of episodes (`runner` steps their environments), sampled
+    when dispatched: the host steps the environments between turns."""
     g = cfg.grpo
     if not g.max_staleness:
         return None
@@ -172,8 +176,11 @@ def _rollout_queue(cfg: TrainConfig, plan: RunPlan, prompt_it, total: int) -> Ro
     task = plan.task
 
     def dispatch(step, version, weights, problems):
-        return dispatch_rollout(weights, version, sampling_key(cfg.run.seed, step), cfg, plan,
-                                [task.train[i] for i in problems], side)
+        key, records = sampling_key(cfg.run.seed, step), [task.train[i] for i in problems]
+        if runner is not None:
+            return sample_step_episodes(weights.copies[0], version, key, cfg, plan, records,
+                                        runner), {}
+        return dispatch_rollout(weights, version, key, cfg, plan, records, side)
 
     return RolloutQueue(g.max_staleness, dispatch,
                         lambda: [int(i) for i in prompt_it.next_global()], end=total)
@@ -318,7 +325,10 @@ def _train(cfg: TrainConfig, plan: RunPlan, run_dir: Path, ckpt: Checkpointer, t
                                    cfg.run.seed + 1, shard=(d, n)), mesh)
     progress = Progress()
     total = cfg.sft.steps + g.steps
-    queue = _rollout_queue(cfg, plan, prompt_it, total)
+    # A multi-turn task's environments, stepped on host threads for the whole run.
+    runner = (EnvRunner(timeout_s=cfg.task.env_timeout_s, failure_reward=cfg.task.failure_reward)
+              if is_multiturn(task) else None)
+    queue = _rollout_queue(cfg, plan, prompt_it, total, runner)
     resumed = restore_newest_intact(ckpt, _restore_like(cfg, state, plan, queue), cfg, mcfg,
                                     hooks, lpol, spol)
     if resumed is not None:
@@ -356,9 +366,6 @@ def _train(cfg: TrainConfig, plan: RunPlan, run_dir: Path, ckpt: Checkpointer, t
     # which also verifies (`rollout.replay`); dense, one micro-batch's rows at a time.
     old_logp_fn = jit_learner_logprobs(mcfg, lpol, g.logprobs, loop=loop, mesh=mesh,
                                        micro_batches=g.minibatches * g.micro_batches)
-    # A multi-turn task's environments, stepped on host threads for the whole run.
-    runner = (EnvRunner(timeout_s=cfg.task.env_timeout_s, failure_reward=cfg.task.failure_reward)
-              if is_multiturn(task) else None)
     programs = IterationPrograms(
         grpo_step=grpo_step, behaviour_logprobs=old_logp_fn,
         rule=ReplayRule(g.replay, g.logprobs, matched=lpol == spol),

@@ -239,8 +239,10 @@ def _multiturn(cfg: TrainConfig, task, mcfg: ModelConfig, weights) -> None:
 
     Its episodes run with the plain sampler (`rollout.multiturn`) on the learner's devices
     (one, or `run.mesh`) and in one process (the host steps the environments), on the
-    step's weights (a dynamic-sampling step's refills too), each call replayed whole; the
-    options below compose with it not yet, each refused with the key to change.
+    weights of the step they are dispatched at (`grpo.max_staleness` steps before the one
+    that learns from them; a dynamic-sampling step's refills on the same), each call
+    replayed whole; the options below compose with it not yet, each refused with the key
+    to change.
     """
     from jaxrl_lp.train.episodes import is_multiturn, turn_limits
 
@@ -251,8 +253,6 @@ def _multiturn(cfg: TrainConfig, task, mcfg: ModelConfig, weights) -> None:
     if cfg.run.learner_mesh or cfg.distributed.num_processes > 1:
         why = ("are sampled and learned from on the same devices, by one process: set "
                "run.learner_mesh='' (run.mesh shards both) and distributed.num_processes=1")
-    elif g.max_staleness:
-        why = "are sampled on the step's weights: set grpo.max_staleness=0"
     elif g.overlong_buffer:
         why = "end by their turn limits, not a completion budget: set grpo.overlong_buffer=0"
     elif g.speculative:
