@@ -9,9 +9,11 @@ import numpy as np
 import pytest
 
 from jaxrl_lp.rl.advantages import (
+    ADVANTAGE_KINDS,
     group_advantages,
     overlong_penalty,
     select_groups,
+    turn_advantages,
     zero_variance_groups,
 )
 
@@ -102,3 +104,66 @@ def test_overlong_penalty_ramp():
     np.testing.assert_allclose(np.asarray(pen_B), expected, rtol=TOL, atol=TOL)
     with pytest.raises(ValueError, match="buffer"):
         overlong_penalty(lengths_B, max_len=100, buffer=0, penalty_factor=1.0)
+
+
+def _turn_reference(r_BxT, turns_B, g, kind, discount):
+    """`turn_advantages` by loops in f64: the reward-to-go of each taken turn, normalized over
+    the group's rows that took the same turn (0 where a row is alone there)."""
+    r_BxT = np.asarray(r_BxT, np.float64)
+    b, t = r_BxT.shape
+    ret = np.zeros_like(r_BxT)
+    for i in range(b):
+        for k in range(t):
+            ret[i, k] = sum(discount ** (j - k) * r_BxT[i, j] for j in range(k, t))
+    out = np.zeros_like(ret)
+    for start in range(0, b, g):
+        for k in range(t):
+            rows = [i for i in range(start, start + g) if k < turns_B[i]]
+            if len(rows) < 2:
+                continue
+            vals = ret[rows, k]
+            centred = vals - vals.mean()
+            if kind == "grpo":
+                adv = centred / (vals.std() + 1e-6)
+            elif kind == "drgrpo":
+                adv = centred
+            else:
+                adv = centred * len(rows) / (len(rows) - 1)
+            out[rows, k] = adv
+    return out
+
+
+@pytest.mark.parametrize("kind", ADVANTAGE_KINDS)
+def test_turn_advantages_match_the_loop_reference(kind):
+    """Ragged episodes (1 to 3 turns), rewards at several turns, discount 0.8: every taken
+    turn's advantage is its reward-to-go against the group's rows at that turn; untaken turns
+    and a turn one row alone reached are 0."""
+    rng = np.random.default_rng(3)
+    turns = np.array([3, 1, 2, 3, 1, 1, 2, 3])
+    r = np.where(np.arange(3)[None] < turns[:, None], rng.integers(0, 3, (8, 3)) * 0.5, 0.0)
+    got = np.asarray(turn_advantages(r.astype(np.float32), turns, 4, kind, discount=0.8))
+    np.testing.assert_allclose(got, _turn_reference(r, turns, 4, kind, 0.8), atol=2e-6)
+    assert (got[np.arange(3)[None] >= turns[:, None]] == 0).all()
+    # Group 2 (rows 4-7): turn 2 was reached by row 7 alone.
+    assert got[7, 2] == 0.0 and _turn_reference(r, turns, 4, kind, 0.8)[7, 1] != 0
+
+
+@pytest.mark.parametrize("kind", ADVANTAGE_KINDS)
+def test_turn_advantages_reduce_to_the_episodes(kind):
+    """One reward per episode at its last turn, discount 1: the first turn's advantages are
+    `group_advantages` of the episode rewards bit for bit (and one-turn episodes entirely)."""
+    rng = np.random.default_rng(4)
+    turns = rng.integers(1, 4, 8)
+    final = rng.integers(0, 2, 8).astype(np.float32)
+    r = np.zeros((8, 3), np.float32)
+    r[np.arange(8), turns - 1] = final
+    want = np.asarray(group_advantages(jnp.asarray(final), 4, kind))
+    got = np.asarray(turn_advantages(r, turns, 4, kind))
+    np.testing.assert_array_equal(got[:, 0], want)
+    one = np.asarray(turn_advantages(final[:, None], np.ones(8, int), 4, kind))
+    np.testing.assert_array_equal(one[:, 0], want)
+
+
+def test_turn_advantages_refuse_a_discount_outside_0_1():
+    with pytest.raises(ValueError, match="discount must be in"):
+        turn_advantages(np.zeros((4, 2), np.float32), np.ones(4, int), 4, discount=1.5)

@@ -148,6 +148,9 @@ BAD = {
                          ("data=4@x", ["run.learner_mesh=fsdp=4"]),
                          ("data=3", ["run.learner_mesh=fsdp=4"])],
     "grpo.max_staleness": ["-1", "abc", ("1", ["lora.rank=8"])],  # LoRA: synchronous only
+    # by turn on a single-turn task; a discount above 1, or set without turn credit
+    "grpo.turn_credit": ["abc", "reward_to_go"],
+    "grpo.turn_discount": ["-0.1", "1.5", "nan", "0.9"],
     "distributed.coordinator": ["nohost", "host:port"],
     "distributed.num_processes": ["0", "abc"],
     "distributed.process_id": ["-2", "abc"],

@@ -118,11 +118,12 @@ RUNS = {
     # sharded over 2 devices.
     "offpolicy": ["grpo.max_staleness=2", "run.learner_mesh=fsdp=2", "run.sampler_mesh=data=2"],
     # Multi-turn episodes with a calculator tool (`envs.CalculatorTask`), every rollout
-    # replayed and verified.
+    # replayed and verified, advantages by turn.
     "calculator": [
         "task.kind=calculator", "task.max_digits=2", "task.second_digits=1",
         "task.max_turns=2", "task.tool_fraction=0.5", "task.env_timeout_s=5.0",
         "task.failure_reward=-0.5", "model.max_position_embeddings=64", "grpo.verify_every=1",
+        "grpo.turn_credit=reward_to_go", "grpo.turn_discount=0.9",
     ],
     # GSM8K-format data with a Python-expression calculator (`envs.PythonCalculatorTask`).
     "gsm8k_tools": [

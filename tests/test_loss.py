@@ -83,6 +83,23 @@ def test_ppo_clip_hand_example():
     np.testing.assert_allclose(float(loss), -(1.2 + 0.5 - 0.8 - 5.0 - 1.1) / 5, rtol=1e-6)
 
 
+def test_per_token_advantages():
+    """Advantages [B, N] (multi-turn turn credit): each token's objective takes its own; a row
+    of equal ones is the per-sequence advantage bit for bit."""
+    logp, anchor, adv, mask = _batch(4, spread=0.2)
+    cfg = LossConfig(epsilon=0.2)
+    per_token = adv[:, None] * jnp.linspace(-1.0, 2.0, mask.shape[1])[None]
+    loss, _, grad = _full(logp, anchor, per_token, mask, cfg)
+    want = _per_token_loss_np(logp, anchor, per_token, mask).sum() / float(mask.sum())
+    np.testing.assert_allclose(float(loss), want, rtol=1e-5, atol=1e-6)
+    row_loss, row_m, row_grad = _full(logp, anchor, adv, mask, cfg)
+    wide_loss, wide_m, wide_grad = _full(logp, anchor, jnp.broadcast_to(adv[:, None], mask.shape),
+                                         mask, cfg)
+    assert float(wide_loss) == float(row_loss) and float(loss) != float(row_loss)
+    np.testing.assert_array_equal(np.asarray(wide_grad), np.asarray(row_grad))
+    assert {k: float(v) for k, v in wide_m.items()} == {k: float(v) for k, v in row_m.items()}
+
+
 # --------------------------------------------------------------------------- #
 # Aggregation.
 
@@ -107,7 +124,8 @@ def _per_token_loss_np(logp, anchor, adv, mask, eps=0.2):
     logp, anchor, mask = (np.asarray(x, np.float64) for x in (logp, anchor, mask))
     live = mask > 0
     r = np.exp(np.where(live, logp - np.where(live, anchor, 0), 0))
-    a = np.asarray(adv, np.float64)[:, None]
+    a = np.asarray(adv, np.float64)
+    a = a[:, None] if a.ndim == 1 else a  # per sequence or per token
     return np.where(live, -np.minimum(r * a, np.clip(r, 1 - eps, 1 + eps) * a), 0.0)
 
 

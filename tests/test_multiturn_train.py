@@ -6,6 +6,7 @@ every GRPO step's rollout replayed bit for bit; options episodes do not support 
 refused with one line; `jaxrl-lp bench multiturn` prints its JSON.
 """
 
+import dataclasses
 import json
 import time
 
@@ -86,9 +87,11 @@ def test_episodes_of_two_calls_concatenate_and_replay_row_for_row():
     """Dynamic sampling's refilled batch of episodes: rows taken from two calls of different
     slot counts are concatenated (right-padded to the wider, `env_mask` kept), and
     `replay_episodes` (each call replayed whole, its rows taken) is the sampler's bits on
-    every policy token; a multi-turn and a single-turn rollout do not mix."""
+    every policy token; turn credit gives each policy token its turn's advantage from its own
+call's groups; a multi-turn and a single-turn rollout do not mix."""
+    from jaxrl_lp.rl.advantages import turn_advantages
     from jaxrl_lp.rollout.generate import concat_rollouts, generate, take_rows
-    from jaxrl_lp.train.episodes import replay_episodes
+    from jaxrl_lp.train.episodes import replay_episodes, turn_credit_advantages
 
     task = CalculatorTask(max_turns=3)
     cfg = MODEL.replace(vocab_size=task.tokenizer.vocab_size)
@@ -114,6 +117,23 @@ def test_episodes_of_two_calls_concatenate_and_replay_row_for_row():
     mask = np.asarray(ro.completion_mask) > 0
     assert mask.sum() > 0
     np.testing.assert_array_equal(got[mask], np.asarray(ro.logprobs)[mask])
+    # Turn credit: each policy token carries its turn's advantage, from its own call's groups
+    # (turn rewards planted on the turns taken: a random model earns none).
+    assert a.turns.max() > 1 and (a.turn_rewards.sum(1) == a.rewards).all()
+    rng = np.random.default_rng(0)
+    planted = [dataclasses.replace(mt, turn_rewards=np.where(
+        np.arange(mt.limits.max_turns)[None] < mt.turns[:, None],
+        rng.integers(0, 3, mt.turn_rewards.shape), 0).astype(np.float32)) for mt in (a, b)]
+    adv = turn_credit_advantages([(planted[0], rows_a), (planted[1], rows_b)], 2, "drgrpo",
+                                 0.5, n)
+    assert adv.shape == (6, n) and (adv[~mask] == 0).all() and (adv[mask] != 0).any()
+    for mt, rows, at in ((planted[0], rows_a, 0), (planted[1], rows_b, 2)):
+        turns = mt.token_turns()[rows]
+        want = np.asarray(turn_advantages(mt.turn_rewards, mt.turns, 2, "drgrpo", 0.5))[rows]
+        pol = np.asarray(mt.rollout.completion_mask)[rows] > 0
+        assert ((turns >= 0) == pol).all()  # every policy token has its turn, nothing else
+        r_idx, c_idx = np.nonzero(pol)
+        np.testing.assert_array_equal(adv[at + r_idx, c_idx], want[r_idx, turns[r_idx, c_idx]])
     single = generate(params, cfg, [task.prompt_ids(task.train[0])], max_new_tokens=4,
                       policy=FP32, key=jax.random.PRNGKey(3))
     with pytest.raises(ValueError, match="multi-turn rollout .* and a single-turn one"):

@@ -5,6 +5,8 @@ share a prompt, so row `i * G + g` is sample `g` of prompt `i`; `P = B / G`
 prompts.
 
 - `group_advantages`: the critic-free baselines of GRPO, Dr. GRPO and RLOO.
+- `turn_advantages`: the same per model turn of multi-turn episodes (the
+  reward-to-go from each turn, baselined by the group's rows at that turn).
 - `zero_variance_groups` / `select_groups`: DAPO's dynamic sampling, which
   drops groups whose rewards are all equal (their advantages are all zero, so
   they carry no gradient) and refills the batch from further rollouts (the
@@ -30,6 +32,7 @@ __all__ = [
     "group_advantages",
     "overlong_penalty",
     "select_groups",
+    "turn_advantages",
     "zero_variance_groups",
 ]
 
@@ -103,6 +106,81 @@ def group_advantages(
         # so that equal rewards give exactly zero.
         adv_PxG = centred_PxG * (group_size / (group_size - 1))
     return adv_PxG.reshape(num_rows)
+
+
+def turn_advantages(
+    turn_rewards_BxT: jax.Array,
+    turns_B: jax.Array,
+    group_size: int,
+    kind: AdvantageKind = "grpo",
+    discount: float = 1.0,
+    eps: float = 1e-6,
+) -> jax.Array:
+    """Per-turn advantages of multi-turn episodes: the return from each turn on, with a
+    baseline from the group's episodes that reached the same turn.
+
+    Row i's return from model turn t is the discounted reward-to-go
+    `R_it = sum_{t' >= t} discount^(t' - t) r_it'` (its turn rewards from t on;
+    a turn's reward is what the environment gave for that turn). Turn t's
+    advantage normalizes `R_it` over the rows of the group that reached turn t
+    (`t < turns_i`), by `kind` as `group_advantages` does over a whole group:
+    `grpo` `(R - mean) / (std + eps)`, `drgrpo` `R - mean`, `rloo`
+    `n / (n - 1) * (R - mean)` with n the rows that reached it (0 where n = 1).
+    Where every row of the group reached turn t (turn 0 always) the values are
+    `group_advantages` of that turn's returns, bit for bit: with discount 1 and
+    one reward per episode the first turn's advantages are the episode-level
+    ones. A turn a row alone reached has advantage 0 (no peer to compare with).
+
+    Args:
+      turn_rewards_BxT: [B, T] each row's reward per model turn (0 after its last).
+      turns_B: [B] int model turns each row took (1..T).
+      group_size: `G >= 2`; `B` must be a multiple of `G`.
+      kind: one of `ADVANTAGE_KINDS`.
+      discount: in [0, 1], the weight of a later turn's reward per turn.
+      eps: added to `std` for `grpo`.
+
+    Returns:
+      [B, T] f32, 0 at the turns a row did not take.
+
+    Raises:
+      ValueError: as `group_advantages`; a discount outside [0, 1].
+    """
+    if kind not in ADVANTAGE_KINDS:
+        raise ValueError(f"kind must be one of {ADVANTAGE_KINDS}, got {kind!r}")
+    if not 0.0 <= discount <= 1.0:
+        raise ValueError(f"discount must be in [0, 1], got {discount!r}")
+    b, t = turn_rewards_BxT.shape
+    _check_groups(b, group_size)
+    r_BxT = jnp.asarray(turn_rewards_BxT, jnp.float32)
+    reached_BxT = jnp.arange(t)[None] < jnp.asarray(turns_B)[:, None]
+    returns, later = [], jnp.zeros((b,), jnp.float32)
+    for k in reversed(range(t)):  # R_t = r_t + discount * R_{t+1}
+        later = r_BxT[:, k] + discount * later
+        returns.append(later)
+    returns_BxT = jnp.stack(returns[::-1], axis=1)
+    p = b // group_size
+    out = []
+    for k in range(t):
+        ret_PxG = returns_BxT[:, k].reshape(p, group_size)
+        m_PxG = reached_BxT[:, k].reshape(p, group_size).astype(jnp.float32)
+        n_Px1 = jnp.sum(m_PxG, axis=1, keepdims=True)
+        mean_Px1 = jnp.sum(ret_PxG * m_PxG, axis=1, keepdims=True) / jnp.maximum(n_Px1, 1.0)
+        centred_PxG = (ret_PxG - mean_Px1) * m_PxG
+        if kind == "grpo":
+            std_Px1 = jnp.sqrt(jnp.sum(jnp.square(centred_PxG), axis=1, keepdims=True)
+                               / jnp.maximum(n_Px1, 1.0))
+            part_PxG = centred_PxG / (std_Px1 + eps)
+        elif kind == "drgrpo":
+            part_PxG = centred_PxG
+        else:
+            part_PxG = jnp.where(n_Px1 > 1, centred_PxG * n_Px1 / jnp.maximum(n_Px1 - 1, 1.0),
+                                 0.0)
+        whole_PxG = group_advantages(returns_BxT[:, k], group_size, kind, eps).reshape(
+            p, group_size)
+        adv_PxG = jnp.where(m_PxG > 0, jnp.where(n_Px1 == group_size, whole_PxG, part_PxG),
+                            0.0)
+        out.append(adv_PxG.reshape(b))
+    return jnp.stack(out, axis=1)
 
 
 def zero_variance_groups(rewards_B: jax.Array, group_size: int) -> jax.Array:

@@ -280,8 +280,9 @@ def policy_loss(
     `-1/S sum_i min(s_i A_i, clip(s_i) A_i)`, since `grad s_i = s_i mean_t
     grad logp_it`; other aggregations weight GSPO's per-token terms
     differently (`token_mean` weights each sequence by its length). The
-    GSPO paper's GSPO-token variant allows per-token advantages; ours are per
-    sequence, where it coincides with GSPO.
+    GSPO paper's GSPO-token variant allows per-token advantages; with per-sequence
+    ones it coincides with GSPO (per-token ones come from multi-turn episodes'
+    turn credit, `rl.advantages.turn_advantages`).
 
     Then `l_it` as in the module docstring, and
 
@@ -297,7 +298,7 @@ def policy_loss(
     Args:
       logp_BxN: the learner's log-probs of the sampled tokens (differentiated).
       anchor_logp_BxN: the ratio's denominator (`select_anchor`; no gradient).
-      advantages_B: per-sequence advantages (no gradient).
+      advantages_B: per-sequence advantages [B], or per-token ones [B, N] (no gradient).
       mask_BxN: f32 1 on tokens in the loss: `keep_mask_BxN` of
         `correction_weights` (no gradient).
       weights_BxN: correction weights of `correction_weights` (no gradient).
@@ -327,7 +328,8 @@ def policy_loss(
     logp_BxN = jnp.where(live_BxN, logp_BxN.astype(jnp.float32), 0.0)
     anchor_BxN = jnp.where(live_BxN, sg(anchor_logp_BxN.astype(jnp.float32)), 0.0)
     weights_BxN = jnp.where(live_BxN, sg(weights_BxN.astype(jnp.float32)), 0.0)
-    adv_Bx1 = sg(advantages_B.astype(jnp.float32))[:, None]
+    adv = sg(advantages_B.astype(jnp.float32))  # per sequence [B] or per token [B, N]
+    adv_BxN = jnp.broadcast_to(adv[:, None] if adv.ndim == 1 else adv, logp_BxN.shape)
     denom_Bx1 = sg(denom_B.astype(jnp.float32))[:, None]
     if num_tokens is None:
         num_tokens = jnp.sum(mask_BxN)
@@ -344,10 +346,10 @@ def policy_loss(
     ratio_BxN = jnp.exp(log_r_BxN)
 
     lo, hi = 1.0 - cfg.eps_low, 1.0 + cfg.eps_high
-    objective_BxN = jnp.minimum(ratio_BxN * adv_Bx1, jnp.clip(ratio_BxN, lo, hi) * adv_Bx1)
+    objective_BxN = jnp.minimum(ratio_BxN * adv_BxN, jnp.clip(ratio_BxN, lo, hi) * adv_BxN)
     if cfg.dual_clip is not None:
-        dual_BxN = jnp.maximum(objective_BxN, cfg.dual_clip * adv_Bx1)
-        objective_BxN = jnp.where(adv_Bx1 < 0, dual_BxN, objective_BxN)
+        dual_BxN = jnp.maximum(objective_BxN, cfg.dual_clip * adv_BxN)
+        objective_BxN = jnp.where(adv_BxN < 0, dual_BxN, objective_BxN)
     pg_BxN = -weights_BxN * objective_BxN
 
     scale_BxN = mask_BxN / denom_Bx1
@@ -361,10 +363,10 @@ def policy_loss(
 
     metrics = {
         "pg_loss": sg(pg_loss),
-        "clip_frac_low": token_frac((adv_Bx1 < 0) & (r_BxN < lo)),
-        "clip_frac_high": token_frac((adv_Bx1 > 0) & (r_BxN > hi)),
+        "clip_frac_low": token_frac((adv_BxN < 0) & (r_BxN < lo)),
+        "clip_frac_high": token_frac((adv_BxN > 0) & (r_BxN > hi)),
         "clip_frac_dual": (
-            token_frac((adv_Bx1 < 0) & (r_BxN > cfg.dual_clip))
+            token_frac((adv_BxN < 0) & (r_BxN > cfg.dual_clip))
             if cfg.dual_clip is not None
             else jnp.zeros((), jnp.float32)
         ),

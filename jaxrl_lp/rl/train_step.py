@@ -67,7 +67,7 @@ class MicroBatch(NamedTuple):
     """
 
     rollout: Rollout  # b rows of the rollout (`split_rows`)
-    advantages_b: jax.Array  # [b] f32 per-sequence advantages
+    advantages_b: jax.Array  # [b] f32 per-sequence advantages, or [b, N] per token
     anchor_bxN: jax.Array  # [b, N] f32 the ratio's denominator log-probs (`select_anchor`)
     keep_bxN: jax.Array  # [b, N] f32 tokens in the loss (`correction_weights`' keep mask)
     weights_bxN: jax.Array  # [b, N] f32 training-inference correction weights

@@ -162,6 +162,8 @@ class MultiTurnRollout:
       record: the call's `MultiTurnRecord`.
       limits: the `TurnLimits` it ran with.
       rewards: [B] f32 each episode's reward (the sum of its turns').
+      turn_rewards: [B, T] f32 the reward of each model turn (T = `limits.max_turns`;
+        0 after the episode's last turn; an `observation_overflow` episode's all 0).
       turns: [B] int32 model turns each episode took.
       reasons: per row, why its episode ended: `done` (its environment said so),
         `max_turns`, `context`, `observation_overflow`, or the `failed` reason of its
@@ -177,12 +179,22 @@ class MultiTurnRollout:
     record: MultiTurnRecord
     limits: TurnLimits
     rewards: np.ndarray
+    turn_rewards: np.ndarray
     turns: np.ndarray
     reasons: tuple[str, ...]
     infos: tuple[tuple[Any, ...], ...]
     prefill_tokens: int
     decode_steps: int
     env_seconds: float
+
+    def token_turns(self) -> np.ndarray:
+        """[B, N] int32 the model turn each policy token belongs to (-1 on observations and
+        padding), in the rollout's compact layout."""
+        out = np.full(self.rollout.completion_tokens.shape, -1, np.int32)
+        for turn, idx in enumerate(self.record.turn_index):
+            rows, cols = np.nonzero(idx >= 0)
+            out[rows, idx[rows, cols]] = turn
+        return out
 
 
 # ----------------------------------------------------------------------------- the host loop
@@ -231,6 +243,7 @@ def _run(params, cfg: ModelConfig, policy: Policy, loop: LoopSpec, sampling: Sam
     turns_lp, turns_tok, turns_exit, turns_len = [], [], [], []
     steps, chunks, actives = [], [], []
     rewards, n_turns = np.zeros(b, np.float32), np.zeros(b, np.int32)
+    turn_rewards = np.zeros((b, limits.max_turns), np.float32)
     reasons: list[str | None] = [None] * b
     infos: list[list[Any]] = [[] for _ in range(b)]
     observations: list[list[tuple[int, ...]]] = [[] for _ in range(b)]
@@ -282,6 +295,7 @@ def _run(params, cfg: ModelConfig, policy: Policy, loop: LoopSpec, sampling: Sam
                 if a is None:
                     continue
                 rewards[r] += a.reward
+                turn_rewards[r, turn] = a.reward
                 infos[r].append(a.info)
                 failed = isinstance(a.info, dict) and a.info.get("failed")
                 if a.done:
@@ -289,6 +303,7 @@ def _run(params, cfg: ModelConfig, policy: Policy, loop: LoopSpec, sampling: Sam
                 elif len(a.observation) > limits.max_observation_tokens:
                     reasons[r] = "observation_overflow"
                     rewards[r] = 0.0
+                    turn_rewards[r] = 0.0
                 elif turn + 1 == limits.max_turns:
                     reasons[r] = "max_turns"
                 else:
@@ -320,7 +335,8 @@ def _run(params, cfg: ModelConfig, policy: Policy, loop: LoopSpec, sampling: Sam
             reasons[r] = "max_turns"
     return dict(layout=layout, turns_lp=turns_lp, turns_tok=turns_tok, turns_exit=turns_exit,
                 turns_len=turns_len, steps=steps, chunks=chunks,
-                actives=actives, rewards=rewards, n_turns=n_turns, reasons=reasons,
+                actives=actives, rewards=rewards, turn_rewards=turn_rewards,
+                n_turns=n_turns, reasons=reasons,
                 infos=infos, observations=observations, env_seconds=env_seconds,
                 prefill_tokens=prefill_tokens, decode_steps=decode_steps, slots=slots)
 
@@ -436,7 +452,8 @@ def generate_multiturn(
         env_mask=jnp.asarray(env_mask))
     return MultiTurnRollout(
         rollout=ro, record=record, limits=limits, rewards=run["rewards"],
-        turns=run["n_turns"].astype(np.int32), reasons=tuple(run["reasons"]),
+        turn_rewards=run["turn_rewards"], turns=run["n_turns"].astype(np.int32),
+        reasons=tuple(run["reasons"]),
         infos=tuple(tuple(i) for i in run["infos"]), prefill_tokens=run["prefill_tokens"],
         decode_steps=run["decode_steps"], env_seconds=run["env_seconds"])
 

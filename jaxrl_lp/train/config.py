@@ -235,6 +235,12 @@ class GRPOConfig:
         (the looped model drafts for itself at fewer loop steps) or
         `dense:PATH,k=4,sink=4,window=256` (a dense drafter checkpoint). Same samples,
         fewer target forwards; needs `compute_mode=dense`.
+      turn_credit: a multi-turn task's advantages: `episode` (one per episode, from the
+        sum of its turns' rewards) or `reward_to_go` (one per model turn, from the
+        discounted rewards of that turn and the later ones, baselined by the group's
+        episodes that reached the same turn: `rl.advantages.turn_advantages`).
+      turn_discount: with `turn_credit=reward_to_go`, the weight in [0, 1] of a reward
+        one turn later (1: every later reward counts in full).
       max_staleness: off-policy GRPO (`train.rollout_queue`): the rollout of GRPO step n
         is sampled on the weights exported at step max(0, n - K), so the sampler can
         sample step n + K's batch while the learner updates on step n's (on their own
@@ -274,6 +280,8 @@ class GRPOConfig:
     remat: bool = False
     speculative: str = ""
     max_staleness: int = 0
+    turn_credit: Literal["episode", "reward_to_go"] = "episode"
+    turn_discount: float = 1.0
 
     def _check_speculative(self):
         from jaxrl_lp.rollout.spec_config import SpecConfig
@@ -342,6 +350,16 @@ class GRPOConfig:
         check_int("grpo.max_staleness", self.max_staleness, minimum=0,
                   why=" (how many weight versions the sampler may run behind the learner; 0: "
                       "synchronous)")
+        check_choice("grpo.turn_credit", self.turn_credit, ("episode", "reward_to_go"))
+        check_number("grpo.turn_discount", self.turn_discount, ge=0,
+                     why=" (the weight of a reward one turn later, in [0, 1])")
+        if self.turn_discount > 1:
+            raise ValueError(f"grpo.turn_discount={self.turn_discount!r} weights a later "
+                             "turn's reward above the turn's own; set it in [0, 1]")
+        if self.turn_discount != 1 and self.turn_credit == "episode":
+            raise ValueError(f"grpo.turn_discount={self.turn_discount!r} discounts the turns of "
+                             "grpo.turn_credit=reward_to_go; set that too, or "
+                             "grpo.turn_discount=1.0")
         self._check_speculative()
         from jaxrl_lp.models.loop import LoopSpec
 

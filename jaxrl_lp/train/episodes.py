@@ -7,7 +7,8 @@ threads by an `envs.EnvRunner` (a per-call timeout; an environment that raises o
 hangs ends its episode with the runner's reason and `failure_reward`, and the run goes
 on). `episode_metrics` measures what happened; `evaluate_episodes` is the held-out
 score (greedy episodes); `replay_episodes` replays episodes gathered from several calls
-(dynamic sampling's rounds).
+(dynamic sampling's rounds) and `turn_credit_advantages` gives their tokens advantages by
+turn (`grpo.turn_credit=reward_to_go`).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import numpy as np
 
 from jaxrl_lp.envs import EnvRunner, Turn
 from jaxrl_lp.numerics.policy import Policy
+from jaxrl_lp.rl.advantages import turn_advantages
 from jaxrl_lp.rollout.multiturn import (
     MultiTurnRollout,
     TurnLimits,
@@ -32,7 +34,7 @@ from jaxrl_lp.rollout.sampling import SamplingConfig
 from jaxrl_lp.rollout.step import LoopSpec
 
 __all__ = ["episode_metrics", "evaluate_episodes", "is_multiturn", "replay_episodes",
-           "sample_episodes", "turn_limits", "turn_step"]
+           "sample_episodes", "turn_credit_advantages", "turn_limits", "turn_step"]
 
 
 def is_multiturn(task: Any) -> bool:
@@ -91,6 +93,26 @@ def replay_episodes(params, mcfg, policy: Policy,
         return outs[0]
     n = max(o.shape[1] for o in outs)
     return jnp.concatenate([jnp.pad(o, ((0, 0), (0, n - o.shape[1]))) for o in outs])
+
+
+def turn_credit_advantages(parts: Sequence[tuple[MultiTurnRollout, np.ndarray | None]],
+                           group_size: int, kind: str, discount: float,
+                           width: int) -> np.ndarray:
+    """Per-token advantages [B, width] f32 of episodes gathered from calls, by turn
+    (`grpo.turn_credit=reward_to_go`): each call's per-turn advantages
+    (`rl.advantages.turn_advantages`, its groups' rows within the call) on its turns'
+    tokens (0 on observations and padding), its `rows` taken (None: all; whole groups),
+    right-padded to `width` slots and concatenated in `replay_episodes`' order."""
+    outs = []
+    for mt, rows in parts:
+        adv_BxT = np.asarray(turn_advantages(mt.turn_rewards, mt.turns, group_size, kind,
+                                             discount))
+        turns_BxN = mt.token_turns()
+        adv_BxN = np.where(turns_BxN >= 0,
+                           np.take_along_axis(adv_BxT, np.maximum(turns_BxN, 0), axis=1), 0.0)
+        adv_BxN = adv_BxN if rows is None else adv_BxN[np.asarray(rows)]
+        outs.append(np.pad(adv_BxN, ((0, 0), (0, width - adv_BxN.shape[1]))))
+    return np.concatenate(outs).astype(np.float32)
 
 
 def episode_metrics(*mts: MultiTurnRollout) -> dict[str, float]:

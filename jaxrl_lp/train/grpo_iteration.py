@@ -274,6 +274,10 @@ def grpo_iteration(state: RunState, step: int, cfg, plan, programs: IterationPro
                           refilled_groups=picked.refilled_groups,
                           masked_groups=picked.masked_groups,
                           informative_groups=g.prompts_per_step - picked.masked_groups)
+    # A multi-turn step's calls of episodes and the rows taken from each (None: all).
+    episode_parts = None if episodes is None else (
+        [(episodes, None)] if picked is None or picked.single_round else
+        [(mt, rows) for mt, rows in zip(episode_calls, picked.rows, strict=True) if len(rows)])
     with timer("score"):
         if picked is None or picked.single_round:
             raw, penalty = rounds[0].rewards, rounds[0].penalty
@@ -281,7 +285,14 @@ def grpo_iteration(state: RunState, step: int, cfg, plan, programs: IterationPro
             raw, penalty = (np.concatenate([getattr(rnd, f)[rows] for rnd, rows in parts])
                             for f in ("rewards", "penalty"))
         shaped = _shaped(raw, penalty)
-        adv = np.asarray(group_advantages(jnp.asarray(shaped), g.group_size, kind=g.advantage))
+        if episodes is not None and g.turn_credit == "reward_to_go":  # per token, by turn
+            from jaxrl_lp.train.episodes import turn_credit_advantages
+
+            adv = turn_credit_advantages(episode_parts, g.group_size, g.advantage,
+                                         g.turn_discount, ro.completion_tokens.shape[1])
+        else:
+            adv = np.asarray(group_advantages(jnp.asarray(shaped), g.group_size,
+                                              kind=g.advantage))
         n_zero_var = (picked.zero_variance_groups if picked is not None else
                       int(np.asarray(zero_variance_groups(jnp.asarray(shaped),
                                                           g.group_size)).sum()))
@@ -292,11 +303,8 @@ def grpo_iteration(state: RunState, step: int, cfg, plan, programs: IterationPro
         # call's whole batch at once; the dense log-probs read it as any rollout.
         from jaxrl_lp.train.episodes import replay_episodes
 
-        replayed = ([(episodes, None)] if picked is None or picked.single_round else
-                    [(mt, rows) for mt, rows in zip(episode_calls, picked.rows, strict=True)
-                     if len(rows)])
         old_logp_fn = lambda p, _ro: replay_episodes(p, plan.model, plan.learner_policy,
-                                                      replayed)
+                                                      episode_parts)
         if programs.reference is not None:  # the reference's values: the same replay
             programs = programs._replace(
                 reference=programs.reference._replace(logprobs=old_logp_fn))

@@ -247,6 +247,12 @@ def _multiturn(cfg: TrainConfig, task, mcfg: ModelConfig, weights) -> None:
     from jaxrl_lp.train.episodes import is_multiturn, turn_limits
 
     if not is_multiturn(task):
+        if cfg.grpo.turn_credit != "episode":
+            raise ValueError(
+                f"grpo.turn_credit={cfg.grpo.turn_credit!r} credits the turns of multi-turn "
+                f"episodes, and task.kind={cfg.task.kind!r} samples single-turn completions; "
+                "set grpo.turn_credit=episode or a multi-turn task.kind (calculator, "
+                "gsm8k_tools)")
         return
     g = cfg.grpo
     why = None
