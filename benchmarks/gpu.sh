@@ -31,8 +31,9 @@
 # (Tunix from .whl/: `TUNIX=1 benchmarks/fetch_wheels.sh`; without it ours alone), writing
 # gpu-iteration-<device>.json and .log beside:
 #   iteration-<device>.json  jaxrl-lp bench iteration: Qwen3-0.6B bf16, 32 rows (8 prompts x
-#                          G 4), 128 + 256 tokens, minibatches 1 and 4, ours hybrid and dense,
-#                          the per-phase split and the device's roofline measured in the run
+#                          G 4), 128 + 256 tokens, minibatches 1 and 4, ours hybrid, traced
+#                          (the replay's mechanism off: what it costs) and dense, the per-phase
+#                          split and the device's roofline measured in the run
 #
 # Needs a python3 with JAX for the GPU, flax, optax, orbax-checkpoint, ml_dtypes and pytest. What
 # it lacks (grain, tensorboardX and their needs) comes as wheels in .whl/, fetched beforehand on
@@ -129,7 +130,7 @@ fi
 if [[ "$SUITE" == iteration ]]; then
   # One step, alone on the GPU: ours and Tunix's alternate after two warm-ups each.
   step iteration 420 "${JAXRL[@]}" bench iteration "${ITERATION[@]}" --looped-size "" \
-    --policy bf16 --minibatches 1,4 --methods hybrid,dense --repeats 2 \
+    --policy bf16 --minibatches 1,4 --methods hybrid,traced,dense --repeats 2 \
     --out "$DIR/iteration-$DEV.json"
 fi
 

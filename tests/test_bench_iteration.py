@@ -20,7 +20,7 @@ from jaxrl_lp.cli.main import main
 def test_bench_iteration_reports_phases_and_which_updates_replayed(capsys):
     assert main(["bench", "iteration", "--size", "tiny", "--looped-size", "", "--batch", "4",
                  "--group", "2", "--prompt-len", "4", "--new-tokens", "4",
-                 "--minibatches", "1,2", "--methods", "hybrid,products", "--repeats", "1",
+                 "--minibatches", "1,2", "--methods", "hybrid,traced,products", "--repeats", "1",
                  "--no-tunix"]) == 0
     res = json.loads(capsys.readouterr().out)
     assert res["target"] == "iteration" and res["tunix"] == {"available": False,
@@ -39,6 +39,10 @@ def test_bench_iteration_reports_phases_and_which_updates_replayed(capsys):
     assert [(r["reused_forward_updates"], r["replayed_updates"]) for r in (p1, p2)] == [
         (1, 0), (1, 1)]
     assert one["reused_forward_updates"] == two["reused_forward_updates"] == 0
+    # `traced`: the second update takes the traced replay's value (the mechanism off); its
+    # programs are counted as hybrid's.
+    traced = tiny["traced_mb2"]
+    assert traced["replayed_updates"] == 1 and traced["compiled_flops"] == two["compiled_flops"]
     assert p1["compiled_flops"]["updates"][0] < one["compiled_flops"]["updates"][0]
     assert p2["compiled_flops"]["updates"][1] == two["compiled_flops"]["updates"][1]
     for r in (one, two):

@@ -20,6 +20,13 @@ Ours, per method (`--methods`):
   (`train.behaviour.ReplayRule`). The fingerprint's cost is in `behaviour`.
 - `dense`: `grpo.logprobs=dense`; the behaviour log-probs are one forward of
   the learner (what the program computes for a dense learner).
+- `traced`: `hybrid` with the exact replay's mechanism off: an update that
+  replays (a later minibatch) takes its value from the sampler's steps traced
+  at the minibatch's shape (`rollout.replay.traced_replay_logprobs`, the
+  construction before the replay was the sampler's own program: not the
+  sampler's bits on a GPU), where `hybrid` runs the sampler's program over
+  the minibatch's whole call. `hybrid` against `traced` at more than one
+  minibatch is what the mechanism costs an iteration.
 - `products`: `hybrid` with `grpo.reuse_products=true`: the rollout also
   keeps the sampler's weight products and logits (`models.recorded`), and an
   update at the sampler's weights (the first) reads them instead of
@@ -114,6 +121,7 @@ from jaxrl_lp.rl.logprobs import jit_learner_logprobs
 from jaxrl_lp.rl.train_step import make_grpo_step
 from jaxrl_lp.rollout import LoopSpec, SamplingConfig, generate
 from jaxrl_lp.rollout.generate import take_rows
+from jaxrl_lp.rollout.replay import traced_replay_logprobs
 from jaxrl_lp.rollout.sampling import DRAWS
 from jaxrl_lp.rollout.step import DECODE_LAYOUTS
 from jaxrl_lp.train.behaviour import PhaseTimer, ReplayRule
@@ -123,7 +131,7 @@ __all__ = ["add_arguments", "run"]
 NO_EOS = -1  # an EOS id no sampled token equals: every sequence runs to --new-tokens
 VERIFY_EVERY = 10  # grpo.verify_every's default
 TARGET_VS_TUNIX = 1.5
-METHODS = ("hybrid", "dense", "products")
+METHODS = ("hybrid", "traced", "dense", "products")
 
 
 def _xla_flops(compiled) -> float:
@@ -156,9 +164,13 @@ class _Iteration:
         self.group, self.new_tokens, self.minibatches = group, new_tokens, minibatches
         self.loop, self.seed, self.method = loop, seed, method
         # `products`: the hybrid learner reading the sampler's weight products where it may.
-        self.record, learner = method == "products", "hybrid" if method == "products" else method
+        self.record = method == "products"
+        learner = "hybrid" if method in ("products", "traced") else method
         self.step = make_grpo_step(cfg, policy, LOSS, optimizer, method=learner,
                                    pack_buckets=pack_buckets)
+        # `traced`: a replaying update's value from the steps traced at its rows' shape.
+        self.traced = (jax.jit(traced_replay_logprobs, static_argnums=(1, 2))
+                       if method == "traced" else None)
         # The training program's behaviour program (`run_train`): the learner's values in
         # `minibatches` slices, and the whole-batch replay of a verification.
         self.behaviour = jit_learner_logprobs(cfg, policy, learner, micro_batches=minibatches)
@@ -206,11 +218,15 @@ class _Iteration:
         return {**timer.metrics(), "decode_layout": ro.decode_layout, "replayed_updates": replayed,
                 "behaviour_recomputed": int(not recorded), "reused_forward_updates": reused}
 
-    def _update_args(self, ro, products, idx, reuse, adv, old_logp) -> tuple:
-        """The GRPO step's arguments for the update of rows `idx` (`train.grpo_iteration`'s)."""
-        return (self.params, self.opt, take_rows(ro, idx), jnp.asarray(adv[idx]), old_logp[idx],
-                None, None, ro.logprobs[idx] if reuse else None,
-                take_product_rows(products, idx) if reuse and products is not None else None)
+    def _update_args(self, ro, products, idx, reuse, adv, old_logp, run=True) -> tuple:
+        """The GRPO step's arguments for the update of rows `idx` (`train.grpo_iteration`'s);
+        `run` False: for lowering (a replaying update's value left to the step to trace)."""
+        rows = take_rows(ro, idx)
+        value = ro.logprobs[idx] if reuse else None
+        if value is None and self.traced is not None and run:
+            value = self.traced(self.params, self.cfg, self.policy, rows)
+        return (self.params, self.opt, rows, jnp.asarray(adv[idx]), old_logp[idx], None, None,
+                value, take_product_rows(products, idx) if reuse and products is not None else None)
 
     def compiled_flops(self) -> dict:
         """The loop-aware FLOPs (`plan.hlo_cost`) of the programs the last iteration ran.
@@ -223,7 +239,7 @@ class _Iteration:
         ro, flops, xla, memo = self.last_rollout, [], [], {}
         for idx, reuse in self.last_updates:
             args = self._update_args(ro, self.last_products, idx, reuse, self.last_adv,
-                                     self.last_old_logp)
+                                     self.last_old_logp, run=False)
             if reuse not in memo:
                 compiled = self.step.lower(*args).compile()
                 memo[reuse] = (hlo_cost(compiled.as_text()).flops, _xla_flops(compiled))
@@ -264,8 +280,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--minibatches", default="1,4",
                         help="optimizer steps per iteration to race (comma list; each divides B)")
     parser.add_argument("--methods", default="hybrid,dense,products",
-                        help="ours: hybrid, dense, products (hybrid with "
-                             "grpo.reuse_products; dense presets only)")
+                        help="ours: hybrid, traced (hybrid with the former traced replay "
+                             "of a later minibatch: the exact replay's cost), dense, products "
+                             "(hybrid with grpo.reuse_products; dense presets only)")
     parser.add_argument("--policy", default="fp32", type=policy_arg,
                         help="our precision policy (fp32 on CPU: docs/design/low_precision.md); Tunix gets "
                              "its compute dtype")
