@@ -25,20 +25,21 @@ class UpdateInputs(NamedTuple):
     optimizer: optax.GradientTransformation
 
 
-def update_inputs(size: str, *, full: bool = True) -> UpdateInputs:
-    """`bench.learner.grpo_batch`'s batch for preset `size` (B = 8 as 2 prompts x G = 4, 16 +
-    112 tokens, f32, random weights from key 0) with the bench's optimizer
-    (clip_by_global_norm(1.0) + adam(1e-6)). `full`: every completion runs to the end, as
-    the iteration bench's no-EOS rollouts do."""
+def update_inputs(size: str, *, full: bool = True, policy: str = "fp32", batch: int = 8,
+                  prompt_len: int = 16, seq_len: int = 128) -> UpdateInputs:
+    """`bench.learner.grpo_batch`'s batch for `size` (`tiny`, `small` or a preset name;
+    by default B = 8 as 2 prompts x G = 4, 16 + 112 tokens, f32, random weights from key 0)
+    with the bench's optimizer (clip_by_global_norm(1.0) + adam(1e-6)). `full`: every
+    completion runs to the end, as the iteration bench's no-EOS rollouts do."""
     from jaxrl_lp.bench.learner import SIZES, grpo_batch
     from jaxrl_lp.models.config import get_preset
     from jaxrl_lp.models.model import init_params
     from jaxrl_lp.numerics.policy import Policy
 
-    cfg, policy = get_preset(SIZES[size]), Policy.parse("fp32")
+    cfg, policy = get_preset(SIZES.get(size, size)), Policy.parse(policy)
     params = init_params(cfg, jax.random.PRNGKey(0))
-    ro, adv = grpo_batch(cfg, policy, params, batch=8, prompt_len=16, seq_len=128, group=4,
-                         seed=0)
+    ro, adv = grpo_batch(cfg, policy, params, batch=batch, prompt_len=prompt_len,
+                         seq_len=seq_len, group=4, seed=0)
     if full:
         ro = dataclasses.replace(ro, completion_mask=jnp.ones_like(ro.completion_mask))
     opt = optax.chain(optax.clip_by_global_norm(1.0), optax.adam(1e-6))

@@ -28,8 +28,12 @@ def op_times(call, calls: int, names: dict[str, str]):
     """Runs `call()` `calls` times under `jax.profiler.trace`.
 
     Returns (seconds per call under the profiler, {op: seconds per call},
-    {op: events per call}), over the XLA executor threads' events of the ops in
-    `names` (HLO instructions, not the executor's own spans).
+    {op: events per call}, what the trace held), over the events of the ops in
+    `names` (HLO instructions): on CPU the XLA executor threads' lines, on a GPU
+    its device planes' `XLA Ops` line (an event name may carry the HLO's `%`).
+    The last value names the planes and lines whose events matched (`lines`) and,
+    where none did, a sample of each line's event names (`unmatched`), so a trace
+    of another layout says what it held instead of an empty table.
     """
     import jax
     from jax.profiler import ProfileData
@@ -43,12 +47,21 @@ def op_times(call, calls: int, names: dict[str, str]):
         seconds = (time.perf_counter() - t) / calls
         profile = ProfileData.from_file(glob.glob(f"{d}/**/*.xplane.pb", recursive=True)[0])
     total, count = collections.Counter(), collections.Counter()
+    matched, sample = collections.Counter(), {}
     for plane in profile.planes:
         for line in plane.lines:
-            if "XLA" not in line.name:  # the executor's threads, not Python's
+            if "XLA" not in line.name:  # the executor's threads or the device's op line
                 continue
+            where = f"{plane.name}/{line.name}"
             for ev in line.events:
-                if ev.name in names:
-                    total[ev.name] += ev.duration_ns / 1e9 / calls
-                    count[ev.name] += 1
-    return seconds, total, {name: c // calls for name, c in count.items()}
+                name = ev.name.lstrip("%")
+                if name in names:
+                    total[name] += ev.duration_ns / 1e9 / calls
+                    count[name] += 1
+                    matched[where] += 1
+                elif len(sample.setdefault(where, [])) < 8:
+                    sample[where].append(ev.name[:80])
+    trace = {"lines": dict(matched)}
+    if not matched:
+        trace["unmatched"] = sample
+    return seconds, total, {name: c // calls for name, c in count.items()}, trace

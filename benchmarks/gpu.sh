@@ -35,6 +35,14 @@
 #                          (the replay's mechanism off: what it costs) and dense, the per-phase
 #                          split and the device's roofline measured in the run
 #
+# SUITE=profile says where the time goes (jax.profiler, per XLA op, named by its HLO op_name),
+# writing gpu-profile-<device>.json and .log beside:
+#   profile-sampler-<device>.json  benchmarks/profile_sampler.py: the rollout at Qwen3-0.6B bf16,
+#                          32 rows (8 prompts x 4), 128 + 256 tokens: the top ops, the weight
+#                          matmuls' share, the trace lines read
+#   profile-update-<device>.json   benchmarks/profile_update.py: the GRPO update at Qwen3-0.6B
+#                          bf16, 32 x 384 tokens (hybrid on the recorded log-probs), its top ops
+#
 # Needs a python3 with JAX for the GPU, flax, optax, orbax-checkpoint, ml_dtypes and pytest. What
 # it lacks (grain, tensorboardX and their needs) comes as wheels in .whl/, fetched beforehand on
 # a machine with PyPI by benchmarks/fetch_wheels.sh and installed with --no-index --no-deps into a
@@ -45,6 +53,7 @@
 #   PRESETS=qwen3-0.6b SKIP_TRAIN=1 benchmarks/gpu.sh   # a part of it
 #   SUITE=speed benchmarks/gpu.sh                        # the speed cells
 #   SUITE=iteration benchmarks/gpu.sh                    # the iteration against Tunix
+#   SUITE=profile benchmarks/gpu.sh                      # where a rollout's and an update's time goes
 #   QUICK=1 ALLOW_CPU=1 benchmarks/gpu.sh /tmp/x        # the script's own check on a CPU
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -73,7 +82,9 @@ case "$SUITE" in
   exactness) TAG=gpu ;;
   speed) TAG=gpu-speed ;;
   iteration) TAG=gpu-iteration ;;
-  *) echo "$0: SUITE must be exactness, speed or iteration, got '$SUITE'" >&2; exit 2 ;;
+  profile) TAG=gpu-profile ;;
+  *) echo "$0: SUITE must be exactness, speed, iteration or profile, got '$SUITE'" >&2
+     exit 2 ;;
 esac
 LOG="$DIR/$TAG-$DEV.log"
 STEPS="$DIR/.steps-$TAG-$DEV.tsv"
@@ -110,6 +121,8 @@ if [[ -n "${QUICK:-}" ]]; then  # tiny sizes, a few seconds a step
            --prompt-len 8 --new-tokens 8)
   LEARNER=(--size tiny-qwen3 --batch 4 --seq-len 24 --prompt-len 8)
   ITERATION=(--size tiny-qwen3 --batch 4 --group 2 --prompt-len 4 --new-tokens 4)
+  PROFILE_SAMPLER=(--size tiny-qwen3 --prompts 2 --prompt-len 8 --new-tokens 8)
+  PROFILE_UPDATE=(--size tiny-qwen3 --batch 4 --prompt-len 8 --seq-len 24)
 else
   REPLAY=()
   TRAIN=()
@@ -117,6 +130,8 @@ else
            --prompt-len 128 --new-tokens 256)
   LEARNER=(--size qwen3-0.6b --batch 32 --seq-len 384 --prompt-len 128)
   ITERATION=(--size qwen3-0.6b --batch 32 --group 4 --prompt-len 128 --new-tokens 256)
+  PROFILE_SAMPLER=(--size qwen3-0.6b --prompts 8 --prompt-len 128 --new-tokens 256)
+  PROFILE_UPDATE=(--size qwen3-0.6b --batch 32 --prompt-len 128 --seq-len 384)
 fi
 
 if [[ "$SUITE" == speed ]]; then
@@ -132,6 +147,14 @@ if [[ "$SUITE" == iteration ]]; then
   step iteration 420 "${JAXRL[@]}" bench iteration "${ITERATION[@]}" --looped-size "" \
     --policy bf16 --minibatches 1,4 --methods hybrid,traced,dense --repeats 2 \
     --out "$DIR/iteration-$DEV.json"
+fi
+
+if [[ "$SUITE" == profile ]]; then
+  # One at a time, alone on the GPU: two warm-up calls, then one call under the profiler.
+  step profile_sampler 200 "$PYTHON" benchmarks/profile_sampler.py "${PROFILE_SAMPLER[@]}" \
+    --policy bf16 --repeats 2 --calls 1 --top 40 --out "$DIR/profile-sampler-$DEV.json"
+  step profile_update 200 "$PYTHON" benchmarks/profile_update.py "${PROFILE_UPDATE[@]}" \
+    --policy bf16 --full --steps 1 --top 40 --out "$DIR/profile-update-$DEV.json"
 fi
 
 if [[ "$SUITE" == exactness ]]; then

@@ -1,6 +1,8 @@
 """Where the compiled GRPO update of a preset spends its time, by XLA op (jax.profiler).
 
     python benchmarks/profile_update.py [--size small] [--full] [--products] [--steps 2] > out.json
+    python benchmarks/profile_update.py --size qwen3-0.6b --policy bf16 --batch 32 \
+        --prompt-len 128 --seq-len 384 --full --steps 1   # benchmarks/gpu.sh SUITE=profile
 
 The update `jaxrl-lp bench iteration` runs at mu = 1 (`make_grpo_step`,
 hybrid given the rollout's log-probs: `grpo.replay=auto`'s first update,
@@ -15,7 +17,9 @@ program it comes from: `jvp` the forward, `transpose(jvp)` the backward).
 Prints one JSON object: the step's seconds, the ops' total, and the top ops.
 
 On a shared machine the per-op times inflate with the load (the figures are
-wall time of each op on its thread); read them as shares of the step.
+wall time of each op on its thread); read them as shares of the step. `--size` takes
+`tiny`, `small` or a preset name; `--policy`, `--batch`, `--prompt-len` and `--seq-len`
+set the batch. On a GPU the ops are the device's (`trace`: the lines they were read from).
 """
 
 from __future__ import annotations
@@ -30,9 +34,13 @@ from _update_inputs import update_inputs
 from _xla_ops import op_names, op_times
 
 
-def main() -> dict:
+def main() -> tuple[dict, str | None]:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--size", default="small", choices=["tiny", "small"])
+    ap.add_argument("--size", default="small", help="tiny, small or a preset name")
+    ap.add_argument("--policy", default="fp32")
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--prompt-len", type=int, default=16)
+    ap.add_argument("--seq-len", type=int, default=128)
     ap.add_argument("--full", action="store_true", help="every completion runs to the end")
     ap.add_argument("--pack-buckets", type=int, default=16)
     ap.add_argument("--steps", type=int, default=2)
@@ -40,12 +48,15 @@ def main() -> dict:
     ap.add_argument("--products", action="store_true",
                     help="the update of grpo.reuse_products: its forward reads the batch's "
                          "weight products (`rl.logprobs.forward_products`)")
+    ap.add_argument("--out", help="also write the JSON to this file")
     args = ap.parse_args()
 
     from jaxrl_lp.bench.learner import LOSS, SIZES
     from jaxrl_lp.rl.train_step import make_grpo_step
 
-    cfg, policy, params, ro, adv, opt = update_inputs(args.size, full=args.full)
+    cfg, policy, params, ro, adv, opt = update_inputs(
+        args.size, full=args.full, policy=args.policy, batch=args.batch,
+        prompt_len=args.prompt_len, seq_len=args.seq_len)
     step = make_grpo_step(cfg, policy, LOSS, opt, method="hybrid", pack_buckets=args.pack_buckets)
     state = {"p": jax.tree.map(jnp.copy, params), "o": opt.init(params)}
     batch = (ro, adv, ro.logprobs, None, None, ro.logprobs)
@@ -61,16 +72,24 @@ def main() -> dict:
     call()
     call()
     names = op_names(step.lower(state["p"], state["o"], *batch).compile().as_text())
-    seconds, total, count = op_times(call, args.steps, names)
+    seconds, total, count, trace = op_times(call, args.steps, names)
     ops = sum(total.values())
-    return {"preset": SIZES[args.size], "full_completions": args.full, "products": args.products,
-            "pack_buckets": args.pack_buckets, "steps": args.steps,
-            "loadavg": [round(x, 2) for x in os.getloadavg()],
-            "step_s_under_profiler": round(seconds, 3), "ops_s": round(ops, 3),
-            "top": [{"op": name, "s": round(s, 4), "share": round(s / ops, 4),
-                     "calls": count[name], "op_name": names[name][-160:]}
-                    for name, s in total.most_common(args.top)]}
+    result = {"preset": SIZES.get(args.size, args.size), "policy": args.policy,
+             "device": jax.devices()[0].device_kind, "batch": args.batch,
+             "seq_len": args.seq_len, "full_completions": args.full, "products": args.products,
+             "pack_buckets": args.pack_buckets, "steps": args.steps,
+             "loadavg": [round(x, 2) for x in os.getloadavg()],
+             "step_s_under_profiler": round(seconds, 3), "ops_s": round(ops, 3), "trace": trace,
+             "top": [{"op": name, "s": round(s, 4), "share": round(s / ops, 4),
+                      "calls": count[name], "op_name": names[name][-160:]}
+                     for name, s in total.most_common(args.top)]}
+    return result, args.out
 
 
 if __name__ == "__main__":
-    print(json.dumps(main(), indent=1))
+    result, out = main()
+    text = json.dumps(result, indent=1)
+    print(text)
+    if out:
+        with open(out, "w") as f:
+            f.write(text + "\n")

@@ -22,9 +22,14 @@ def _run(script: str, *args: str) -> dict:
 def test_profile_sampler_names_the_rollouts_ops_and_its_weight_matmuls():
     # The tiny preset's rollout under the profiler: ops named from XLA's HLO dump (removed
     # after), the weight matmuls found among them, and their share of the op time.
-    res = _run("profile_sampler.py", "--size", "tiny", "--new-tokens", "8", "--repeats", "1",
-               "--calls", "1", "--top", "5")
+    # A preset by name, bf16, 3 prompts (x 4 samples): the options `benchmarks/gpu.sh
+    # SUITE=profile` sets at Qwen3-0.6B.
+    res = _run("profile_sampler.py", "--size", "tiny-qwen3", "--policy", "bf16", "--prompts",
+               "3", "--prompt-len", "8", "--new-tokens", "8", "--repeats", "1", "--calls", "1",
+               "--top", "5")
     assert res["preset"] == "tiny-qwen3" and res["new_tokens"] == 8 and len(res["top"]) == 5
+    assert "c=bf16" in res["policy"] and res["batch"] == 12
+    assert res["trace"]["lines"] and "unmatched" not in res["trace"]  # the ops' lines named
     assert res["ops_s"] > 0 and 0 < res["weight_matmul_s"] <= res["ops_s"]
     assert 0 < res["weight_matmul_share"] <= 1 and res["other_dot_s"] >= 0
     assert all(r["op_name"].startswith("jit(") for r in res["top"])
@@ -34,8 +39,10 @@ def test_profile_sampler_names_the_rollouts_ops_and_its_weight_matmuls():
 @pytest.mark.ci
 def test_profile_update_names_the_updates_ops():
     # Every op (a large --top): at the tiny preset the matmuls need not be among the largest.
-    res = _run("profile_update.py", "--size", "tiny", "--steps", "1", "--top", "100000")
+    res = _run("profile_update.py", "--size", "tiny", "--steps", "1", "--top", "100000",
+               "--batch", "4", "--prompt-len", "8", "--seq-len", "40", "--full")
     assert res["preset"] == "tiny-qwen3" and res["steps"] == 1 and len(res["top"]) > 10
+    assert (res["batch"], res["seq_len"]) == (4, 40) and res["trace"]["lines"]
     assert res["ops_s"] > 0 and all(r["calls"] >= 1 for r in res["top"])
     assert any(r["op_name"].endswith("dot_general") for r in res["top"])
     assert sum(r["s"] for r in res["top"]) == pytest.approx(res["ops_s"], abs=1e-3 * len(res["top"]))
