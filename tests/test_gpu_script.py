@@ -1,0 +1,47 @@
+"""`benchmarks/gpu.sh` dry-run on CPU (`QUICK=1 ALLOW_CPU=1`), every suite, in CI's slow tier.
+
+A session lent a GPU has 15 minutes of device time and runs one prepared suite: a script
+that stopped working since (a renamed option, a moved file) would spend them on a
+traceback. Each suite runs here at tiny sizes, the way the GPU runs it (steps under their
+own limits, JSON per target named by device); every step must exit 0 and leave its JSON.
+"""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+pytestmark = [pytest.mark.slow, pytest.mark.ci]
+
+# suite -> the target JSONs it writes beside gpu[-suite]-cpu-dry-run.json
+SUITES = {
+    "exactness": ("gpu", ["replay", "train"]),
+    "speed": ("gpu-speed", ["sampler", "learner"]),
+    "iteration": ("gpu-iteration", ["iteration"]),
+    "profile": ("gpu-profile", ["profile-sampler", "profile-update"]),
+}
+
+
+@pytest.mark.parametrize("suite", sorted(SUITES))
+def test_the_gpu_script_runs_each_suite_on_cpu(tmp_path, suite):
+    tag, targets = SUITES[suite]
+    env = dict(os.environ, SUITE=suite, QUICK="1", ALLOW_CPU="1", PYTHON=sys.executable)
+    res = subprocess.run(["bash", "benchmarks/gpu.sh", str(tmp_path)], cwd=ROOT, env=env,
+                         capture_output=True, text=True, timeout=900)
+    assert res.returncode == 0, res.stderr[-3000:]
+    steps = json.loads((tmp_path / f"{tag}-cpu-dry-run.json").read_text())["steps"]
+    assert steps and all(s["exit"] == 0 for s in steps.values()), (
+        steps, (tmp_path / f"{tag}-cpu-dry-run.log").read_text()[-3000:])
+    out = {t: json.loads((tmp_path / f"{t}-cpu-dry-run.json").read_text()) for t in targets}
+    if suite == "exactness":  # every GRPO verification of the default run passed
+        assert out["train"]["replay_verified_steps"] >= 1
+        tier = steps["tier"]["last_line"]
+        assert "passed" in tier and "failed" not in tier and "error" not in tier, tier
+    elif suite == "iteration":  # the mechanism's A/B is raced
+        assert {"hybrid_mb4", "traced_mb4"} <= set(out["iteration"]["tiny-qwen3"])
+    elif suite == "profile":  # the ops were found in the trace
+        assert out["profile-sampler"]["trace"]["lines"] and out["profile-update"]["top"]
