@@ -1,4 +1,5 @@
-"""What the profile scripts share: XLA op names from HLO text, and op times from a profiler trace.
+"""What the profile scripts share: XLA op names from HLO text, op times from a profiler trace,
+and how a result is printed.
 
 Imported by `profile_update.py` and `profile_sampler.py` (run as scripts, so
 this folder is on `sys.path`).
@@ -8,6 +9,7 @@ from __future__ import annotations
 
 import collections
 import glob
+import json
 import re
 import tempfile
 import time
@@ -65,3 +67,12 @@ def op_times(call, calls: int, names: dict[str, str]):
     if not matched:
         trace["unmatched"] = sample
     return seconds, total, {name: c // calls for name, c in count.items()}, trace
+
+
+def emit(result: dict, out: str | None) -> None:
+    """Prints `result` as JSON, and writes it to `out` too when given (`--out`)."""
+    text = json.dumps(result, indent=1)
+    print(text)
+    if out:
+        with open(out, "w") as f:
+            f.write(text + "\n")

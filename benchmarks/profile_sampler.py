@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import glob
-import json
 import os
 import shutil
 import tempfile
@@ -45,7 +44,7 @@ import jax  # noqa: E402
 # compilation cache (a caller's JAX_COMPILATION_CACHE_DIR) is not compiled, and carries
 # the op names of the program that filled the cache.
 jax.config.update("jax_enable_compilation_cache", False)
-from _xla_ops import op_names, op_times  # noqa: E402
+from _xla_ops import emit, op_names, op_times  # noqa: E402
 
 # The op names of `layers.dot`'s weight products: as stored, and in the transposed layout.
 WEIGHT_PRODUCTS = ("...k,kn->...n/dot_general", "weights_major/dot_general")
@@ -130,9 +129,4 @@ def main() -> tuple[dict, str | None]:
 
 
 if __name__ == "__main__":
-    result, out = main()
-    text = json.dumps(result, indent=1)
-    print(text)
-    if out:
-        with open(out, "w") as f:
-            f.write(text + "\n")
+    emit(*main())

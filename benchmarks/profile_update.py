@@ -25,13 +25,12 @@ set the batch. On a GPU the ops are the device's (`trace`: the lines they were r
 from __future__ import annotations
 
 import argparse
-import json
 import os
 
 import jax
 import jax.numpy as jnp
 from _update_inputs import update_inputs
-from _xla_ops import op_names, op_times
+from _xla_ops import emit, op_names, op_times
 
 
 def main() -> tuple[dict, str | None]:
@@ -87,9 +86,4 @@ def main() -> tuple[dict, str | None]:
 
 
 if __name__ == "__main__":
-    result, out = main()
-    text = json.dumps(result, indent=1)
-    print(text)
-    if out:
-        with open(out, "w") as f:
-            f.write(text + "\n")
+    emit(*main())
