@@ -1,6 +1,6 @@
 """Typed inside, strings at the edge: a policy string is parsed only where it enters.
 
-The boundary is a config (`train.config`: `GRPOConfig.policies`), a command line
+The boundary is a config (`train.grpo_config`: `GRPOConfig.policies`), a command line
 (`numerics.policy.policy_arg`, argparse's `type`), and Hugging Face loading
 (`models.hf_io.from_pretrained`); everything below takes a `Policy`. This reads every
 source file of the package for calls of `Policy.parse`.
@@ -15,7 +15,7 @@ ROOT = Path(jaxrl_lp.__file__).parent
 # Where a policy string may be parsed, and why.
 BOUNDARY = {
     "numerics/policy.py": "the parser itself and `policy_arg`, the command line's type",
-    "train/config.py": "a run's config: `GRPOConfig.policies`",
+    "train/grpo_config.py": "a run's config: `GRPOConfig.policies`",
     "models/hf_io.py": "`from_pretrained`, where a checkpoint is loaded",
 }
 
