@@ -46,3 +46,16 @@ def test_profile_update_names_the_updates_ops():
     assert res["ops_s"] > 0 and all(r["calls"] >= 1 for r in res["top"])
     assert any(r["op_name"].endswith("dot_general") for r in res["top"])
     assert sum(r["s"] for r in res["top"]) == pytest.approx(res["ops_s"], abs=1e-3 * len(res["top"]))
+
+
+@pytest.mark.slow
+@pytest.mark.ci
+def test_speculative_replay_is_exact_in_every_slice_and_timed():
+    # `docs/bench/speculative-replay-2core-cpu.json`'s script, one timed round.
+    res = _run("speculative_replay.py", "--repeats", "1")
+    assert res["rows"] == 16 and res["tokens"] > 0
+    assert {k: v for k, v in res["differing_tokens_by_slices"].items()
+            if k.endswith("/exact")} == {"1/exact": 0, "2/exact": 0, "4/exact": 0}
+    for name in ("sampler_forcing_input_s", "sampler_without_s", "replay_program_s",
+                 "traced_replay_s"):
+        assert res[name] > 0, name

@@ -205,6 +205,8 @@ HEADLINES: dict[str, list] = {
         Figures(("leading_axes_over_one_token_axis",)), Figures(("same_bits",)),
         Figures(("same_gradient",)), Grid(("seconds", "*"), ("min", "median"))],
     "benchmarks/replay_slices.py": [Grid(("cells", "*"), ("tokens", "differ", "max_abs_diff"))],
+    "benchmarks/speculative_replay.py": [
+        Figures(("*_s",)), Figures(("differing_tokens_by_slices", "*"))],
     "benchmarks/profile_update.py": [
         Figures(("step_s_under_profiler",)), Figures(("ops_s",)),
         Grid(("top", "*"), ("op", "s", "share"), limit=10)],
