@@ -206,10 +206,14 @@ def assert_same_sgd_step(many, one, params) -> None:
     assert moved > 1e-4  # the step moved the parameters
 
 
-def assert_hybrid_minibatches_at_ratio_one(cfg, params, loop, ro, policy) -> None:
+def assert_hybrid_minibatches_are_the_samplers_bits(cfg, params, loop, ro, policy) -> None:
     """A hybrid GRPO step given no value replays its rows first (`make_grpo_step`'s prepare):
-    at the sampler's weights its ratio is exactly 1 on every 2-row minibatch of `ro`, each
-    split into two micro-batches."""
+    at the sampler's weights that value is the sampler's log-probs bit for bit on every 2-row
+    minibatch of `ro` (`train.behaviour.bit_mismatch`: no token under the mask differs in any
+    bit), and the step, each minibatch split into two micro-batches, runs on it at ratio 1.
+
+    Bits, not `ratio_mean == 1.0`: the ratio is `exp(dlogp)`, and an f32 mean of it over 16
+    tokens rounds a one-ulp `dlogp` away (and `exp` of one is itself 1.0 where |logp| < 0.5)."""
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -218,11 +222,16 @@ def assert_hybrid_minibatches_at_ratio_one(cfg, params, loop, ro, policy) -> Non
     from jaxrl_lp.rl.loss import LossConfig
     from jaxrl_lp.rl.train_step import make_grpo_step
     from jaxrl_lp.rollout.generate import take_rows
+    from jaxrl_lp.train.behaviour import bit_mismatch
 
     step = make_grpo_step(cfg, policy, LossConfig(), optax.sgd(0.0), loop=loop, micro_batches=2)
     adv = jnp.asarray([1.0, -1.0])
     for i in range(0, ro.completion_tokens.shape[0], 2):
         rows = take_rows(ro, np.arange(i, i + 2))
         copy = jax.tree.map(jnp.copy, params)
-        _, _, m = step(copy, optax.sgd(0.0).init(copy), rows, adv, rows.logprobs)
+        args = (copy, optax.sgd(0.0).init(copy), rows, adv, rows.logprobs)
+        value = step.prepare(args)[7]  # what the step computes with, as its call would
+        differ, tokens, worst = bit_mismatch(value, rows.logprobs, rows.completion_mask)
+        assert tokens > 0 and (differ, worst) == (0, 0.0), (i, differ, tokens, worst)
+        _, _, m = step(*args, None, None, value)
         assert float(m["ratio_mean"]) == 1.0, (i, float(m["ratio_mean"]))

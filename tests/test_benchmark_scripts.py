@@ -51,11 +51,19 @@ def test_profile_update_names_the_updates_ops():
 @pytest.mark.slow
 @pytest.mark.ci
 def test_speculative_replay_is_exact_in_every_slice_and_timed():
-    # `docs/bench/speculative-replay-2core-cpu.json`'s script, one timed round.
+    # `docs/bench/speculative-replay-2core-cpu.json`'s script, one timed round. The replay by the
+    # sampler's program differs on no token of any slice; its negative control, the chunks
+    # traced into a program at the slice's shape (`/traced`), differs on some in the sliced
+    # batches (the JSON: 129 of 512 tokens in 2 slices, 158 in 4, on XLA:CPU). The whole
+    # batch (`1/traced`) is not asserted: whether one program's fusions round apart is a
+    # property of the compiler, not of the replay.
     res = _run("speculative_replay.py", "--repeats", "1")
     assert res["rows"] == 16 and res["tokens"] > 0
-    assert {k: v for k, v in res["differing_tokens_by_slices"].items()
-            if k.endswith("/exact")} == {"1/exact": 0, "2/exact": 0, "4/exact": 0}
+    slices = res["differing_tokens_by_slices"]
+    assert set(slices) == {f"{k}/{name}" for k in (1, 2, 4) for name in ("exact", "traced")}
+    assert {k: v for k, v in slices.items() if k.endswith("/exact")} == {
+        "1/exact": 0, "2/exact": 0, "4/exact": 0}
+    assert slices["2/traced"] > 0 and slices["4/traced"] > 0, slices
     for name in ("sampler_forcing_input_s", "sampler_without_s", "replay_program_s",
                  "traced_replay_s"):
         assert res[name] > 0, name

@@ -89,13 +89,13 @@ def test_the_other_paths_replay_exactly(path):
 @pytest.mark.parametrize("kind", ["dense", "looped_deferred"])
 def test_the_hybrid_step_replays_each_minibatch_by_the_samplers_program(kind):
     """bf16 on the device: the hybrid step's value for each minibatch is the sampler's bits."""
-    from helpers import assert_hybrid_minibatches_at_ratio_one
+    from helpers import assert_hybrid_minibatches_are_the_samplers_bits
 
     cfg, params, loop = exactness_model(kind, loop_steps=2)
     policy = Policy.parse("bf16")
     ro = exactness_rollout(params, cfg, policy, loop, prompts=((1, 5, 7), (2, 9, 4, 11)),
                            num_samples=2, max_new_tokens=8)
-    assert_hybrid_minibatches_at_ratio_one(cfg, params, loop, ro, policy)
+    assert_hybrid_minibatches_are_the_samplers_bits(cfg, params, loop, ro, policy)
 
 
 def test_a_run_in_minibatches_replays_at_the_samplers_bits(tmp_path):

@@ -163,7 +163,9 @@ def _quantize_default_tiles(x, fmt, axis, kernels):
 
 
 # The shapes a review found the GPU version's default tiles off at on bf16 input along axis 0
-# (64 x 96, 96 x 40, 160 x 40; not reproduced with JAX 0.10.2 on CPU), and a ragged MX one.
+# (64 x 96, 96 x 40, 160 x 40), and a ragged MX one. What it saw, XLA's divisions by a constant
+# or a broadcast turned into reciprocal products (tensor scale, and block scales where a tile
+# holds one block), is checked as a property over random inputs in tests/test_nvfp4_tensor_scale.py.
 DEFAULT_TILE_SHAPES = ((64, 96), (96, 40), (160, 40), (96, 192))
 
 

@@ -45,7 +45,9 @@ scratch of a layout conversion or a cross-warp reduction, at most one f32
 copy of the values and scales (`quantize_plan.cuda_misfit`: 16.5 KiB at the default MX
 tiles, of 227 KiB). No loop, so nothing to pipeline: one stage. Triton's `/`
 is PTX's approximate `div.full.f32`, so the compiled kernel divides NVFP4's
-values by inline `div.rn.f32` (`_div_rn`), as XLA does; MX divides by powers
+values by inline `div.rn.f32` (`_div_rn`), as XLA's divide does; interpreted
+(an XLA program, where a division by a broadcast becomes a product with a
+reciprocal) by `formats.ieee_divide`, as the reference. MX divides by powers
 of two, exact either way. Mosaic's rules: a block's last two dims are whole
 or multiples of (8, 128); ours are stricter for the `uint8` codes and scales
 (Mosaic's native 8-bit tile is (32, 128)): rows and scale blocks along
@@ -286,10 +288,15 @@ def _split_blocks(x: jax.Array, bs: int, axis: int) -> jax.Array:
 # ----------------------------------------------------------------- kernels
 def _kernel(blocks, lanes, platform: str, view, spec, nvfp4: bool, interpret: bool):
     """The kernel body of `platform` on `view`: TPU's `[P, N]` tiles find blocks along lanes."""
+    # The NVFP4 divisions: compiled by Triton, by inline PTX (`_div_rn`); interpreted (an XLA
+    # program, where `/` by a broadcast is a product with a reciprocal), by
+    # `formats.ieee_divide`, as the reference; compiled by Mosaic, by `/`.
+    if interpret:
+        div = formats.ieee_divide
+    else:
+        div = _div_rn if platform == "cuda" else jnp.divide
     if platform == "tpu" and len(view) == 2:
-        return functools.partial(lanes, spec=spec, nvfp4=nvfp4)
-    # Compiled by Triton, divisions are rounded by inline PTX (`_div_rn`); elsewhere by `/`.
-    div = _div_rn if platform == "cuda" and not interpret else jnp.divide
+        return functools.partial(lanes, spec=spec, nvfp4=nvfp4, div=div)
     # N is the tile's axis 1 of a `[P, N]` tile, axis 0 of a `[P, N, Q]` one (P squeezed).
     return functools.partial(blocks, spec=spec, nvfp4=nvfp4, axis=1 if len(view) == 2 else 0,
                              div=div)
@@ -307,7 +314,7 @@ def _quantize_blocks_kernel(x_ref, *refs, spec, nvfp4: bool, axis: int, div=jnp.
     scales_ref[...] = scode.astype(jnp.uint8)
 
 
-def _quantize_lanes_kernel(x_ref, *refs, spec, nvfp4: bool):
+def _quantize_lanes_kernel(x_ref, *refs, spec, nvfp4: bool, div=jnp.divide):
     """One `[rows, N]` tile on TPU, blocks along lanes (module docstring)."""
     st_ref, codes_ref, scales_ref = refs if nvfp4 else (None, *refs)
     bs = spec.block_size
@@ -316,7 +323,7 @@ def _quantize_lanes_kernel(x_ref, *refs, spec, nvfp4: bool):
     # The block's amax joins each element as the second member of a two-member block: the
     # per-block maths, which reads a block's amax from its members, then runs per element.
     pair = jnp.stack([x, _lane_block_amax(x, bs)])
-    y, scode = _block_values(pair, spec, None if st_ref is None else st_ref[...], 0)
+    y, scode = _block_values(pair, spec, None if st_ref is None else st_ref[...], 0, div)
     codes_ref[...] = fb.encode(y[0], fb.FLOATS[spec.element_dtype]).astype(jnp.uint8)
     n, nb = x.shape[1], x.shape[1] // bs
     pick = (jax.lax.broadcasted_iota(jnp.int32, (n, nb), 0)
@@ -356,8 +363,9 @@ def _dequantize_blocks_kernel(codes_ref, scales_ref, *refs, spec, nvfp4: bool, a
                     * jnp.expand_dims(s, axis + 1)).reshape(c.shape)
 
 
-def _dequantize_lanes_kernel(codes_ref, scales_ref, *refs, spec, nvfp4: bool):
+def _dequantize_lanes_kernel(codes_ref, scales_ref, *refs, spec, nvfp4: bool, div=None):
     """One `[rows, N]` tile on TPU: each block's scale code spread over its lanes by a one-hot matmul."""
+    del div  # no division
     st_ref, out_ref = refs if nvfp4 else (None, *refs)
     c = fb.decode(codes_ref[...].astype(jnp.int32), fb.FLOATS[spec.element_dtype])
     n, nb = c.shape[1], scales_ref.shape[1]

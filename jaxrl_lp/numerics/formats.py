@@ -11,7 +11,10 @@ Formats (`FORMATS` holds their facts; `QArray` states how values are rebuilt):
 - `nvfp4`: blocks of 16 along `axis`, f32 tensor scale `s_t = amax / (6*448)`,
   E4M3 block scale `s_b = E4M3(amax_block / (6 * s_t))` (RNE), E2M1 codes of
   `x / (s_b * s_t)`, saturated at +-6 (a block scale rounded down can push a
-  block's largest element up to 6 * 16/15).
+  block's largest element up to 6 * 16/15). Each division is one f32 division
+  rounded once in every program (`_divide_by_constant`, `ieee_divide`): XLA
+  would otherwise multiply by a reciprocal where the divisor is a constant or
+  a broadcast, two roundings.
 - `ternary` (BitNet b1.58 / Falcon-E): `gamma = mean|W|` accumulated in f32,
   `codes = clip(floor(W / gamma + 0.5), -1, 1)` (round half up), value
   `codes * gamma`.
@@ -53,8 +56,8 @@ import numpy as np
 from jaxrl_lp.numerics.qarray import FORMATS, FormatSpec, QArray, dequantize, get_format
 
 __all__ = [
-    "FORMATS", "TERNARY_EPS", "FormatSpec", "QArray", "dequantize", "mx_block_values",
-    "nvfp4_block_values", "nvfp4_tensor_scale", "quantize",
+    "FORMATS", "TERNARY_EPS", "FormatSpec", "QArray", "dequantize", "ieee_divide",
+    "mx_block_values", "nvfp4_block_values", "nvfp4_tensor_scale", "quantize",
 ]
 
 # Floor of the ternary scale `gamma = mean|W|`, so an all-zero tensor does not divide by 0.
@@ -149,8 +152,8 @@ def _amax(x: jax.Array, axes: tuple[int, ...], keepdims: bool = True) -> jax.Arr
 
 
 def _quantize_tensor_f32(x, spec: FormatSpec, reduce_axes):
-    """Per-tensor FP8: `s = amax / max`, codes `E(clip(x / s))`."""
-    scale = jnp.maximum(_amax(x, reduce_axes) / spec.max_value, _F32_TINY)
+    """Per-tensor FP8: `s = amax / max` (rounded once: `_divide_by_constant`), codes `E(clip(x / s))`."""
+    scale = jnp.maximum(_divide_by_constant(_amax(x, reduce_axes), int(spec.max_value)), _F32_TINY)
     y = jnp.clip(x / scale, -spec.max_value, spec.max_value)  # saturate, never NaN/inf
     return y.astype(spec.element_dtype), scale, None
 
@@ -239,8 +242,52 @@ def _quantize_nvfp4(x, spec: FormatSpec, axis: int, reduce_axes):
 
 
 def nvfp4_tensor_scale(x: jax.Array, reduce_axes: tuple[int, ...]) -> jax.Array:
-    """The NVFP4 f32 tensor scale `max(amax / (6 * 448), tiny)` over `reduce_axes` (kept as 1s)."""
-    return jnp.maximum(_amax(x, reduce_axes) / (_E2M1_MAX * _E4M3_MAX), _F32_TINY)
+    """The NVFP4 f32 tensor scale `max(amax / (6 * 448), tiny)` over `reduce_axes` (kept as 1s).
+
+    The quotient is `amax / 2688` rounded once to nearest even, as NVFP4 defines
+    it (torchao's `per_tensor_amax_to_scale`: `amax.float() / (F8E4M3_MAX *
+    F4_E2M1_MAX)`), in every program: `_divide_by_constant`, not `/`, which a
+    jitted program turns into `amax * f32(1 / 2688)`, one ulp off for some amax.
+    """
+    return jnp.maximum(_divide_by_constant(_amax(x, reduce_axes), 6 * 448), _F32_TINY)
+
+
+def _divide_by_constant(a: jax.Array, d: int) -> jax.Array:
+    """`a / d` rounded to nearest even, for f32 `a >= 0` (or NaN, inf) and an integer constant `d`.
+
+    XLA rewrites a division by a constant as a product with the constant's f32
+    reciprocal, which rounds twice: under jit `x / 2688.0` is `x * f32(1/2688)`,
+    one ulp above the quotient for 28 of the 128 bf16 values in [8, 16), while
+    the same `/` run eagerly divides. So the quotient is computed from the bits,
+    the same in every program and on every platform. Maths: `d = odd * 2^k`,
+    `a = M * 2^(E - 150)` with `M` the 24-bit significand and `E` the biased
+    exponent; `q0 = (M << s) // odd` with `s` picked so that `2^24 <= q0 < 2^25`:
+    `q0 >> 1` is the quotient's significand, `q0`'s last bit its round bit and
+    the remainder its sticky bit. The result's biased exponent is `E + 1 - k - s`.
+
+    Returns:
+      f32 like `a`: the rounded quotient; 0 where it is below the smallest normal
+      f32 (callers floor it there); `a` itself where it is inf or NaN.
+    """
+    odd, k = d, 0
+    while odd % 2 == 0:
+        odd, k = odd // 2, k + 1
+    width = odd.bit_length()
+    assert width <= 6, f"{d}: its odd factor {odd} must be < 64 (M << s fits int32)"
+    bits = jax.lax.bitcast_convert_type(a, jnp.int32)
+    e = bits >> 23  # a >= 0: no sign bit
+    m = (bits & 0x7FFFFF) | 0x800000
+    s = jnp.where(m < (odd << (24 - width)), width + 1, width)
+    n = m << s  # < odd * 2^25 <= 2^31
+    q0, rem = jax.lax.div(n, jnp.int32(odd)), jax.lax.rem(n, jnp.int32(odd))
+    q = q0 >> 1
+    # Round to nearest even: up when the round bit is set, unless a tie (no sticky) at an even q.
+    q = q + (((q0 & 1) == 1) & ((rem != 0) | ((q & 1) == 1))).astype(jnp.int32)
+    # Adding q (in [2^23, 2^24]) adds its implicit bit to the exponent field, hence `E - k - s`
+    # below, not `E + 1 - k - s`; a q rounded up to 2^24 carries into the next binade.
+    out = jax.lax.bitcast_convert_type(((e - k - s) << 23) + q, jnp.float32)
+    out = jnp.where(e >= k + s, out, 0.0)  # a normal quotient; zero and subnormal a give 0
+    return jnp.where(e == 255, a, out)
 
 
 def nvfp4_block_values(xb: jax.Array, s_t: jax.Array, block_axis: int):
@@ -261,9 +308,24 @@ def nvfp4_block_values(xb: jax.Array, s_t: jax.Array, block_axis: int):
     """
     amax_b = _amax(xb, (block_axis,), keepdims=False)
     # f32 rounding of 6 * s_t can put the largest block a hair above 448: clip.
-    s_b = jnp.clip(amax_b / (_E2M1_MAX * s_t), 0.0, _E4M3_MAX).astype(ml_dtypes.float8_e4m3fn)
+    s_b = jnp.clip(ieee_divide(amax_b, _E2M1_MAX * s_t), 0.0, _E4M3_MAX).astype(ml_dtypes.float8_e4m3fn)
     # Upcast: the E4M3 block scale is exact in f32; the product is one f32 rounding.
     eff = jnp.expand_dims(s_b.astype(jnp.float32) * s_t, block_axis)
     safe = jnp.where(eff > 0, eff, 1.0)
-    y = jnp.where(eff > 0, jnp.clip(xb / safe, -_E2M1_MAX, _E2M1_MAX), 0.0)
+    y = jnp.where(eff > 0, jnp.clip(ieee_divide(xb, safe), -_E2M1_MAX, _E2M1_MAX), 0.0)
     return y, s_b
+
+
+def ieee_divide(a: jax.Array, b: jax.Array) -> jax.Array:
+    """`a / b` for f32 `a` and `b` broadcastable to `a`'s shape: one division per element, rounded
+    once to nearest even, in every XLA program.
+
+    XLA's algebraic simplifier rewrites a division by a broadcast as a product with
+    the reciprocal, `a * broadcast(1 / b)`, which rounds twice, and only where the
+    divisor expands: whether `xb / eff` divides then depended on the shapes in the
+    program (a kernel tile of one block along N divides, one of 32 multiplies).
+    The divisor reaches `a`'s shape behind an optimization barrier, which the
+    simplifier does not see through. The barrier keeps the divisor as its own
+    buffer (the price of one f32 copy of `a`'s size).
+    """
+    return a / jax.lax.optimization_barrier(jnp.broadcast_to(b, jnp.shape(a)))
