@@ -96,6 +96,36 @@ def test_the_runner_runs_at_most_max_workers_calls_at_once():
     assert peak[0] == 2, peak[0]
 
 
+def test_a_hung_call_does_not_hold_the_only_worker():
+    """With `max_workers=1`, a call that hangs is left behind at its timeout and no longer
+    counts: the environments after it are answered within the hung call's timeout and their
+    own time, and so is the next round, while the hung call still runs."""
+    release, ran = threading.Event(), []
+
+    class Hangs(Echo):
+        def step(self, turn):
+            release.wait(10.0)  # hangs until the test ends (at most 10 s)
+            ran.append("hung")
+            return super().step(turn)
+
+    runner = EnvRunner(timeout_s=0.3, max_workers=1, failure_reward=-1.0)
+    try:
+        t0 = time.perf_counter()
+        out = runner.step([Hangs(), Echo(), Echo(), Echo()], [_turn(c) for c in "abcd"])
+        took = time.perf_counter() - t0
+        nxt = runner.step([Echo()], [_turn("e")])
+        took_next = time.perf_counter() - t0 - took
+        still_hung = not ran
+    finally:
+        release.set()
+    assert took < 0.3 + 1.0, took  # the timeout, then three quick calls; not the hang's 10 s
+    assert out[0].info["failed"] == "timeout" and out[0].reward == -1.0
+    assert [r.observation for r in out[1:]] == list("BCD")
+    assert nxt[0].observation == "E" and took_next < 1.0, took_next
+    assert still_hung  # all of it was answered while the hung call still ran
+    assert runner.failures == {"timeout": 1}
+
+
 def test_a_hung_env_does_not_block_the_interpreter_from_exiting():
     script = textwrap.dedent("""
         import time

@@ -64,12 +64,14 @@ def _episodes(task, runner):
 
 
 def test_an_environment_that_raises_or_hangs_ends_its_episode_and_nothing_else():
-    runner = EnvRunner(timeout_s=0.5, failure_reward=0.0)
+    # A failure reward no calculator episode earns (its rewards are 0 and 1).
+    runner = EnvRunner(timeout_s=0.5, failure_reward=-1.0)
     clean = _episodes(CalculatorTask(max_turns=3), runner)
     failing = _episodes(FailingTask(max_turns=3), runner)
     assert failing.reasons[0] == "error: ZeroDivisionError: tool crashed"
     assert failing.reasons[1] == "timeout"
-    assert failing.rewards[0] == failing.rewards[1] == 0.0
+    assert failing.rewards[0] == failing.rewards[1] == -1.0
+    assert failing.turn_rewards[0].tolist() == failing.turn_rewards[1].tolist() == [-1.0, 0, 0]
     assert failing.turns[0] == failing.turns[1] == 1
     m = episode_metrics(failing)
     assert m["env_failed"] == 2.0 and m["timing_s/env"] >= 0.5
@@ -81,6 +83,47 @@ def test_an_environment_that_raises_or_hangs_ends_its_episode_and_nothing_else()
                  + np.asarray(clean.rollout.env_mask[r])).sum())
         np.testing.assert_array_equal(np.asarray(failing.rollout.completion_tokens[r, :n]),
                                       np.asarray(clean.rollout.completion_tokens[r, :n]))
+
+
+def test_a_training_run_goes_on_past_failing_environments(tmp_path, monkeypatch):
+    """A calculator run whose environment raises on some training problems (odd first
+    operand; never on the held-out ones): the run takes all its steps, each GRPO record's
+    `env_failed` counts the episodes that failed in it, and every step replays bit for bit."""
+    from jaxrl_lp.data.pipeline import in_heldout
+    from jaxrl_lp.train import apply_overrides, load_config
+    from jaxrl_lp.train.program import run_train
+
+    raised = []  # one entry per failed episode: its environment raises at its first turn
+    plain = CalculatorEnv.step
+
+    def step(self, turn):
+        problem = self.problem
+        # `type(self)`: the hung `Failing` env of the test above ends its sleep in here.
+        if type(self) is CalculatorEnv and problem.a % 2 and not in_heldout(
+                problem.prompt, self.task.heldout_fraction):
+            raised.append(problem.prompt)
+            raise ZeroDivisionError("tool crashed")
+        return plain(self, turn)
+
+    monkeypatch.setattr(CalculatorEnv, "step", step)
+    out = tmp_path / "run"
+    cfg = apply_overrides(load_config("configs/multiturn_tools.py"), [
+        f"run.out_dir={out}", "model.hidden_size=32", "model.num_layers=1",
+        "model.num_heads=2", "model.num_kv_heads=1", "model.intermediate_size=64",
+        "sft.steps=2", "sft.batch_size=8", "grpo.steps=2", "grpo.prompts_per_step=4",
+        "grpo.group_size=2", "grpo.verify_every=1", "grpo.start_probe=false",
+        "task.failure_reward=-1.0", "run.eval_every=2", "run.eval_size=4",
+        "run.checkpoint_every=100", "run.progress=false"])
+    summary = run_train(cfg)
+    assert summary["grpo_steps"] == 2
+    grpo = [r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())
+            if r["phase"] == "grpo"]
+    assert len(grpo) == 2
+    assert all(r["replay_verified"] == 1.0 for r in grpo)
+    # The failed episodes, all counted; some failed, not all.
+    assert sum(r["env_failed"] for r in grpo) == len(raised), ([r["env_failed"] for r in grpo],
+                                                                raised)
+    assert 0 < len(raised) < 2 * 4 * 2
 
 
 def test_episodes_of_two_calls_concatenate_and_replay_row_for_row():
