@@ -86,9 +86,13 @@ def _rendered(package: str, name: str, ids: set[str]) -> bool:
 @pytest.fixture(scope="module")
 def reference_ids(tmp_path_factory):
     """The anchors of the built site's API reference (`mkdocs build`, the docs extra)."""
-    pytest.importorskip("mkdocstrings_handlers.python", reason="the docs extra: pip install -e '.[docs]'")
-    from mkdocs.commands.build import build
-    from mkdocs.config import load_config
+    try:
+        import mkdocstrings_handlers.python  # noqa: F401 - the handler mkdocs.yml names
+        from mkdocs.commands.build import build
+        from mkdocs.config import load_config
+    except ImportError as e:  # the docs extra is part of dev: without it the install is broken
+        pytest.fail(f"{e}: the docs extra is part of the dev install (pyproject.toml); "
+                    "pip install -e '.[dev]'")
 
     site = tmp_path_factory.mktemp("site")
     cwd = os.getcwd()

@@ -117,6 +117,28 @@ def test_functions_below_the_boundary_refuse_a_string_naming_the_fix():
     assert require(PRESETS["fp32"], "here") is PRESETS["fp32"]
 
 
+def test_a_rollout_refuses_a_policy_string_where_it_is_built():
+    # Before: `Rollout(policy="fp32")` was built, and the GRPO step refused it later with
+    # "sampled under policy 'p=f32,...' but this learner step was built for rollouts of
+    # 'p=f32,...'".
+    import dataclasses
+
+    from jaxrl_lp.rollout import Rollout
+
+    rows = dict(prompt_tokens=jnp.ones((2, 3), jnp.int32), prompt_lengths=jnp.full((2,), 3),
+                completion_tokens=jnp.ones((2, 4), jnp.int32), completion_mask=jnp.ones((2, 4)),
+                logprobs=jnp.zeros((2, 4)), exit_steps=jnp.zeros((2, 4), jnp.int32),
+                loop_evals=jnp.int32(0), weights_version=jnp.int32(0))
+    with pytest.raises(TypeError, match=r"^Rollout: the policy is the string 'fp32'; pass a "
+                                        r"Policy, .*Policy.parse\('fp32'\)"):
+        Rollout(**rows, policy="fp32")
+    ro = Rollout(**rows, policy=PRESETS["bf16"])
+    with pytest.raises(TypeError, match=r"^Rollout: .*Policy.parse\('bf16'\)"):
+        dataclasses.replace(ro, policy="bf16")
+    # The check is static: a rollout still crosses `jit` (flattened and rebuilt).
+    assert jax.jit(lambda r: r)(ro).policy is PRESETS["bf16"]
+
+
 def test_the_retired_storage_switch_names_its_replacement():
     import subprocess
     import sys

@@ -26,6 +26,30 @@ def test_smoke_at_real_sizes():
         assert part["peak_rss_bytes"] > 0 and part["sample_16"]["second_s"] > 0
 
 
+@pytest.mark.slow
+@pytest.mark.ci  # 61 s (Qwen3) and 26 s (Ouro) on 2 shared cores: compiles at real widths
+@pytest.mark.parametrize("part", smoke.PARTS)
+def test_smoke_parts_at_their_real_widths_on_one_layer(part):
+    """The real-size parts' programs at the presets' own widths and head shapes (Qwen3-0.6B:
+    16 query heads of 128 over a hidden 1024, GQA 2:1, QK-norm, tied embeddings; Ouro-1.4B:
+    hidden 2048, 4 loop steps, deferred), one layer and a 512-token vocabulary: what the
+    tiny presets, whose heads times head width is the hidden size, cannot show, in about a
+    minute. The full sizes take minutes and 16 GB (the slow test above)."""
+    from jaxrl_lp.models.config import get_preset
+
+    cfg = get_preset(part).replace(num_layers=1, vocab_size=512, bos_token_id=0,
+                                   eos_token_id=1, pad_token_id=0)
+    out = smoke.run_part(cfg, Policy.parse("bf16"))
+    assert out["params"] == cfg.param_count()
+    if cfg.is_looped:
+        assert out["sample_16"]["loop"].endswith("/deferred")
+        assert 15 <= out["sample_16"]["loop_evals"] <= 15 * cfg.loop_steps
+    else:
+        step = out["grpo_step"]
+        assert step["tokens"] == 64 and step["skipped"] == 0.0
+        assert math.isfinite(step["loss"]) and step["grad_norm"] > 0
+
+
 def test_smoke_command_at_tiny_sizes(tmp_path):
     """`jaxrl-lp bench smoke` end to end with the tiny presets: the same programs, each part
     in its child process."""

@@ -411,6 +411,7 @@ def _train_affine(length, steps, seed):
 
 
 @pytest.mark.slow
+@pytest.mark.ci  # 52 s on 2 shared cores, most of it training the two models
 def test_rebasing_keeps_acceptance_past_the_drafters_trained_length():
     """A drafter trained on 16-token sequences drafts for a target trained on 64-token ones.
 

@@ -17,7 +17,7 @@ preset's real size with low precision stored natively, as on a GPU or TPU
   logits (at most `F32_SHARE` of the FLOPs), and none at `HIGHEST` on
   low-precision operands (`numerics.products`).
 
-    jaxrl-lp bench hotpath                  # qwen3-0.6b and ouro-1.4b, bf16 and fp32, cuda (~30 s)
+    jaxrl-lp bench hotpath                  # qwen3-0.6b and ouro-1.4b, bf16 and fp32, cuda
     jaxrl-lp bench hotpath --presets tiny-qwen3 --policies bf16-engine,mxfp8
 
 Exit status 1 when a low-precision cell's decode loop converts a weight or

@@ -256,16 +256,12 @@ def _shape_set(name: str, policy: Policy, mode: str, *, timed: bool, repeats: in
 
 
 # ----------------------------------------------------------------- CLI
-def _policy_or_auto(text: str) -> Policy | str:
-    return "auto" if text == "auto" else policy_arg(text)
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The options of `jaxrl-lp bench kernels`."""
     parser.add_argument("--shapes", default="small,full",
                         help=f"shape sets, comma-separated, of {list(SHAPES)} (module SHAPES)")
-    parser.add_argument("--policy", default="auto", type=_policy_or_auto,
-                        help="precision policy (no matmul_format); 'auto': bf16 where Pallas "
+    parser.add_argument("--policy", default=None, type=policy_arg,
+                        help="precision policy (no matmul_format); default: bf16 where Pallas "
                              "compiles (native bf16 on GPU), fp32 on CPU. Its k= is replaced "
                              "by --kernels")
     parser.add_argument("--kernels", default="auto", choices=("auto", "on", "interpret"),
@@ -300,7 +296,7 @@ def run(args: argparse.Namespace) -> dict:
     # Whether this host runs compiled kernels: a question about the machine the benchmark
     # times on (the programs themselves choose by the platform they are lowered for).
     compiles = kernel_backend() is not None
-    policy = PRESETS["bf16" if compiles else "fp32"] if args.policy == "auto" else args.policy
+    policy = args.policy or (PRESETS["bf16"] if compiles else PRESETS["fp32"])
     if policy.matmul_format is not None:
         raise ValueError(f"--policy {policy}: the fused log-prob takes no matmul_format")
     mode = args.kernels if args.kernels != "auto" else ("on" if compiles else "interpret")

@@ -38,7 +38,8 @@ layers' projections and the lm head, not the embedding gather) + 12 x L x
 PaLM's count, the causal half not discounted): a hybrid step's replay is
 overhead, not model FLOPs. The peak is the accelerator's dense bf16 figure
 (`plan.targets`, by device name) on GPU/TPU and the development CPUs' f32 matmul
-rate (190 GFLOP/s) on CPU, or `--peak-tflops`. For our steps the JSON adds
+rate on CPU (`CPU_PEAK_FLOPS`, measured: docs/design/low_precision.md, "Performance
+on the development CPUs"), or `--peak-tflops`. For our steps the JSON adds
 the compiled program's own figures: `compiled_flops` (its dots, each loop body
 times its trip count: `plan.hlo_cost`) and `compiled_temp_bytes` (its
 temporaries, `plan.roofline.memory_figures`). Taking them after the timed runs
@@ -77,7 +78,7 @@ __all__ = ["SIZES", "add_arguments", "grpo_batch", "model_flops_per_token", "pea
 
 SIZES = {"tiny": "tiny-qwen3", "small": "small-qwen3"}
 PAD_ID, EOS_ID = 0, 2  # random tokens are drawn from [3, V): no pad or EOS inside a sequence
-CPU_PEAK_FLOPS = 190e9  # f32 matmul on the 2-core development machines (docs/design/low_precision.md)
+CPU_PEAK_FLOPS = 190e9  # f32 matmul on the development CPUs (docs/design/low_precision.md)
 LOSS = LossConfig(epsilon=0.2, aggregation="seq_mean_token_mean")
 TARGET_VS_TUNIX, TARGET_HYBRID_OVER_DENSE, TARGET_RECORDED_OVER_DENSE = 1.2, 1.5, 1.05
 
@@ -133,7 +134,7 @@ def peak_flops(override_tflops: float | None = None) -> tuple[float | None, str]
         return override_tflops * 1e12, "--peak-tflops"
     dev = jax.devices()[0]
     if dev.platform == "cpu":
-        return CPU_PEAK_FLOPS, "f32 matmul on the 2-core development CPUs (docs/design/low_precision.md)"
+        return CPU_PEAK_FLOPS, "f32 matmul on the development CPUs (docs/design/low_precision.md)"
     t = target_of_device(dev.device_kind)
     if t is None:
         return None, f"no peak known for {dev.device_kind}; pass --peak-tflops"

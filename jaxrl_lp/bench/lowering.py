@@ -13,7 +13,7 @@ V 4096), MXFP8 / MXFP4 / NVFP4 quantize and dequantize of a weight, and decode
 attention (B 8, H 16 / K 8, S 1024, Dh 128). `table` is the result as the
 markdown table of the GPU and TPU first-contact issue.
 
-    jaxrl-lp bench lowering --markdown            # 3 presets x bf16, mxfp8, nvfp4 (~4 min)
+    jaxrl-lp bench lowering --markdown            # 3 presets x bf16, mxfp8, nvfp4
     jaxrl-lp bench lowering --presets qwen3-0.6b --policies bf16 --programs sampler_decode
 
 Exit status 1 when a cell does not lower or lacks a kernel it should carry.

@@ -25,7 +25,8 @@ weights once per step (as its loop reads them: bf16 where stored natively,
 `models.blocks.decode_weights`) and the KV cache up to the mean context, so
 tokens/s <= batch * bandwidth / those bytes. The bandwidth is the
 accelerator's HBM figure (`plan.targets`, by device name), the development
-CPUs' 15 GB/s on CPU, or `--bandwidth-gbps`.
+CPUs' on CPU (`CPU_BANDWIDTH_GBPS`, measured: docs/design/low_precision.md,
+"Performance on the development CPUs"), or `--bandwidth-gbps`.
 """
 
 from __future__ import annotations
@@ -97,7 +98,7 @@ def device_bandwidth_gbps() -> tuple[float, str]:
     t = None if dev.platform == "cpu" else target_of_device(dev.device_kind)
     if t is not None:
         return t.hbm_bandwidth / 1e9, f"plan.targets[{t.name!r}] for {dev.device_kind}"
-    return CPU_BANDWIDTH_GBPS, "a batch-8 f32 matrix-vector product on the 2-core development CPUs"
+    return CPU_BANDWIDTH_GBPS, "a batch-8 f32 matrix-vector product on the development CPUs"
 
 
 def _bound(batch: int, nbytes: float, bandwidth_gbps: float) -> float:
@@ -154,7 +155,7 @@ def _hf_call(model, prompt_BxP, new_tokens):
 def _hf_threads(model, prompt_BxP, choice: str) -> int:
     """torch's thread count for the race: given, or `best` of 1 and all cores on a short run.
 
-    On a busy 2-core machine torch's multi-threaded kernels can be several
+    On a busy machine of few cores torch's multi-threaded kernels can be several
     times slower than one thread; `best` gives the reference its better setting.
     """
     import torch
@@ -353,7 +354,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--gate-scale", type=float, default=0.5)
     parser.add_argument("--bandwidth-gbps", type=float, default=None,
                         help="memory bandwidth for the bound (default: the accelerator's HBM "
-                             "by device name, plan.targets; on CPU the development CPUs' 15 GB/s)")
+                             "by device name, plan.targets; on CPU the development CPUs' "
+                             f"{CPU_BANDWIDTH_GBPS:g} GB/s)")
     parser.add_argument("--policy", default=POLICY.name, type=policy_arg,
                         help="precision policy of our sampler (fp32 on CPU: docs/design/low_precision.md; "
                              "bf16 on GPU, where it is stored natively)")

@@ -14,8 +14,9 @@ Each part runs in its own child process (so its peak RSS, from
 program is called twice: `first_s` includes XLA's compile, `second_s` is the
 run alone. Weights are random (`init_params`), so no checkpoint is needed;
 the policy is the configs' default, `bf16` (carried as f32 on CPU). The
-Qwen3-0.6B part peaks at about 16 GB of memory (weights, Adam moments,
-gradients, the sampler's per-layer copy), the Ouro-1.4B part at about 12 GB.
+Qwen3-0.6B part's memory holds the weights, Adam moments, gradients and the
+sampler's per-layer copy; the parts' times and peaks on a CPU: docs/scale.md,
+"At real sizes on CPU".
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ import subprocess
 import sys
 import time
 
+from jaxrl_lp.models.config import ModelConfig
 from jaxrl_lp.numerics.policy import PRESETS, Policy, policy_arg
 
 __all__ = ["PARTS", "add_arguments", "run", "run_part"]
@@ -74,8 +76,14 @@ def _check_parts(parts) -> None:
         raise ValueError(f"unknown smoke part(s) {bad}; choose model presets from {sorted(PRESETS)}")
 
 
-def run_part(part: str, policy: Policy = PRESETS["bf16"]) -> dict:
-    """Runs one part in this process; its timings (seconds) and peak RSS (bytes)."""
+def run_part(part: str | ModelConfig, policy: Policy = PRESETS["bf16"]) -> dict:
+    """Runs one part in this process; its timings (seconds) and peak RSS (bytes).
+
+    Args:
+      part: a model preset's name (`PARTS`), or a model config: the tests run the
+        presets' own widths and head shapes at one layer and a small vocabulary.
+      policy: the precision policy of every program.
+    """
     import jax
     import jax.numpy as jnp
     import optax
@@ -86,8 +94,9 @@ def run_part(part: str, policy: Policy = PRESETS["bf16"]) -> dict:
     from jaxrl_lp.rl.train_step import make_grpo_step
     from jaxrl_lp.rollout import LoopSpec
 
-    _check_parts([part])
-    cfg = get_preset(part)
+    if isinstance(part, str):
+        _check_parts([part])
+    cfg = get_preset(part) if isinstance(part, str) else part
     t0 = time.perf_counter()
     params = jax.block_until_ready(init_params(cfg, jax.random.PRNGKey(0)))
     out = {"params": cfg.param_count(), "policy": str(policy), "init_s": time.perf_counter() - t0}

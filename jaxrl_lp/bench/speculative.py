@@ -22,9 +22,10 @@ noise.) One timed run of an arm decodes every prompt;
 runs of the two arms alternate (so a change in load falls on both), each
 arm calls its jitted program (`speculative_program`, `sampler_program`: what
 `speculative_generate` and `generate` run after their host-side checks and
-padding, about 1 ms a call that both pay alike) on the same padded device
-arrays after a warm-up call (compile excluded), and `speedup_vs_plain` is
-the ratio of the median run times (the fastest runs' ratio beside it).
+padding, a cost both pay alike: docs/design/speculative.md, "Benchmark") on
+the same padded device arrays after a warm-up call (compile excluded), and
+`speedup_vs_plain` is the ratio of the median run times (the fastest runs'
+ratio beside it).
 `prefill_only_s` and `speculative_prefill_only_s` are each arm's calls at
 `max_new_tokens=1` (dispatch, prefill, first token, set-up: what speculation
 cannot shorten); `decode_speedup_vs_plain` is the ratio after subtracting
@@ -107,7 +108,7 @@ def _arm(params, cfg, batches, spec, drafter, args, new_tokens, eos_id, pad_id):
     Both arms run their jitted program (`sampler_program`, `speculative_program`: what `generate` and
     `speculative_generate` call after validating and padding on the host) on the same
     padded device arrays, so the times are the programs' (prefill and decode), not the
-    host wrappers' (about 1 ms a call here, the same for both).
+    host wrappers' (the same for both).
     """
     sampling = SamplingConfig(greedy=True)
     policy = FP32

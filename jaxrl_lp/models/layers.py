@@ -89,11 +89,11 @@ def dot(x_xK: jax.Array, w_KxN: jax.Array, policy: Policy) -> jax.Array:
     if current_mesh() is None and x_xK.ndim > 2:
         # One token axis: the weight's gradient is then one [K, T] x [T, N] product. Over
         # the leading axes as they come, autodiff's product made XLA:CPU transpose the
-        # [T, N] cotangent inside the fusion that computes it, a strided pass: the small
-        # preset's update took 1.10x as long (docs/design/exact_logprobs.md). The values
-        # are the same bits, and so is a dense model's gradient; a looped model sums its
-        # steps' weight products in another order (`tests/test_models.py`). Under a mesh
-        # the axes stay apart for the partitioner.
+        # [T, N] cotangent inside the fusion that computes it, a strided pass that slowed the
+        # small preset's update (docs/design/exact_logprobs.md, "One token axis in the
+        # matmuls"). The values are the same bits, and so is a dense model's gradient; a
+        # looped model sums its steps' weight products in another order
+        # (`tests/test_models.py`). Under a mesh the axes stay apart for the partitioner.
         k, n = w.shape
         return _f32_product(x_xK.reshape(-1, k), w, policy).reshape(*x_xK.shape[:-1], n)
     return _f32_product(x_xK, w, policy)
@@ -168,10 +168,10 @@ def scale_features(y_xD: jax.Array, w_D: jax.Array) -> jax.Array:
     The input's gradient is autodiff's (`g * w`, the same bits). The
     weight's, the sum of `g * y` over every leading axis, is on XLA:CPU a
     product with a vector of ones (`lax.platform_dependent`, by the platform
-    lowered for; off a mesh): XLA:CPU's YNNPACK sums a `[1024, 512]`
-    activation over its token axis in 7.2 ms, as a product 0.2 ms
-    (docs/design/learner_step.md, docs/bench/norm-grad-2core-zen5.json), and
-    the small preset's update has 17 such norms. The sum's order differs,
+    lowered for; off a mesh): XLA:CPU's YNNPACK sums an activation over its
+    token axis one element at a time, and the product is many times faster
+    (docs/design/learner_step.md, "The norm weights' gradient as a product on
+    CPU"); the small preset's update has 17 such norms. The sum's order differs,
     so on CPU the norm weights' gradients round otherwise than autodiff's
     reduce (f32 summation error, tests/test_norm_grad.py). GPU and TPU
     lower the reduce.

@@ -5,9 +5,10 @@ lowers the hash as a loop of 5 iterations to keep compile times short; XLA
 then runs each decode step's noise ([B, V] = 8 x 32000 on the small preset)
 as a loop that copies its state between iterations, and the draw cannot fuse
 with the logits. Written out as array operations, the same hash is one fused
-pass: 1.14 -> 0.33 ms a decode step for noise plus max on 2 cores
-(`benchmarks/sampler_draw.py`'s `noise_in_scan_ms` times both). GPU and TPU
-lower JAX's hash unrolled already; this is the same arithmetic there.
+pass, several times faster a decode step (`benchmarks/sampler_draw.py`'s
+`noise_in_scan_ms` times both; its figures: docs/design/exact_logprobs.md,
+"Gumbel noise with the Threefry rounds unrolled"). GPU and TPU lower JAX's hash
+unrolled already; this is the same arithmetic there.
 
 The noise is the same bits as `jax.random.gumbel(key, shape, float32)`
 wherever JAX's defaults hold: a Threefry key (typed, or a raw `uint32[2]`

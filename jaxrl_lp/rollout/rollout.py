@@ -22,7 +22,7 @@ from jax.sharding import Mesh
 
 from jaxrl_lp.models.config import ModelConfig
 from jaxrl_lp.models.recorded import Products, split_products, take_product_rows
-from jaxrl_lp.numerics.policy import FP32, Policy
+from jaxrl_lp.numerics.policy import FP32, Policy, require
 from jaxrl_lp.rollout.sampling import SamplingConfig
 from jaxrl_lp.rollout.spec_config import SpecConfig
 from jaxrl_lp.rollout.step import LoopSpec
@@ -102,7 +102,8 @@ class Rollout:
         input token stopped computing); 0 for dense models.
       loop_evals: [] int32 loop-step evaluations of the decode steps (counted).
       weights_version: [] int32 learner step whose weights sampled this.
-      policy: the sampler's precision `Policy` (static).
+      policy: the sampler's precision `Policy` (static); a string is refused where the
+        rollout is built, naming `Policy.parse`.
       loop: the `LoopSpec` the rollout was sampled with, resolved (static):
         the learner replays `exit_steps` with it and refuses another.
       temperature: the temperature the log-probs were taken at (static).
@@ -159,6 +160,11 @@ class Rollout:
 
     # Not per row: replicated where the rows are laid over a mesh (`parallel.batch_shardings`).
     replicated_fields: ClassVar[tuple[str, ...]] = ("weights_digest", "call_keys")
+
+    def __post_init__(self):
+        # Here, not in the learner: a string policy would otherwise travel to the GRPO step,
+        # which can only say that two policies' texts differ.
+        require(self.policy, "Rollout")
 
 
 _ROW_FIELDS = ("prompt_tokens", "prompt_lengths", "completion_tokens", "completion_mask",

@@ -9,7 +9,8 @@ a unit batch axis inside) with a per-row slot: the arithmetic of each row is
 the one `forward` performs, and the cache write becomes a per-row scatter.
 A single row (B = 1) skips the vmap: its slot is a scalar, so `forward`
 writes it in place (`dynamic_update_slice`), as plain decoding does (a
-batch-1 speculative round measured 5-15% cheaper on CPU). A row's bits are
+cheaper batch-1 speculative round on CPU: docs/design/speculative.md, "Where
+the time goes"). A row's bits are
 not the same across batch sizes (XLA picks other kernels for other shapes:
 the prefill alone already differs in the last bit between B = 1 and B = 2),
 so the replay runs the sampler's program at the sampler's batch size

@@ -43,12 +43,9 @@ per step, and the initial and final greedy held-out accuracy (under the arm's
 sampler policy). Plots: `alignment_mismatch.png` (per-arm k3 KL and max
 |dlogp|), `alignment_reward.png` (reward curves).
 
-Cost: the full study with its defaults (1,200 warm-start steps,
-`DEFAULT_STEPS` = 10 GRPO steps per arm, 7 arms, through `jaxrl-lp study`) took
-5.2 minutes on the 2-core development machine with an empty compilation cache
-and one other job beside it (warm-start 108 s, mismatch measurement 59 s, the
-first arm 38 s, each later one 17-20 s; docs/studies/alignment-default.json).
-Compiles dominate at these sizes; `--steps` and
+Cost: the defaults are 1,200 warm-start steps, `DEFAULT_STEPS` = 10 GRPO steps
+per arm and 7 arms; what they took, by part: docs/design/studies.md, "What the
+default studies cost". Compiles dominate at these sizes; `--steps` and
 `--set model.hidden_size=...` scale the run itself up.
 """
 

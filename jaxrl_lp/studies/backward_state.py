@@ -44,11 +44,9 @@ The runs are the study's own loop over the program's step, not `run_train`:
 one compiled step per policy serves both the curve and the gradients (compiles
 dominate the study's cost on CPU), and no run directories are written.
 
-Cost: the full study with its defaults (`DEFAULT_STEPS` = 100 steps per run,
-five formats, through `jaxrl-lp study`) took 6.0 minutes on the 2-core
-development machine with an empty compilation cache and one other job beside it
-(the f32 run 34 s, the gradients 167 s: ten step compiles dominate, 8-30 s per
-further run; docs/studies/backward-state-default.json). `--steps`, `--sft-steps` and `--set
+Cost: the defaults are `DEFAULT_STEPS` = 100 steps per run and five formats, and
+the step compiles dominate; what they took, by part: docs/design/studies.md, "What
+the default studies cost". `--steps`, `--sft-steps` and `--set
 model.hidden_size=...` scale it up.
 """
 

@@ -46,9 +46,8 @@ ARMS: tuple[str, ...] = (
     "latent_ternary", "ed_ternary_k2", "ed_ternary_k4", "ed_ternary_k8",
 )
 # The arms run by default: each levels' baseline and error diffusion at k = 4, sized so the
-# default study fits in 10 minutes on two idle CPU cores (a 1200-step arm of the default
-# model is about 100 s there, from the 160 s per 2000 steps measured for ternary-export);
-# `--arms` adds k = 2 and 8.
+# default study fits the studies' budget on CPU (docs/design/studies.md, "What the default
+# studies cost"); `--arms` adds k = 2 and 8.
 DEFAULT_ARMS: tuple[str, ...] = ("latent_binary", "ed_binary_k4", "latent_ternary",
                                  "ed_ternary_k4")
 # The arms of `quick` (a smoke run).

@@ -34,15 +34,11 @@ steps), `initial_accuracy`, `final_accuracy`, `accuracy_gain`.
 KL and max |delta logp| are both below every unmatched arm's (k3 rather than k1:
 the k1 estimate of a small KL is often negative on a finite batch).
 
-Defaults (`DEFAULT_STEPS` GRPO steps per arm, 16 prompts x 8 samples, 128
-held-out problems, all 17 arms) took 7.0 minutes on the idle 2-core development
-machine with an empty compilation cache (warm-start 108 s; a matched arm 30-47 s,
-most of it compiling its quantized learner step; an unmatched arm 6-20 s;
-docs/studies/matched-precision-default.json). `--steps 60 --set
-grpo.prompts_per_step=32 --set run.eval_size=256` is the default run's GRPO phase
-per arm: with `--arms f32,mxfp8_matched` it gave f32 44.5% -> 83.6% and matched
-MXFP8 41.4% -> 72.3% with mismatch exactly 0 at all 60 steps
-(docs/studies/matched-precision-mxfp8-60steps.json).
+Defaults: `DEFAULT_STEPS` GRPO steps per arm, 16 prompts x 8 samples, 128
+held-out problems, all 17 arms; a matched arm's time is mostly the compile of
+its quantized learner step. `--steps 60 --set grpo.prompts_per_step=32 --set
+run.eval_size=256` is the default run's GRPO phase per arm. What both took and
+gave: docs/design/studies.md, "What the default studies cost".
 """
 
 from __future__ import annotations

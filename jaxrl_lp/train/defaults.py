@@ -14,7 +14,7 @@ def default_config() -> TrainConfig:
 
     The warm-start (1,200 steps of 128 sequences at Adam 3e-3) is sized to
     leave its loss plateau (about 1.3, then 0.65 nats per answer token) on
-    every 2-core CPU the project runs on, whose rounding decides how long it
+    every CPU the project runs on, whose rounding decides how long it
     stays there; GRPO takes 60 steps at Adam 1e-4. The measurements behind both
     choices, by machine and seed: docs/design/warm_start.md, "The default warm-start".
     """
