@@ -19,6 +19,8 @@ from jaxrl_lp.kernels import kernel_backend
 from jaxrl_lp.train import TrainConfig, apply_overrides, default_config, load_config
 
 FILE = "<a file>"  # replaced by the path of an existing regular file
+DATA = "<data>"  # replaced by the path of a user's JSONL: {"prompt": "1+2=", "answer": "3"} lines
+DATASET = ["task.kind=dataset", f"task.path={DATA}"]
 
 # key -> bad values; a value may be (value, [other overrides it needs]).
 BAD = {
@@ -54,6 +56,25 @@ BAD = {
     "task.tool_fraction": ["-0.1", "1.5", "abc"],
     "task.env_timeout_s": ["0", "abc"],
     "task.failure_reward": ["abc", "nan"],
+    # a dataset task's keys: without task.kind=dataset; a column the records lack; a reward,
+    # an environment or tools that do not import; a stop string of two tokens
+    "task.prompt_key": ["", ("question", DATASET)],
+    "task.answer_key": [("solution", DATASET)],
+    "task.completion_key": [("reasoning", DATASET)],
+    "task.heldout": ["test.jsonl", ("/nonexistent/test.jsonl", DATASET)],
+    "task.heldout_fraction": ["0", "1", "abc"],
+    "task.rewards": ["exact_match", ("no_such_reward", DATASET), ("nomodule:fn", DATASET)],
+    "task.format_regex": ["^x$", ("(", [*DATASET, "task.rewards=regex_format"])],
+    "task.reward_timeout_s": ["0", "abc"],
+    "task.system_prompt": ["Be brief."],
+    "task.chat_template": ["jinja"],
+    "task.template_options": ["enable_thinking=false", ("nothing", DATASET)],
+    "task.env": ["mymod:make_env", ("nomodule:make_env", DATASET),
+                ("json:loads", [*DATASET, "task.tools=json:dumps"])],
+    "task.tools": ["json:dumps", ("nomodule:add", DATASET)],
+    "task.stop": ["?", ("ab", [*DATASET, "task.env=collections:Counter"])],
+    "task.max_turn_tokens": ["-1", "abc"],
+    "task.max_observation_tokens": ["0", "abc"],
     "sft.steps": ["-5", "abc"],
     "sft.batch_size": ["0"],
     "sft.lr": ["0", "-1e-3", "nan", "abc"],
@@ -135,6 +156,9 @@ BAD = {
                          ("self:loops=1,k=4", ["run.mesh=fsdp=8"])],
     "run.mesh": ["batch=8", "fsdp=0", "fsdp=3"],  # unknown axis, size 0, 3 != 8 devices
     "run.save_on_signal": ["sometimes"],
+    "run.wandb": ["maybe"],
+    "run.wandb_project": [" "],
+    "run.wandb_mode": ["cloud"],
     # without the sampler's; with run.mesh; overlapping the sampler's; not a mesh
     "run.learner_mesh": ["fsdp=4", ("fsdp=4", ["run.mesh=fsdp=8", "run.sampler_mesh=data=4"]),
                          ("fsdp=4", ["run.sampler_mesh=data=4@2"]),
@@ -181,11 +205,14 @@ CASES = [(key, bad) for key, values in BAD.items() for bad in values]
 def test_bad_value_is_one_line_naming_the_key_and_nothing_is_written(tmp_path, capsys, key, bad):
     afile = tmp_path / "afile"
     afile.write_text("not a directory")
+    data = tmp_path / "data.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"{a}+2=", "answer": str(a + 2)}) + "\n"
+                            for a in range(40)))
     value, extra = bad if isinstance(bad, tuple) else (bad, [])
     value = value.replace(FILE, str(afile))
     args = ["train", "--set", f"run.out_dir={tmp_path / 'run'}"]
     for o in [*extra, f"{key}={value}"]:
-        args += ["--set", o]
+        args += ["--set", o.replace(DATA, str(data))]
     t0 = time.perf_counter()
     assert main(args) == 2
     elapsed = time.perf_counter() - t0
@@ -193,7 +220,7 @@ def test_bad_value_is_one_line_naming_the_key_and_nothing_is_written(tmp_path, c
     assert err.startswith("jaxrl-lp train: error:") and "\n" not in err, err
     assert key in err, err
     assert elapsed < 5.0, f"{elapsed:.1f}s"  # validation compiles and loads nothing heavy
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["afile"]  # nothing written
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["afile", "data.jsonl"]  # no write
     assert afile.read_text() == "not a directory"
 
 

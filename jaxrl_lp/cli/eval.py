@@ -1,19 +1,22 @@
-"""`jaxrl-lp eval`: greedy held-out accuracy of a run's checkpoint.
+"""`jaxrl-lp eval`: held-out scores of a run's checkpoint: greedy accuracy, mean@k and pass@k.
 
     jaxrl-lp eval                                   # runs/default, the embedded default config
     jaxrl-lp eval --run runs/fair --served          # the run's own config.json; + its served copy
     jaxrl-lp eval --run runs/fair --exporter fmt:nvfp4   # the copy another exporter would serve
     jaxrl-lp eval --config configs/default.py --set run.out_dir=runs/x --step 40
+    jaxrl-lp eval --run runs/mine --samples 8       # + mean@8, pass@1..8 at temperature 1
 
 Only the params (and, with `--served`, the exporter state) are restored, so any
 run evaluates: with or without a `sync.exporter`, a warm-start or a finished run.
+A run whose task was a config file's `TASK` finds it again through its `task.json`.
+A sample is solved when its reward is at least 1 (`train.evaluation.SOLVED`).
 """
 
 from __future__ import annotations
 
 import json
 
-from jaxrl_lp.cli.train import add_common, load
+from jaxrl_lp.cli.train import add_common, load_with_task
 
 
 def add_parser(sub) -> None:
@@ -31,14 +34,31 @@ def add_parser(sub) -> None:
     p.add_argument("--exporter", default=None, metavar="SPEC",
                    help="score the copy this sync.exporter serves instead (e.g. fmt:nvfp4; "
                         "implies --served)")
+    p.add_argument("--samples", type=int, default=0, metavar="K",
+                   help="also sample K completions of each held-out problem: mean@K and pass@k "
+                        "for k = 1, 2, 4, ..., K")
+    p.add_argument("--temperature", type=float, default=1.0,
+                   help="the sampling temperature of --samples (default 1.0)")
     p.set_defaults(func=run)
 
 
 def run(args) -> int:
+    from jaxrl_lp.train.config_files import load_run_file
     from jaxrl_lp.train.evaluation import evaluate_run
     from jaxrl_lp.train.run_io import run_config
+    from jaxrl_lp.train.task_source import TaskRecord
 
-    cfg = run_config(args.run, args.config, args.overrides) if args.run else load(args)
+    if args.samples < 0 or not args.temperature > 0:
+        raise ValueError(f"--samples={args.samples} must be >= 0 and --temperature="
+                         f"{args.temperature} > 0")
+    if args.run:
+        cfg = run_config(args.run, args.config, args.overrides)
+        record = TaskRecord.read(args.run)
+        source = args.config or (record.config_file if record is not None else "")
+        task = load_run_file(source)[1] if source else None
+    else:
+        cfg, task = load_with_task(args)
     print(json.dumps(evaluate_run(cfg, size=args.size, step=args.step, served=args.served,
-                                  exporter=args.exporter), indent=2))
+                                  exporter=args.exporter, task=task, samples=args.samples,
+                                  temperature=args.temperature), indent=2))
     return 0

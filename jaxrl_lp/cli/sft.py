@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import json
 
-from jaxrl_lp.cli.train import add_common, load
+from jaxrl_lp.cli.train import add_common, load_with_task
 
 
 def add_parser(sub) -> None:
@@ -23,7 +23,8 @@ def add_parser(sub) -> None:
 def run(args) -> int:
     from jaxrl_lp.train import run_train
 
-    cfg = load(args)
+    cfg, task = load_with_task(args)
     cfg = dataclasses.replace(cfg, grpo=dataclasses.replace(cfg.grpo, steps=0))
-    print(json.dumps(run_train(cfg), indent=2))
+    print(json.dumps(run_train(cfg, task, config_file=args.config if task is not None else ""),
+                     indent=2))
     return 0

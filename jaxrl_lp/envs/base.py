@@ -52,6 +52,9 @@ class StepResult:
     Attributes:
       observation: text appended to the context after the turn ("" for none); the
         task's tokenizer encodes it.
+      messages: chat messages answering the turn instead of `observation` (e.g. one
+        `{"role": "tool", "content": "42"}` per tool call): the task renders them with its
+        chat template (`tasks.ObservationEncoder`), as the conversation's next messages.
       reward: this turn's reward, a finite number (an episode's is the sum of its turns').
       done: the episode ended (no observation is appended then).
       info: facts for the metrics: `tool_call` (the turn called a tool), `tool_calls`
@@ -62,12 +65,14 @@ class StepResult:
     Examples:
       >>> call = StepResult(observation="10063;", info={"tool_call": True, "tool_ok": True})
       >>> answer = StepResult(reward=1.0, done=True)
+      >>> tool = StepResult(messages=({"role": "tool", "content": "10063"},))
     """
 
     observation: str = ""
     reward: float = 0.0
     done: bool = False
     info: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    messages: tuple[Mapping[str, Any], ...] = ()
 
     def __post_init__(self):
         # Checked here, in the environment's own call, so a malformed result is that
@@ -81,6 +86,15 @@ class StepResult:
             raise ValueError(f"StepResult.done={self.done!r}: True or False")
         if not isinstance(self.info, Mapping):
             raise ValueError(f"StepResult.info={self.info!r}: a mapping (a dict)")
+        messages = tuple(self.messages) if isinstance(self.messages, (list, tuple)) else None
+        if messages is None or not all(
+                isinstance(m, Mapping) and isinstance(m.get("role"), str)
+                and isinstance(m.get("content"), str) for m in messages):
+            raise ValueError(f"StepResult.messages={self.messages!r}: chat messages, each a "
+                             "dict with a str 'role' and 'content'")
+        if messages and self.observation:
+            raise ValueError("StepResult: give the observation as text or as messages, not both")
+        object.__setattr__(self, "messages", messages)
         object.__setattr__(self, "reward", float(self.reward))
         object.__setattr__(self, "done", bool(self.done))
 

@@ -22,20 +22,31 @@ from jaxrl_lp.rl.loss import LossConfig
 from jaxrl_lp.train.grpo_config import GRPOConfig, RunPolicies
 from jaxrl_lp.train.sync_hooks import SyncConfig
 
-__all__ = ["DistributedConfig", "GRPOConfig", "LoraConfig", "RunConfig", "RunPolicies", "SFTConfig",
-           "SyncConfig", "TaskConfig", "TrainConfig"]
+__all__ = ["TASK_KINDS", "DistributedConfig", "GRPOConfig", "LoraConfig", "RunConfig", "RunPolicies",
+           "SFTConfig", "SyncConfig", "TaskConfig", "TrainConfig"]
+
+
+# The built-in task kinds; `dataset` reads a user's file (`tasks.DatasetTask`).
+TASK_KINDS = ("arithmetic", "gsm8k", "calculator", "gsm8k_tools", "dataset")
 
 
 @dataclasses.dataclass(frozen=True)
 class TaskConfig:
-    """The task: `arithmetic` (generated) or `gsm8k` (a local JSONL/parquet file at `path`);
+    """The task: a built-in one, or a user's data, reward functions and environment.
+
+    Built in: `arithmetic` (generated) or `gsm8k` (a local JSONL/parquet file at `path`);
     multi-turn with a calculator tool: `calculator` (generated) or `gsm8k_tools` (a file).
+    A user's own: `dataset` (a local file or `datasets` directory at `path`, scored by the
+    reward functions `rewards`, optionally with an environment `env`: `tasks.DatasetTask`),
+    or any task object passed to `run_train(cfg, task=...)` or defined as `TASK` in a
+    `--config` file (then this section is not read).
 
     Attributes:
       kind: `arithmetic` (generated problems), `gsm8k` (a local file; needs init_from),
         `calculator` (multi-turn arithmetic with a calculator the model may call,
-        `envs.CalculatorTask`) or `gsm8k_tools` (GSM8K with a Python-expression
-        calculator, `envs.PythonCalculatorTask`; a local file, needs init_from).
+        `envs.CalculatorTask`), `gsm8k_tools` (GSM8K with a Python-expression
+        calculator, `envs.PythonCalculatorTask`; a local file, needs init_from) or
+        `dataset` (a user's records: the keys below).
       ops: arithmetic, calculator: the operations, distinct characters from `+-*`.
       max_digits: arithmetic: operands have up to this many digits (1..9); calculator:
         the first operand's digits.
@@ -43,17 +54,48 @@ class TaskConfig:
       reverse_answer: arithmetic answers are written least significant digit first.
       pad_operands: arithmetic operands are zero-padded to max_digits.
       path: gsm8k, gsm8k_tools: the local JSONL or parquet file (question, answer with
-        `#### final`).
+        `#### final`); dataset: a JSONL, JSON or Parquet file, or a directory (a
+        `datasets` `save_to_disk` copy, or data files), read with `datasets`, offline.
       seed: the order of the task's train and held-out splits.
       max_turns: multi-turn: model turns per episode at most.
       tool_fraction: calculator: the share of warm-start episodes that call the tool
         (the rest answer at once).
       env_timeout_s: multi-turn: seconds an environment call may take; a slower one
         ends its episode (reason `timeout`).
-      failure_reward: multi-turn: the reward of an episode a failing environment ended.
+      failure_reward: the reward of an episode a failing environment ended, and of a
+        sample a reward function failed on (raised, timed out, a non-finite value),
+        counted as `reward_failed/<name>`.
+      prompt_key: dataset: the column holding the prompt, a string or a chat `messages`
+        list.
+      answer_key: dataset: the column holding the reference answer (passed to the reward
+        functions as `answer` too); '' for none.
+      completion_key: dataset: the column the warm-start learns from ('': answer_key).
+      heldout: dataset: the held-out records: '' (the source's `test` split if it has
+        one, else a hash-chosen `heldout_fraction` of the records) or a file like `path`.
+      heldout_fraction: dataset: the share of records held out when `heldout` is ''.
+      rewards: dataset: the reward functions, comma-separated `NAME[=WEIGHT]`: built-ins
+        (`exact_match`, `number_match`, `math_verify`, `think_format`, `regex_format`)
+        or import paths `pkg.mod:fn` / `file.py:fn` with TRL's signature; '' is
+        `exact_match`.
+      format_regex: dataset: the pattern `regex_format` matches a completion against.
+      reward_timeout_s: dataset: seconds a reward function may take on a batch.
+      system_prompt: dataset: a system message put before each prompt ('' for none).
+      chat_template: dataset: `auto` renders prompts with `init_from`'s chat template when
+        it has one (else the plain format, said once); `none` always the plain format.
+      template_options: dataset: the chat template's variables, `k=v,...` (values read as
+        JSON where they parse, e.g. `enable_thinking=false`).
+      env: dataset: an environment factory `pkg.mod:make_env` (multi-turn episodes);
+        '' for single-turn completions.
+      tools: dataset: tool functions `pkg.mod:fn,...` the model calls in the chat
+        template's `<tool_call>` format (`tasks.ToolEnv`); exclusive with env.
+      stop: dataset, multi-turn: strings that end a model turn, each one token
+        (',' separated; '' is `</tool_call>` where the tokenizer has it).
+      max_turn_tokens: dataset, multi-turn: tokens of one model turn (0: grpo.max_new_tokens,
+        or 128).
+      max_observation_tokens: dataset, multi-turn: tokens of one observation at most.
     """
 
-    kind: Literal["arithmetic", "gsm8k", "calculator", "gsm8k_tools"] = "arithmetic"
+    kind: Literal["arithmetic", "gsm8k", "calculator", "gsm8k_tools", "dataset"] = "arithmetic"
     ops: str = "+"
     max_digits: int = 2
     reverse_answer: bool = False
@@ -65,14 +107,30 @@ class TaskConfig:
     tool_fraction: float = 0.3
     env_timeout_s: float = 10.0
     failure_reward: float = 0.0
+    prompt_key: str = "prompt"
+    answer_key: str = "answer"
+    completion_key: str = ""
+    heldout: str = ""
+    heldout_fraction: float = 0.1
+    rewards: str = ""
+    format_regex: str = ""
+    reward_timeout_s: float = 60.0
+    system_prompt: str = ""
+    chat_template: Literal["auto", "none"] = "auto"
+    template_options: str = ""
+    env: str = ""
+    tools: str = ""
+    stop: str = ""
+    max_turn_tokens: int = 0
+    max_observation_tokens: int = 128
 
     @property
     def multiturn(self) -> bool:
         """Whether the task's episodes take several turns (with an environment)."""
-        return self.kind in ("calculator", "gsm8k_tools")
+        return self.kind in ("calculator", "gsm8k_tools") or bool(self.env or self.tools)
 
     def __post_init__(self):
-        check_choice("task.kind", self.kind, ("arithmetic", "gsm8k", "calculator", "gsm8k_tools"))
+        check_choice("task.kind", self.kind, TASK_KINDS)
         check_int("task.second_digits", self.second_digits, minimum=1)
         check_int("task.max_turns", self.max_turns, minimum=1)
         check_number("task.tool_fraction", self.tool_fraction, ge=0,
@@ -88,16 +146,42 @@ class TaskConfig:
         check_bool("task.pad_operands", self.pad_operands)
         check_str("task.path", self.path)
         check_int("task.seed", self.seed, minimum=0)
-        if self.kind in ("gsm8k", "gsm8k_tools") and not self.path:
-            raise ValueError("task.path must name a local GSM8K JSONL or parquet file "
-                             f"(task.kind={self.kind})")
+        for f in ("prompt_key", "answer_key", "completion_key", "heldout", "rewards",
+                  "format_regex", "system_prompt", "template_options", "env", "tools", "stop"):
+            check_str(f"task.{f}", getattr(self, f))
+        check_str("task.prompt_key", self.prompt_key, nonempty=True, what="a column name")
+        if self.template_options:
+            from jaxrl_lp.tasks.chat import parse_template_options
+
+            parse_template_options(self.template_options)
+        check_number("task.heldout_fraction", self.heldout_fraction, gt=0, lt=1)
+        check_number("task.reward_timeout_s", self.reward_timeout_s, gt=0)
+        check_choice("task.chat_template", self.chat_template, ("auto", "none"))
+        check_int("task.max_turn_tokens", self.max_turn_tokens, minimum=0)
+        check_int("task.max_observation_tokens", self.max_observation_tokens, minimum=1)
+        if self.kind in ("gsm8k", "gsm8k_tools", "dataset") and not self.path:
+            what = "GSM8K JSONL or parquet file" if self.kind != "dataset" else \
+                "JSONL, JSON or Parquet file, or a datasets directory"
+            raise ValueError(f"task.path must name a local {what} (task.kind={self.kind})")
         if self.kind == "calculator" and self.path:
-            raise ValueError(f"task.path={self.path!r} is read by task.kind=gsm8k or "
-                             "gsm8k_tools only; leave it empty for task.kind=calculator")
+            raise ValueError(f"task.path={self.path!r} is read by task.kind=gsm8k, gsm8k_tools or "
+                             "dataset only; leave it empty for task.kind=calculator")
+        dataset_keys = {"rewards": "", "env": "", "tools": "", "heldout": "", "stop": "",
+                        "system_prompt": "", "template_options": "", "format_regex": ""}
+        if self.kind != "dataset":
+            given = [k for k, v in dataset_keys.items() if getattr(self, k) != v]
+            if given:
+                raise ValueError(f"task.{given[0]}={getattr(self, given[0])!r} is read by "
+                                 f"task.kind=dataset only (got task.kind={self.kind}); set "
+                                 f"task.kind=dataset or leave task.{given[0]} empty")
+        if self.env and self.tools:
+            raise ValueError(f"task.env={self.env!r} and task.tools={self.tools!r}: an episode "
+                             "has one environment; give task.env (your own) or task.tools (the "
+                             "tool-calling environment over your functions)")
         if self.kind == "arithmetic":
             if self.path:
-                raise ValueError(f"task.path={self.path!r} is read by task.kind=gsm8k only; "
-                                 "set task.kind=gsm8k or leave task.path empty")
+                raise ValueError(f"task.path={self.path!r} is read by task.kind=gsm8k or dataset; "
+                                 "set one of them or leave task.path empty")
             from jaxrl_lp.data.arithmetic import ArithmeticTask
 
             try:  # the task's own rules for ops and max_digits (it builds nothing yet)
@@ -165,6 +249,11 @@ class RunConfig:
         single-device program. '' (with sampler_mesh ''): both share `run.mesh`.
       sampler_mesh: the sampler's own devices (as learner_mesh). With
         `grpo.max_staleness > 0` it samples the next batch while the learner updates.
+      wandb: also log the metrics and the config to Weights & Biases (`pip install
+        'jaxrl-lp[wandb]'`), besides metrics.jsonl and TensorBoard.
+      wandb_project: the W&B project.
+      wandb_mode: `online` (synced as the run goes) or `offline` (written under the run
+        directory, no network; `wandb sync` uploads it later).
     """
 
     out_dir: str = "runs/default"
@@ -178,8 +267,14 @@ class RunConfig:
     save_on_signal: bool = True
     learner_mesh: str = ""
     sampler_mesh: str = ""
+    wandb: bool = False
+    wandb_project: str = "jaxrl-lp"
+    wandb_mode: Literal["online", "offline"] = "online"
 
     def __post_init__(self):
+        check_bool("run.wandb", self.wandb)
+        check_str("run.wandb_project", self.wandb_project, nonempty=True, what="a W&B project name")
+        check_choice("run.wandb_mode", self.wandb_mode, ("online", "offline"))
         check_str("run.out_dir", self.out_dir, nonempty=True, what="a directory path")
         check_bool("run.save_on_signal", self.save_on_signal)
         check_int("run.seed", self.seed, minimum=0)

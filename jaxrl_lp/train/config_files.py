@@ -18,7 +18,7 @@ from typing import Any, Literal
 from jaxrl_lp.fields import user_key
 from jaxrl_lp.train.config import TrainConfig
 
-__all__ = ["apply_overrides", "config_from_dict", "load_config"]
+__all__ = ["apply_overrides", "config_from_dict", "load_config", "load_run_file"]
 
 
 def _convert(value: str, current: Any, hint: Any, key: str) -> Any:
@@ -132,11 +132,26 @@ def config_from_dict(data: dict, cls: type = None, where: str = "") -> Any:
 
 def load_config(path: str | None) -> TrainConfig:
     """Loads a config: a Python file defining `CONFIG` (see `configs/`), a run's
-    `config.json`, or (no path) the embedded default."""
+    `config.json`, or (no path) the embedded default. A Python file that defines only a
+    `TASK` gets the embedded default config (`load_run_file` returns the task too)."""
+    return load_run_file(path)[0]
+
+
+def load_run_file(path: str | None) -> tuple[TrainConfig, Any]:
+    """The config and the task object of a config file: `(CONFIG, TASK)`.
+
+    A Python file may define `CONFIG = TrainConfig(...)`, `TASK = <a tasks.Task>` or both
+    (`jaxrl-lp train --config my_task.py` trains its `TASK` with its `CONFIG`, or the
+    embedded default config); a JSON file or no path has no task (None).
+
+    Raises:
+      FileNotFoundError: no such file.
+      ValueError: the file does not parse, raises, or defines neither name (one line).
+    """
     if not path:
         from jaxrl_lp.train.defaults import default_config
 
-        return default_config()
+        return default_config(), None
     p = Path(path)
     if not p.is_file():
         raise FileNotFoundError(f"config file {path!r} does not exist")
@@ -147,7 +162,7 @@ def load_config(path: str | None) -> TrainConfig:
             data = json.loads(p.read_text())
         except json.JSONDecodeError as e:
             raise ValueError(f"config file {path!r} is not valid JSON ({e})") from None
-        return config_from_dict(data)
+        return config_from_dict(data), None
     spec = importlib.util.spec_from_file_location(f"jaxrl_lp_config_{p.stem}", p)
     module = importlib.util.module_from_spec(spec)
     try:
@@ -160,7 +175,12 @@ def load_config(path: str | None) -> TrainConfig:
         where = f" line {frames[-1].lineno}" if frames else ""
         text = " ".join(str(e).split())
         raise ValueError(f"config file {path!r}{where}: {type(e).__name__}: {text}") from None
-    cfg = getattr(module, "CONFIG", None)
+    cfg, task = getattr(module, "CONFIG", None), getattr(module, "TASK", None)
+    if cfg is None and task is not None:
+        from jaxrl_lp.train.defaults import default_config
+
+        cfg = default_config()
     if not isinstance(cfg, TrainConfig):
-        raise ValueError(f"config file {path!r} must define CONFIG = TrainConfig(...)")
-    return cfg
+        raise ValueError(f"config file {path!r} must define CONFIG = TrainConfig(...) and/or "
+                         "TASK = <your task object>")
+    return cfg, task

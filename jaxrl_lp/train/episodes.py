@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxrl_lp.envs import EnvRunner, Turn
+from jaxrl_lp.envs import EnvRunner, StepResult, Turn
 from jaxrl_lp.numerics.policy import Policy
 from jaxrl_lp.rl.advantages import turn_advantages
 from jaxrl_lp.rollout.multiturn import (
@@ -32,14 +32,10 @@ from jaxrl_lp.rollout.multiturn import (
 )
 from jaxrl_lp.rollout.sampling import SamplingConfig
 from jaxrl_lp.rollout.step import LoopSpec
+from jaxrl_lp.tasks.protocol import ObservationEncoder, is_multiturn
 
 __all__ = ["episode_metrics", "evaluate_episodes", "is_multiturn", "replay_episodes",
            "sample_episodes", "turn_credit_advantages", "turn_limits", "turn_step"]
-
-
-def is_multiturn(task: Any) -> bool:
-    """Whether `task` runs episodes of several turns (it makes environments)."""
-    return hasattr(task, "make_env")
 
 
 def turn_limits(task: Any) -> TurnLimits:
@@ -51,20 +47,48 @@ def turn_limits(task: Any) -> TurnLimits:
                       pad_id=tok.pad_id)
 
 
-def turn_step(envs: Sequence[Any], runner: EnvRunner, tokenizer: Any):
+def _observation(task: Any, result: StepResult, ended_by: str,
+                 runner: EnvRunner) -> tuple[tuple[int, ...], StepResult]:
+    """The observation's tokens of `result` (rendered by the task where it is an
+    `ObservationEncoder`, else its text encoded), and the result; an observation that
+    cannot be encoded (a character the tokenizer lacks, messages without a template) ends
+    the episode as a failed environment call, as the runner records one."""
+    if result.done or not (result.observation or result.messages):
+        return (), result
+    try:
+        if isinstance(task, ObservationEncoder):
+            ids = task.observation_ids(result, ended_by)
+        elif result.messages:
+            raise ValueError(f"{type(task).__name__} renders no chat messages (it has no "
+                             "observation_ids); answer with observation text")
+        else:
+            ids = task.tokenizer.encode(result.observation)
+        return tuple(int(i) for i in ids), result
+    except Exception as e:  # noqa: BLE001 - a user's observation fails its episode, not the run
+        runner.failures["error"] += 1
+        why = f"error: observation: {type(e).__name__}: {e}"[:300]
+        return (), StepResult(reward=runner.failure_reward, done=True,
+                              info={**result.info, "failed": why})
+
+
+def turn_step(envs: Sequence[Any], runner: EnvRunner, task: Any):
     """The `step` callback of `generate_multiturn` over `envs` (one per row): turns decoded
-    to text, stepped by `runner`, observations encoded with `tokenizer`."""
+    to text with the task's tokenizer, stepped by `runner`, observations made tokens
+    (`_observation`)."""
+    tokenizer = task.tokenizer
+
     def step(rows, turns, ended_by):
         # A `Turn` holds its stop token, not the EOS that ended it.
         turns = [t[:-1] if e == "eos" else t for t, e in zip(turns, ended_by, strict=True)]
         asked = [Turn(tokens=tuple(t), text=tokenizer.decode(list(t)), ended_by=e)
                  for t, e in zip(turns, ended_by, strict=True)]
         results = runner.step([envs[r] for r in rows], asked)
-        return [TurnOutcome(
-            observation=() if res.done or not res.observation
-            else tuple(tokenizer.encode(res.observation)),
-            reward=float(res.reward), done=bool(res.done), info=dict(res.info))
-            for res in results]
+        out = []
+        for res, e in zip(results, ended_by, strict=True):
+            ids, res = _observation(task, res, e, runner)
+            out.append(TurnOutcome(observation=ids, reward=float(res.reward),
+                                   done=bool(res.done), info=dict(res.info)))
+        return out
     return step
 
 
@@ -75,7 +99,7 @@ def sample_episodes(params, mcfg, task, records: Sequence[Any], *, group_size: i
     rows = [rec for rec in records for _ in range(group_size)]
     envs = [task.make_env() for _ in rows]
     prompts = [env.reset(rec) for env, rec in zip(envs, rows, strict=True)]
-    return generate_multiturn(params, mcfg, prompts, turn_step(envs, runner, task.tokenizer),
+    return generate_multiturn(params, mcfg, prompts, turn_step(envs, runner, task),
                               turn_limits(task), policy=policy, sampling=sampling, loop=loop,
                               key=key, weights_version=weights_version)
 
@@ -125,7 +149,9 @@ def episode_metrics(*mts: MultiTurnRollout) -> dict[str, float]:
     `env_failed` (episodes a failing environment ended: raised or timed out) and
     `episode_overflow` (an observation over the limit);
     `policy_tokens` and `env_tokens` per episode (tokens by origin); `prefill_tokens`
-    and `decode_steps` of the calls; `timing_s/env` (seconds in the environments).
+    and `decode_steps` of the calls; `timing_s/env` (seconds in the environments);
+    `reward/<name>` and `reward_failed/<name>` where the task's reward functions scored
+    the episodes.
     """
     rows = [row for mt in mts for row in mt.infos]
     reasons = [r for mt in mts for r in mt.reasons]
@@ -137,7 +163,16 @@ def episode_metrics(*mts: MultiTurnRollout) -> dict[str, float]:
     used = np.array([any(isinstance(i, dict) and i.get("tool_call") for i in row)
                      for row in rows], bool)
     tokens = lambda f: sum(np.asarray(getattr(mt.rollout, f)).sum() for mt in mts)
-    return {
+    # A task's reward functions, scored when each episode ended (`tasks.EnvDatasetTask`).
+    scored = [i for i in infos if isinstance(i.get("reward_parts"), dict)]
+    by_function = {}
+    for name in sorted({n for i in scored for n in i["reward_parts"]}):
+        values = np.asarray([i["reward_parts"].get(name, np.nan) for i in scored], np.float64)
+        by_function[f"reward/{name}"] = (float(np.nanmean(values)) if np.isfinite(values).any()
+                                         else 0.0)
+        by_function[f"reward_failed/{name}"] = float(sum(
+            i.get("reward_failed", {}).get(name, 0) for i in scored))
+    return by_function | {
         "turns_per_episode": float(np.mean(np.concatenate([mt.turns for mt in mts]))),
         "tool_calls": calls / b,
         "tool_success": ok / calls if calls else 0.0,

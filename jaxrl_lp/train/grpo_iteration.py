@@ -45,6 +45,7 @@ from jaxrl_lp.rl.metrics import mismatch_metrics
 from jaxrl_lp.rl.train_step import take_rows
 from jaxrl_lp.rollout.generate import concat_rollouts, pad_prompts
 from jaxrl_lp.rollout.sampling import SamplingConfig
+from jaxrl_lp.tasks.rewards import RewardBatch
 from jaxrl_lp.train.behaviour import PhaseTimer, ReplayRule, check_replay_equal
 from jaxrl_lp.train.rollout_queue import RolloutQueue, SamplerSide
 from jaxrl_lp.train.run_state import RunState
@@ -147,6 +148,8 @@ class _Round(NamedTuple):
     ro: Any                          # its Rollout, as sampled (B rows)
     rewards: np.ndarray              # [B] the task's rewards
     penalty: np.ndarray              # [B] the overlong penalty (<= 0), zeros when off
+    scored: Any = None               # the task's `tasks.RewardBatch` (each reward
+                                     # function's values), or None: its rewards alone
 
 
 def _episode_round(mt) -> _Round:
@@ -156,18 +159,35 @@ def _episode_round(mt) -> _Round:
                   np.zeros(len(mt.rewards), np.float32))
 
 
-def _score(ro, problems, cfg, plan, timer) -> tuple[np.ndarray, np.ndarray]:
-    """(task rewards, overlong penalty) of a rollout, [B] f32 host arrays each."""
+def _score(ro, problems, cfg, plan, timer) -> tuple[np.ndarray, np.ndarray, Any]:
+    """(task rewards, overlong penalty) of a rollout, [B] f32 host arrays each, and the
+    task's `RewardBatch` where it gave one (else None)."""
     g = cfg.grpo
     with timer("score"):
-        rewards = plan.task.rewards(to_host(ro.completion_tokens),
-                                    [p for p in problems for _ in range(g.group_size)])
+        out = plan.task.rewards(to_host(ro.completion_tokens),
+                                [p for p in problems for _ in range(g.group_size)])
+        scored = out if isinstance(out, RewardBatch) else None
+        rewards = np.asarray(out.total_B if scored is not None else out, np.float32)
         penalty = np.zeros_like(rewards)
         if g.overlong_buffer:  # counted in tokens, EOS included (`rl.advantages`)
             penalty = np.asarray(overlong_penalty(to_host(ro.completion_mask).sum(1),
                                                   plan.max_new_tokens, g.overlong_buffer,
                                                   g.overlong_penalty))
-    return rewards, penalty
+    return rewards, penalty, scored
+
+
+def _reward_metrics(rounds: list[_Round]) -> dict[str, float]:
+    """`reward/<name>` (the mean of each reward function's values over every sample of the
+    step's rounds, samples it does not apply to left out) and `reward_failed/<name>`."""
+    batches = [r.scored for r in rounds if r.scored is not None]
+    if not batches:
+        return {}
+    out = {}
+    for name in batches[0].parts:
+        values = np.concatenate([b.parts[name] for b in batches])
+        out[f"reward/{name}"] = float(np.nanmean(values)) if np.isfinite(values).any() else 0.0
+        out[f"reward_failed/{name}"] = float(sum(b.failed.get(name, 0) for b in batches))
+    return out
 
 
 def _shaped(rewards: np.ndarray, penalty: np.ndarray) -> np.ndarray:
@@ -407,6 +427,7 @@ def grpo_iteration(state: RunState, step: int, cfg, plan, programs: IterationPro
     metrics.update(sync_metrics)
     metrics.update(spec_metrics)
     metrics.update(ds_metrics)
+    metrics.update(_reward_metrics(rounds))
     mask = to_host(ro.completion_mask)
     lengths = mask.sum(1)
     # Every token sampled this step, in all rounds (a refill's too), over the sampling seconds.

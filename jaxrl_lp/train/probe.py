@@ -137,3 +137,70 @@ def _probe_episodes(cfg, plan, params) -> dict:
              ro.completion_mask, "a call of episodes")
     return {"rows": int(ro.logprobs.shape[0]), "slices": [],
             "tokens": int(np.asarray(to_host(ro.completion_mask)).sum())}
+
+
+def _reference_completions(task, records) -> np.ndarray | None:
+    """[B, N] the records' warm-start completions (EOS-ended, padded), or None where the task
+    has none to give."""
+    from jaxrl_lp.tasks.protocol import SupervisedTask
+
+    if not isinstance(task, SupervisedTask):
+        return None
+    try:
+        completions = [list(task.sft_example(r)[1]) for r in records]
+    except ValueError:  # e.g. a dataset without reference completions
+        return None
+    n = max(len(c) for c in completions)
+    pad = task.tokenizer.pad_id
+    return np.asarray([c + [pad] * (n - len(c)) for c in completions], np.int32)
+
+
+def probe_rewards(cfg, plan, size: int = 8) -> dict | None:
+    """Scores the first `size` training records' reference completions (the warm-start's)
+    with the task's rewards before anything is written, so a reward function that raises,
+    hangs, or returns the wrong number of values or a non-finite one stops the run with one
+    line naming it and the record, not hours later.
+
+    A single-turn task's `rewards` is called; a `tasks.DatasetTask`'s reward functions
+    strictly (the first failure raises; in the run a failure is the sample's
+    `task.failure_reward`, counted). A task without reference completions, or a
+    multi-turn task without reward functions, is not probed (returns None).
+
+    Returns:
+      `{"rows": B, "reward_mean": ...}` of what was scored, or None.
+
+    Raises:
+      ValueError: a reward function failed on a reference completion, or the task's
+        `rewards` returned something other than B finite values.
+    """
+    from jaxrl_lp.tasks.dataset import DatasetTask
+    from jaxrl_lp.tasks.protocol import SingleTurnTask, is_multiturn
+    from jaxrl_lp.tasks.rewards import RewardBatch
+
+    task = plan.task
+    records = [task.train[i] for i in range(min(size, len(task.train)))]
+    ids = _reference_completions(task, records)
+    if ids is None:
+        return None
+    if isinstance(task, DatasetTask):
+        if not task.reward_functions:
+            return None
+        from jaxrl_lp.tasks.dataset import completion_texts_of, trimmed_ids_of
+
+        out = task.score_texts(records, completion_texts_of(ids, task.tokenizer),
+                               trimmed_ids_of(ids, task.tokenizer), strict=True)
+    elif isinstance(task, SingleTurnTask) and not is_multiturn(task):
+        try:
+            out = task.rewards(ids, records)
+        except Exception as e:  # noqa: BLE001 - a user's rewards: named in one line
+            raise ValueError(f"task: {type(task).__name__}.rewards raised {type(e).__name__}: "
+                             f"{' '.join(str(e).split())[:200]} on the reference completions "
+                             "of the first training records") from None
+    else:
+        return None
+    total = np.asarray(out.total_B if isinstance(out, RewardBatch) else out, np.float64)
+    if total.shape != (len(records),) or not np.isfinite(total).all():
+        raise ValueError(f"task: {type(task).__name__}.rewards returned "
+                         f"{str(total.tolist())[:80]} (shape {total.shape}) for {len(records)} "
+                         "completions; return one finite reward per completion")
+    return {"rows": len(records), "reward_mean": float(total.mean())}

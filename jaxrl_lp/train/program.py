@@ -15,6 +15,7 @@ import json
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -44,16 +45,17 @@ from jaxrl_lp.train.grpo_iteration import (
     sampler_side,
     sampling_key,
 )
-from jaxrl_lp.train.logger import MetricsLogger, plot_metrics
+from jaxrl_lp.train.logger import MetricsLogger, WandbSettings, plot_metrics
 from jaxrl_lp.train.lora_run import LoraCheckpoints, begin_lora
 from jaxrl_lp.train.preemption import Preempted, SignalGuard
-from jaxrl_lp.train.probe import probe_exactness
+from jaxrl_lp.train.probe import probe_exactness, probe_rewards
 from jaxrl_lp.train.progress import PhaseProgress
 from jaxrl_lp.train.resume import restore_newest_intact
 from jaxrl_lp.train.rollout_queue import RolloutQueue, weights_key
 from jaxrl_lp.train.run_lock import RunLock
 from jaxrl_lp.train.run_state import Progress, RunState
 from jaxrl_lp.train.sync_hooks import SyncHooks
+from jaxrl_lp.train.task_source import TaskRecord, check_task_record
 from jaxrl_lp.train.validate import RunPlan, validate
 
 __all__ = ["NonFiniteError", "initial_state", "run_train"]
@@ -245,12 +247,16 @@ def _complete_on_disk(run_dir: Path, cfg: TrainConfig) -> dict | None:
     return done if done.get("steps") == cfg.sft.steps + cfg.grpo.steps else None
 
 
-def run_train(cfg: TrainConfig, *, stop_after: int | None = None, refresh: bool = False) -> dict:
+def run_train(cfg: TrainConfig, task: Any = None, *, stop_after: int | None = None,
+              refresh: bool = False, config_file: str = "") -> dict:
     """Runs (or resumes) a training run; returns the summary dict (also in summary.json).
 
     Everything is validated before the run directory is touched (`validate`),
     and a run that takes the sampler's log-probs as its own first checks that
-    the replay is the sampler's bits here (`train.probe`).
+    the replay is the sampler's bits here (`train.probe`); a task's reward
+    functions are called on its reference completions first (`probe_rewards`).
+    The run records its task in `task.json` (`train.task_source.TaskRecord`): a
+    run resumed with another task is refused before anything is written.
     The run directory is then locked for the whole run (`RunLock`: a second
     process on it fails at once, and changes nothing). A run resumes from its
     newest intact checkpoint, setting damaged ones aside (`restore_newest_intact`),
@@ -261,17 +267,26 @@ def run_train(cfg: TrainConfig, *, stop_after: int | None = None, refresh: bool 
 
     Args:
       cfg: the configuration.
+      task: the task to train, any object implementing `tasks.Task` (a single-turn task
+        with `rewards`, or a multi-turn one with `make_env`); None: `cfg.task`'s.
       stop_after: stop once this global step is reached (tests use it to
         interrupt a run); the run can be resumed later.
       refresh: recompute a complete run's final evaluation, summary and plots.
+      config_file: the config file that defined `task` (recorded in `task.json`, so
+        `jaxrl-lp eval --run` finds the task again).
     """
     t_start = time.time()
     initialize(cfg.distributed)  # the processes join before the mesh is laid over them
-    plan = validate(cfg)  # every setting, before anything is built or written
+    plan = validate(cfg, task)  # every setting, before anything is built or written
     run_dir = Path(cfg.run.out_dir)
+    record = TaskRecord.of(plan.task, config_file)
+    check_task_record(run_dir, record)  # a resumed run trains the task it started with
     if _complete_on_disk(run_dir, cfg) is None:  # replay == sampler here, before any write
+        probe_rewards(cfg, plan)
         probe_exactness(cfg, plan)
     run_dir.mkdir(parents=True, exist_ok=True)
+    if jax.process_index() == 0 and TaskRecord.read(run_dir) is None:
+        record.write(run_dir)
     # One lock per run: process 0 holds it for all the run's processes. SIGTERM and SIGINT
     # stop the run after the step they arrive in, with a checkpoint (`train.preemption`).
     # A one-device learner of its own (`run.learner_mesh=data=1@K`) computes on its device.
@@ -316,10 +331,12 @@ def _train(cfg: TrainConfig, plan: RunPlan, run_dir: Path, ckpt: Checkpointer, t
             jax.eval_shape(lambda: init_params(mcfg, jax.random.PRNGKey(0))), mcfg, mesh)
         ckpt = LoraCheckpoints(ckpt, lora, cfg, mcfg, plan.optimizers, hooks, shardings=base_sh)
     # Each process reads the data shards of its devices; every process gets the global batch.
+    # No warm-start (sft.steps=0, e.g. from a pretrained checkpoint): the task needs no
+    # `sft_example`, and no warm-start data is read.
     sft_it = ShardedLoader(
         lambda d, n: sft_loader(task.train, task.sft_example, cfg.sft.batch_size // n,
                                 cfg.run.seed, tok.pad_id, seq_len=plan.seq_len, shard=(d, n)),
-        mesh, to_array=lambda b: (b.tokens_BxL, b.loss_mask_BxL))
+        mesh, to_array=lambda b: (b.tokens_BxL, b.loss_mask_BxL)) if cfg.sft.steps else None
     prompt_it = ShardedLoader(
         lambda d, n: prompt_loader(range(len(task.train)), g.prompts_per_step // n,
                                    cfg.run.seed + 1, shard=(d, n)), mesh)
@@ -334,17 +351,23 @@ def _train(cfg: TrainConfig, plan: RunPlan, run_dir: Path, ckpt: Checkpointer, t
     if resumed is not None:
         tree, meta = resumed
         state, progress = RunState.from_tree(tree), Progress.from_meta(meta)
-        sft_it.set_state(meta["sft_data"])
+        if sft_it is not None:
+            sft_it.set_state(meta["sft_data"])
         prompt_it.set_state(meta["prompt_data"])
         if queue is not None:  # the rollouts in flight, dispatched again on their weights
             side = sampler_side(plan)
             queue.restore(meta.get("pending", []), state.sampler or {},
                           lambda tree: side.hold(tree, copy=False))
             state = dataclasses.replace(state, sampler=None)
-    elif primary:
+    # Records past the checkpoint are redone by this run: keep one record per step. W&B
+    # (`run.wandb`) starts before the config is written: a refused login writes no config.
+    wandb = WandbSettings(project=cfg.run.wandb_project, mode=cfg.run.wandb_mode,
+                          config=json.loads(json.dumps(dataclasses.asdict(cfg)))) \
+        if cfg.run.wandb else None
+    logger = MetricsLogger(run_dir, keep_records=progress.metrics_records, write=primary,
+                           wandb=wandb)
+    if resumed is None and primary:
         (run_dir / "config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=2))
-    # Records past the checkpoint are redone by this run: keep one record per step.
-    logger = MetricsLogger(run_dir, keep_records=progress.metrics_records, write=primary)
 
     weights = plan.weights  # None: the params are the model's (the default run)
     # LoRA on the run's own warm-start: full warm-start steps, then LoRA GRPO steps.
@@ -381,7 +404,8 @@ def _train(cfg: TrainConfig, plan: RunPlan, run_dir: Path, ckpt: Checkpointer, t
     def save(state: RunState, progress: Progress):
         # The counters, then what the iterators, the model and the sync settings are.
         meta = dict(progress.meta(), metrics_records=logger.lines,
-                    sft_data=sft_it.get_state(), prompt_data=prompt_it.get_state(),
+                    sft_data=None if sft_it is None else sft_it.get_state(),
+                    prompt_data=prompt_it.get_state(),
                     model=json.loads(json.dumps(dataclasses.asdict(mcfg))),
                     sync=dataclasses.asdict(cfg.sync))
         if queue is not None:  # the rollouts in flight and the sampler's weights they need

@@ -124,9 +124,11 @@ def served_export(ckpt: Checkpointer, params: Any, meta: dict, step: int,
 def save_tokenizer(cfg: TrainConfig, out_dir: str | os.PathLike) -> list[str]:
     """Writes the tokenizer a run's data used into `out_dir`, as Hugging Face files.
 
-    A GSM8K run read its tokenizer from `init_from`: those files are copied. The
-    arithmetic task always uses the built-in `CharTokenizer` (also when the
-    weights came from `init_from`), written with `CharTokenizer.save`.
+    A GSM8K or dataset run with `init_from` read its tokenizer from there: those files
+    are copied (its chat template included). The generated tasks always use the
+    built-in `CharTokenizer` (also when the weights came from `init_from`); a dataset
+    task trained from scratch, the `CharTokenizer` of its data's characters
+    (`tasks.char_tokenizer_for`): either is written with `CharTokenizer.save`.
 
     Returns:
       The file names written.
@@ -134,7 +136,11 @@ def save_tokenizer(cfg: TrainConfig, out_dir: str | os.PathLike) -> list[str]:
     from jaxrl_lp.models.tokenizer import CharTokenizer
 
     os.makedirs(out_dir, exist_ok=True)
-    if cfg.task.kind != "gsm8k":
+    if cfg.task.kind == "dataset" and not cfg.init_from:
+        from jaxrl_lp.train.task_source import build_task
+
+        return build_task(cfg).tokenizer.save(out_dir)
+    if cfg.task.kind not in ("gsm8k", "gsm8k_tools", "dataset"):
         return CharTokenizer().save(out_dir)
     src = Path(cfg.init_from)
     files = [f for f in TOKENIZER_FILES if (src / f).is_file()]

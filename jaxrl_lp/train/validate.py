@@ -30,6 +30,7 @@ from jaxrl_lp.rollout.sampling import SamplingConfig
 from jaxrl_lp.train.config import TrainConfig
 from jaxrl_lp.train.optimizers import make_optimizers
 from jaxrl_lp.train.sync_hooks import make_exporter
+from jaxrl_lp.train.task_source import build_task
 
 __all__ = ["RunPlan", "build_task", "check_out_dir", "model_config", "validate"]
 
@@ -37,7 +38,7 @@ __all__ = ["RunPlan", "build_task", "check_out_dir", "model_config", "validate"]
 class RunPlan(NamedTuple):
     """The objects a run builds from its config (what `validate` checked)."""
 
-    task: Any                        # ArithmeticTask or GSM8KTask
+    task: Any                        # the task (`tasks.Task`): built from `cfg.task`, or given
     model: ModelConfig               # the model trained (tokenizer ids filled in)
     max_new_tokens: int              # the GRPO completion budget
     seq_len: int                     # warm-start sequence length (prompt + answer)
@@ -80,43 +81,6 @@ def check_out_dir(path: str) -> None:
         raise ValueError(f"run.out_dir={path!r}: no permission to write in {str(parent)!r}")
 
 
-def build_task(cfg: TrainConfig):
-    """The task of `cfg.task` (a GSM8K task reads its file and `init_from`'s tokenizer)."""
-    from jaxrl_lp.data import ArithmeticTask, GSM8KTask, load_gsm8k
-
-    t = cfg.task
-    if cfg.init_from and not os.path.isdir(cfg.init_from):
-        raise ValueError(f"init_from={cfg.init_from!r} is not a directory; pass a Hugging Face "
-                         "checkpoint directory (config.json + model.safetensors) or ''")
-    if t.kind == "arithmetic":
-        return _named("task", ArithmeticTask, ops=t.ops, max_digits=t.max_digits, seed=t.seed,
-                      reverse_answer=t.reverse_answer, pad_operands=t.pad_operands)
-    if t.kind == "calculator":
-        from jaxrl_lp.envs import CalculatorTask
-
-        return _named("task", CalculatorTask, ops=t.ops, digits=(t.max_digits, t.second_digits),
-                      seed=t.seed, tool_fraction=t.tool_fraction, max_turns=t.max_turns)
-
-    if not cfg.init_from:
-        raise ValueError(f"task.kind={t.kind!r} needs init_from=<HF checkpoint dir with "
-                         "tokenizer.json>")
-    from jaxrl_lp.models.tokenizer import HFTokenizer
-
-    records = _named("task.path", load_gsm8k, t.path)
-    try:
-        tok = HFTokenizer.from_file(cfg.init_from)
-    except Exception as e:  # noqa: BLE001 - the tokenizers library raises plain Exception
-        raise ValueError(f"init_from: cannot read its tokenizer ({' '.join(str(e).split())})") \
-            from None
-    base = _named("task", GSM8KTask, records, tok)
-    if t.kind == "gsm8k_tools":
-        from jaxrl_lp.envs import PythonCalculatorTask
-
-        return _named("task", PythonCalculatorTask, base, max_turns=t.max_turns,
-                      max_turn_tokens=cfg.grpo.max_new_tokens or 128)
-    return base
-
-
 def model_config(cfg: TrainConfig, task) -> ModelConfig:
     """The model a run trains: `init_from`'s config, else `cfg.model` with the tokenizer's ids."""
     tok = task.tokenizer
@@ -149,17 +113,25 @@ def _check_kernels_run_here(*policies: tuple[str, Policy]) -> None:
                 "interpreted")
 
 
-def validate(cfg: TrainConfig) -> RunPlan:
+def validate(cfg: TrainConfig, task: Any = None) -> RunPlan:
     """Builds every object a run of `cfg` needs, without compiling or writing anything.
 
     Raises ValueError with one line naming the key (`run.out_dir`,
     `grpo.exit_rule`, ...) and what it allows. `run_train` calls it first.
 
+    Args:
+      cfg: the run's config.
+      task: the task object to train (`tasks.Task`); None builds `cfg.task`'s.
+
     Returns:
       The `RunPlan` of what was built.
     """
     check_out_dir(cfg.run.out_dir)
-    task = build_task(cfg)
+    if cfg.run.wandb:  # an extra: a missing package is named before anything is written
+        from jaxrl_lp.train.logger import _import_wandb
+
+        _import_wandb()
+    task = build_task(cfg, task)
     mcfg = model_config(cfg, task)
     g = cfg.grpo
     lpol, spol = g.policies
@@ -246,13 +218,15 @@ def _multiturn(cfg: TrainConfig, task, mcfg: ModelConfig, weights) -> None:
     """
     from jaxrl_lp.train.episodes import is_multiturn, turn_limits
 
+    what = f"task.kind={cfg.task.kind!r}" if _built(cfg, task) else \
+        f"the task ({type(task).__name__})"
     if not is_multiturn(task):
         if cfg.grpo.turn_credit != "episode":
             raise ValueError(
                 f"grpo.turn_credit={cfg.grpo.turn_credit!r} credits the turns of multi-turn "
-                f"episodes, and task.kind={cfg.task.kind!r} samples single-turn completions; "
-                "set grpo.turn_credit=episode or a multi-turn task.kind (calculator, "
-                "gsm8k_tools)")
+                f"episodes, and {what} samples single-turn completions; set "
+                "grpo.turn_credit=episode or a multi-turn task (task.kind=calculator, "
+                "gsm8k_tools, or dataset with task.env or task.tools)")
         return
     g = cfg.grpo
     why = None
@@ -268,7 +242,7 @@ def _multiturn(cfg: TrainConfig, task, mcfg: ModelConfig, weights) -> None:
     elif weights is not None:
         why = "train plain weights: set sft.optimizer=adamw"
     if why:
-        raise ValueError(f"task.kind={cfg.task.kind!r}: multi-turn episodes {why}")
+        raise ValueError(f"{what}: multi-turn episodes {why}")
     limits = turn_limits(task)
     width = max(len(task.prompt_ids(task.train[i])) for i in range(min(64, len(task.train))))
     from jaxrl_lp.rollout.request import bucket_length
@@ -276,10 +250,20 @@ def _multiturn(cfg: TrainConfig, task, mcfg: ModelConfig, weights) -> None:
     need = limits.cache_slots(bucket_length(width))
     if need > mcfg.max_position_embeddings:
         raise ValueError(
-            f"task.kind={cfg.task.kind!r}: an episode may use {need} cache slots (prompt, "
+            f"{what}: an episode may use {need} cache slots (prompt, "
             f"{limits.max_turns} turns of {limits.max_turn_tokens} tokens, observations) but "
             f"the model's context is {mcfg.max_position_embeddings}; raise "
             "model.max_position_embeddings or lower task.max_turns")
+
+
+def _built(cfg: TrainConfig, task) -> bool:
+    """Whether `task` is the one `cfg.task` describes (messages then name its keys)."""
+    from jaxrl_lp.data import ArithmeticTask, GSM8KTask
+    from jaxrl_lp.envs import CalculatorTask, PythonCalculatorTask
+    from jaxrl_lp.tasks.dataset import DatasetTask
+
+    return isinstance(task, (ArithmeticTask, GSM8KTask, CalculatorTask, PythonCalculatorTask,
+                             DatasetTask))
 
 
 def _reuse_products(cfg: TrainConfig, mcfg: ModelConfig, weights) -> None:
