@@ -145,6 +145,10 @@ def test_run_train_takes_a_task_object_and_names_what_one_lacks(user_dir, tmp_pa
     task = DatasetTask(records, tok, parse_rewards("myrewards:correct"), prompt_key="question",
                        answer_key="solution")
     assert check_task(task, needs_sft=True) is task
+    # the plain format: BOS once, then the prompt's text; the completion, then EOS
+    record = task.train[0]
+    assert task.prompt_ids(record) == tok.encode(record["question"], add_bos=True)
+    assert task.sft_example(record)[1] == tok.encode(record["solution"], add_eos=True)
     assert task_fingerprint(task) == task_fingerprint(
         DatasetTask(records, tok, parse_rewards("myrewards:correct"), prompt_key="question",
                     answer_key="solution"))

@@ -236,3 +236,38 @@ def test_bad_settings_name_the_key(kw, key):
     with pytest.raises(ValueError, match=key) as e:
         _settings(**kw)
     assert "\n" not in str(e.value)
+
+
+def test_a_training_run_logs_its_config_and_metrics_to_wandb(offline, tmp_path):
+    """`jaxrl-lp train --set run.wandb=true --set run.wandb_mode=offline`: the run's config
+    and every step's metrics in W&B, one point per step; no config.json before W&B starts."""
+    from helpers import sets, short_run
+
+    from jaxrl_lp.cli.main import main as cli_main
+
+    run = tmp_path / "run"
+    args = sets(*short_run(sft_steps=2, grpo_steps=2), "grpo.verify_every=1",
+                "run.wandb=true", "run.wandb_mode=offline", "run.wandb_project=my-task",
+                f"run.out_dir={run}")
+    assert cli_main(["train", *args]) == 0
+    (record, rows), = _segments(run)
+    assert record.project == "my-task"
+    config = {item.key: json.loads(item.value_json) for item in record.config.update}
+    assert config["grpo"]["steps"] == 2 and config["run"]["wandb_mode"] == "offline"
+    steps = [step for step, _ in rows]
+    assert steps == sorted(set(steps)) and steps[-1] == 4
+    grpo = [values for step, values in rows if "grpo/reward_mean" in values]
+    assert len(grpo) == 2 and all("grpo/replay_verified" in v for v in grpo)
+
+
+def test_run_wandb_without_the_package_is_refused_before_anything_is_written(monkeypatch,
+                                                                               tmp_path, capsys):
+    from helpers import sets, short_run
+
+    from jaxrl_lp.cli.main import main as cli_main
+
+    monkeypatch.setitem(sys.modules, "wandb", None)
+    run = tmp_path / "run"
+    assert cli_main(["train", *sets(*short_run(), "run.wandb=true", f"run.out_dir={run}")]) == 2
+    assert "pip install 'jaxrl-lp[wandb]'" in capsys.readouterr().err
+    assert not run.exists()

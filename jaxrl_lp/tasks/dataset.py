@@ -184,11 +184,8 @@ class DatasetTask:
     def prompt_ids(self, record: dict) -> list[int]:
         """The prompt's tokens: the chat template's rendering with its generation prompt, or
         (plain format) BOS, when the tokenizer has one, then the prompt's text."""
-        ids = self._format.prompt_ids(self.messages(record), self.tokenizer, tools=self._tools(),
-                                      **self.template_options)
-        if self.template is None and self.tokenizer.bos_id is not None:
-            ids = [self.tokenizer.bos_id, *ids]
-        return list(ids)
+        return list(self._format.prompt_ids(self.messages(record), self.tokenizer,
+                                            tools=self._tools(), **self.template_options))
 
     def completion_text(self, record: dict) -> str:
         """The reference completion the warm-start learns (`completion_key`, else the answer)."""
