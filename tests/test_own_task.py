@@ -188,3 +188,57 @@ def test_a_config_file_defines_the_task_and_eval_finds_it_again(user_dir, tmp_pa
     out = json.loads(capsys.readouterr().out)
     assert set(out) >= {"accuracy", "mean@4", "pass@1", "pass@2", "pass@4"}
     assert out["pass@1"] == pytest.approx(out["mean@4"]) and out["pass@4"] >= out["pass@2"]
+
+
+FLAKY = '''
+def flaky(completions, solution, **kwargs):
+    """Raises on any batch holding a wrong completion: never on the reference answers."""
+    if any(c.strip() != s for c, s in zip(completions, solution)):
+        raise RuntimeError("grader crashed")
+    return [1.0] * len(completions)
+'''
+
+
+def test_a_reward_that_fails_during_the_run_is_a_counted_failure_reward(user_dir, tmp_path,
+                                                                         capsys):
+    """Past the start probe (where the reference answers pass), a reward function that raises
+    gives its samples task.failure_reward, counted, with a line on stderr; the run goes on."""
+    (user_dir / "flakyrewards.py").write_text(FLAKY)
+    run = tmp_path / "run"
+    cfg = apply_overrides(default_config(), _dataset_sets(
+        user_dir, f"run.out_dir={run}", "task.rewards=flakyrewards:flaky",
+        "task.failure_reward=-1", "task.completion_key=solution"))
+    assert run_train(cfg)["steps"] == 4
+    grpo = [r for r in _records(run) if r["phase"] == "grpo"]
+    assert sum(r["reward_failed/flaky"] for r in grpo) == 8  # every sample of both batches
+    assert all(r["reward_mean"] == -1.0 for r in grpo)  # the failure reward, not a silent 0
+    assert "reward function 'flaky' failed on 4 of 4 samples" in capsys.readouterr().err
+
+
+SLOW = [pytest.mark.slow, pytest.mark.ci]
+
+
+@pytest.mark.parametrize("features", [
+    pytest.param(["grpo.max_staleness=1"], id="offpolicy"),  # the sampler one step ahead
+    pytest.param(["lora.rank=4"], id="lora", marks=SLOW),  # adapters on a frozen base
+    # the 8 simulated devices, 8 prompts of 2 samples over the 8 data shards
+    pytest.param(["run.mesh=data=2,fsdp=4", "grpo.prompts_per_step=8"], id="mesh", marks=SLOW),
+])
+def test_a_task_object_composes_with_the_trainers_features(user_dir, tmp_path, features):
+    from jaxrl_lp.tasks import load_records, parse_rewards
+    from jaxrl_lp.tasks.dataset import char_tokenizer_for
+
+    records = load_records(user_dir / "sums.jsonl")["train"]
+    task = DatasetTask(records, char_tokenizer_for([r["question"] + r["solution"] for r in records]),
+                       parse_rewards("myrewards:correct"), prompt_key="question",
+                       answer_key="solution")
+    run = tmp_path / "run"
+    cfg = apply_overrides(default_config(), [
+        *(o for o in _dataset_sets(user_dir, f"run.out_dir={run}") if not o.startswith("task.")),
+        "run.checkpoint_every=3", *features])
+    assert run_train(cfg, task, stop_after=3)["interrupted"]
+    assert run_train(cfg, task)["steps"] == 4  # resumed from step 3
+    grpo = [r for r in _records(run) if r["phase"] == "grpo"]
+    assert [r["step"] for r in grpo] == [3, 4] and all("reward/correct" in r for r in grpo)
+    verified = [r for r in grpo if r["replay_verified"] == 1.0]
+    assert verified and all(r.get("mismatch_max_abs_dlogp", 0.0) == 0.0 for r in verified)
