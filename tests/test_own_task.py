@@ -75,7 +75,7 @@ def _records(run_dir):
     return [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
-def test_a_users_jsonl_and_reward_module_train_through_the_cli(user_dir, tmp_path):
+def test_a_users_jsonl_and_reward_module_train_through_the_cli(user_dir, tmp_path, capsys):
     run = tmp_path / "run"
     assert cli_main(["train", *sets(*_dataset_sets(user_dir, f"run.out_dir={run}"))]) == 0
     grpo = [r for r in _records(run) if r["phase"] == "grpo"]
@@ -88,6 +88,9 @@ def test_a_users_jsonl_and_reward_module_train_through_the_cli(user_dir, tmp_pat
     assert record["type"] == "jaxrl_lp.tasks.dataset.DatasetTask"
     summary = json.loads((run / "summary.json").read_text())
     assert summary["steps"] == 4
+    capsys.readouterr()
+    assert cli_main(["eval", "--run", str(run)]) == 0  # the run's config.json builds the task
+    assert json.loads(capsys.readouterr().out)["accuracy"] == summary["final_accuracy"]
 
 
 def test_a_resumed_run_refuses_another_task(user_dir, tmp_path, capsys):
