@@ -12,7 +12,8 @@ from typing import Any, Literal, NamedTuple
 
 import numpy as np
 
-__all__ = ["PANELS", "MetricsLogger", "PlotSpec", "WandbSettings", "is_wall_clock", "plot_metrics",
+__all__ = ["PANELS", "MetricsLogger", "PlotSpec", "WandbSettings", "import_wandb", "is_wall_clock",
+           "plot_metrics",
            "plot_specs", "without_wall_clock"]
 
 WANDB_MODES = ("online", "offline", "disabled")
@@ -64,7 +65,7 @@ class WandbSettings:
                              f"128 characters without {' '.join(_WANDB_PROJECT_FORBIDDEN)}")
 
 
-def _import_wandb():
+def import_wandb():
     """The wandb module, imported only when a run asks for it (it is an extra)."""
     try:
         import wandb
@@ -149,7 +150,7 @@ class MetricsLogger:
 
     def _start_wandb(self, settings: WandbSettings, last_sent: int) -> bool:
         """Starts (or continues) the run directory's W&B run; returns whether it is new."""
-        wandb = _import_wandb()
+        wandb = import_wandb()
         id_path = self.run_dir / "wandb_id"
         new_run = not id_path.exists()
         run_id = ("".join(secrets.choice(string.ascii_lowercase + string.digits) for _ in range(8))

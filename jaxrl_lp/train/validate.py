@@ -128,9 +128,9 @@ def validate(cfg: TrainConfig, task: Any = None) -> RunPlan:
     """
     check_out_dir(cfg.run.out_dir)
     if cfg.run.wandb:  # an extra: a missing package is named before anything is written
-        from jaxrl_lp.train.logger import _import_wandb
+        from jaxrl_lp.train.logger import import_wandb
 
-        _import_wandb()
+        import_wandb()
     task = build_task(cfg, task)
     mcfg = model_config(cfg, task)
     g = cfg.grpo
