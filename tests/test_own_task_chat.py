@@ -218,3 +218,34 @@ def test_an_observation_the_tokenizer_cannot_encode_fails_its_episode_not_the_ru
     assert runner.failures["error"] == 1
     np.testing.assert_equal(_observation(Task(), StepResult(
         messages=({"role": "tool", "content": "1"},)), "stop", runner)[1].reward, -1.0)
+
+
+def test_an_episodes_text_is_scored_by_the_reward_functions_when_it_ends():
+    """`EnvDatasetTask` with reward functions: the episode's turns and observations, joined,
+    are scored when the environment ends it or at the turn limit's turn (which the sampler
+    would otherwise end unscored), added to the environment's reward."""
+    from jaxrl_lp.tasks import EnvDatasetTask, RewardFunction, char_tokenizer_for
+
+    class Echo:  # never ends an episode itself; 0.5 for a turn ended by EOS
+        def step(self, turn):
+            return StepResult(reward=0.5, done=True) if turn.ended_by == "eos" else \
+                StepResult(observation="!")
+
+    def has_answer(completions, answer, **kwargs):
+        return [float(answer_ in c) for c, answer_ in zip(completions, answer, strict=True)]
+
+    records = [{"prompt": f"q{i}", "answer": str(i)} for i in range(20)]
+    tok = char_tokenizer_for(["q0123456789!"])
+    task = EnvDatasetTask(records, tok, [RewardFunction("has_answer", has_answer, 2.0)],
+                          env_factory=Echo, max_turns=3, stop=("?",))
+    record = task.train[0]
+    turn = lambda text, how: Turn(tuple(tok.encode(text)), text, how)
+    env = task.make_env()
+    assert env.reset(record) == tok.encode(record["prompt"], add_bos=True)
+    assert env.step(turn("x?", "stop")).observation == "!"
+    assert not env.step(turn("y?", "stop")).done
+    last = env.step(turn(record["answer"] + "?", "stop"))  # the limit's turn: scored
+    assert last.done and last.reward == 2.0 and last.info["reward_parts"] == {"has_answer": 1.0}
+    env.reset(record)
+    ended = env.step(turn("no", "eos"))
+    assert ended.done and ended.reward == 0.5 and ended.info["reward_parts"] == {"has_answer": 0.0}

@@ -271,10 +271,11 @@ class _Episode:
     def __init__(self, task: EnvDatasetTask, env: Any):
         self.task, self.env, self.record = task, env, None
         self.texts: list[str] = []
+        self.turns = 0
         self.ids: list[int] = []
 
     def reset(self, record: dict) -> list[int]:
-        self.record, self.texts, self.ids = record, [], []
+        self.record, self.texts, self.ids, self.turns = record, [], [], 0
         reset = getattr(self.env, "reset", None)
         prompt = reset(record) if callable(reset) else None
         if prompt is None:
@@ -293,6 +294,12 @@ class _Episode:
                             f"{type(result).__name__}, not an envs.StepResult")
         self.texts.append(turn.text)
         self.ids += list(turn.tokens)
+        self.turns += 1
+        if not result.done and self.turns == self.task.max_turns and self.task.reward_functions:
+            # The turn limit's turn: the episode ends here, so the reward functions score it
+            # (the sampler would end it with reason max_turns, unscored).
+            result = dataclasses.replace(result, observation="", messages=(), done=True,
+                                         info={**result.info, "turn_limit": True})
         if not result.done:
             self.texts.append(result.observation or "".join(
                 str(m.get("content", "")) for m in result.messages))
