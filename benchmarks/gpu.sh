@@ -43,6 +43,16 @@
 #   profile-update-<device>.json   benchmarks/profile_update.py: the GRPO update at Qwen3-0.6B
 #                          bf16, 32 x 384 tokens (hybrid on the recorded log-probs), its top ops
 #
+# SUITE=graphs races the decode loop without and with XLA's GPU flags (`jaxrl_lp.xla_flags`: CUDA
+# graphs around the decode `while` loop), each in its own process (XLA reads XLA_FLAGS once),
+# alternating, writing gpu-graphs-<device>.json and .log beside:
+#   sampler-flags-<preset>-<device>.json  jaxrl-lp bench sampler --xla-gpu-flags <preset>: Qwen3-0.6B
+#                          bf16, 128 + 256 tokens, B 32 and 256, tokens/s and fraction of the bound
+#   decode-flags-<device>.json  the A/B: tokens/s and fraction of the bound per batch and preset,
+#                          each preset's speed-up over `none`
+#   replay-flags-<preset>-<device>.json  jaxrl-lp bench replay under the last preset's flags:
+#                          replay == sampler at Qwen3-0.6B bf16
+#
 # Needs a python3 with JAX for the GPU, flax, optax, orbax-checkpoint, ml_dtypes and pytest. What
 # it lacks (grain, tensorboardX and their needs) comes as wheels in .whl/, fetched beforehand on
 # a machine with PyPI by benchmarks/fetch_wheels.sh and installed with --no-index --no-deps into a
@@ -54,6 +64,7 @@
 #   SUITE=speed benchmarks/gpu.sh                        # the speed cells
 #   SUITE=iteration benchmarks/gpu.sh                    # the iteration against Tunix
 #   SUITE=profile benchmarks/gpu.sh                      # where a rollout's and an update's time goes
+#   SUITE=graphs benchmarks/gpu.sh                       # decode without and with the GPU flags
 #   QUICK=1 ALLOW_CPU=1 benchmarks/gpu.sh /tmp/x        # the script's own check on a CPU
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -83,7 +94,8 @@ case "$SUITE" in
   speed) TAG=gpu-speed ;;
   iteration) TAG=gpu-iteration ;;
   profile) TAG=gpu-profile ;;
-  *) echo "$0: SUITE must be exactness, speed, iteration or profile, got '$SUITE'" >&2
+  graphs) TAG=gpu-graphs ;;
+  *) echo "$0: SUITE must be exactness, speed, iteration, profile or graphs, got '$SUITE'" >&2
      exit 2 ;;
 esac
 LOG="$DIR/$TAG-$DEV.log"
@@ -123,6 +135,7 @@ if [[ -n "${QUICK:-}" ]]; then  # tiny sizes, a few seconds a step
   ITERATION=(--size tiny-qwen3 --batch 4 --group 2 --prompt-len 4 --new-tokens 4)
   PROFILE_SAMPLER=(--size tiny-qwen3 --prompts 2 --prompt-len 8 --new-tokens 8)
   PROFILE_UPDATE=(--size tiny-qwen3 --batch 4 --prompt-len 8 --seq-len 24)
+  GRAPHS=(--sizes tiny-qwen3 --batch 2,4 --prompt-len 8 --new-tokens 8)
 else
   REPLAY=()
   TRAIN=()
@@ -132,7 +145,10 @@ else
   ITERATION=(--size qwen3-0.6b --batch 32 --group 4 --prompt-len 128 --new-tokens 256)
   PROFILE_SAMPLER=(--size qwen3-0.6b --prompts 8 --prompt-len 128 --new-tokens 256)
   PROFILE_UPDATE=(--size qwen3-0.6b --batch 32 --prompt-len 128 --seq-len 384)
+  GRAPHS=(--sizes qwen3-0.6b --batch 32,256 --prompt-len 128 --new-tokens 256)
 fi
+# The presets SUITE=graphs races (jaxrl_lp.xla_flags.PRESETS), `none` first.
+FLAG_SETS="${FLAG_SETS:-none,decode_graphs}"
 
 if [[ "$SUITE" == speed ]]; then
   # Worst case 260 + 200 s of steps, one at a time (the timings want the GPU alone).
@@ -155,6 +171,49 @@ if [[ "$SUITE" == profile ]]; then
     --policy bf16 --repeats 2 --calls 1 --top 40 --out "$DIR/profile-sampler-$DEV.json"
   step profile_update 200 "$PYTHON" benchmarks/profile_update.py "${PROFILE_UPDATE[@]}" \
     --policy bf16 --full --steps 1 --top 40 --out "$DIR/profile-update-$DEV.json"
+fi
+
+if [[ "$SUITE" == graphs ]]; then
+  # Each preset in its own process, one at a time (worst case 2 x 170 + 120 s); each times its
+  # cells at least twice after a warm-up (`--repeats 2`, the fastest kept). Then the replay
+  # under the last preset: the flags change launches, not arithmetic, so it must still be the
+  # sampler's bits (Qwen3-0.6B bf16, whole batch and slices).
+  for flags in ${FLAG_SETS//,/ }; do
+    step "sampler_$flags" 170 "${JAXRL[@]}" bench sampler "${GRAPHS[@]}" \
+      --looped-sizes "" --policy bf16 --no-hf --repeats 2 --min-time 0 \
+      --xla-gpu-flags "$flags" --out "$DIR/sampler-flags-$flags-$DEV.json"
+  done
+  flags=${FLAG_SETS##*,}
+  XLA=$("$PYTHON" -c "from jaxrl_lp.xla_flags import flags_for, parse
+print(' '.join(flags_for(parse('$flags'))))")
+  step "replay_$flags" 120 env XLA_FLAGS="${XLA_FLAGS:-} $XLA" "${JAXRL[@]}" bench replay \
+    --presets "${PRESETS%%,*}" --policies bf16 "${REPLAY[@]}" \
+    --out "$DIR/replay-flags-$flags-$DEV.json"
+  FLAG_SETS="$FLAG_SETS" DIR="$DIR" DEV="$DEV" "$PYTHON" - >> "$LOG" 2>&1 <<'PY'
+import json, os, pathlib
+d = pathlib.Path(os.environ["DIR"]); dev = os.environ["DEV"]
+sets = os.environ["FLAG_SETS"].split(",")
+cells = {}
+for name in sets:
+    f = d / f"sampler-flags-{name}-{dev}.json"
+    if not f.is_file():
+        continue
+    j = json.loads(f.read_text())
+    for cell, tps in j["ours_tokens_per_s"].items():
+        cells.setdefault(cell, {})[name] = {
+            "tokens_per_s": tps, "fraction_of_bound": j["ours_fraction_of_bound"][cell],
+            "xla_flags": j["xla_gpu_flags"]["flags"]}
+for cell, by in cells.items():
+    for name in by:
+        if "none" in by and name != "none":
+            by[name]["speedup_vs_none"] = round(by[name]["tokens_per_s"]
+                                                / by["none"]["tokens_per_s"], 4)
+replay = d / f"replay-flags-{sets[-1]}-{dev}.json"
+exact = json.loads(replay.read_text()).get("replay_equals_sampler") if replay.is_file() else None
+(d / f"decode-flags-{dev}.json").write_text(json.dumps(
+    {"target": "decode-flags", "device": dev, "presets": sets, "cells": cells,
+     "replay_equals_sampler": {sets[-1]: exact}}, indent=2) + "\n")
+PY
 fi
 
 if [[ "$SUITE" == exactness ]]; then

@@ -73,6 +73,9 @@ def main() -> tuple[dict, str | None]:
     ap.add_argument("--record-products", action="store_true",
                     help="the rollout keeps its weight products and logits "
                          "(`grpo.reuse_products`, the iteration bench's `products`)")
+    ap.add_argument("--decode-layout", default=None,
+                    choices=["as_stored", "transposed", "invariant"],
+                    help="the sampler's decode layout (default: generate's pick)")
     ap.add_argument("--out", help="also write the JSON to this file")
     args = ap.parse_args()
 
@@ -95,7 +98,7 @@ def main() -> tuple[dict, str | None]:
         ro = generate(params, cfg, prompts, policy=policy, sampling=sampling,
                       max_new_tokens=args.new_tokens, num_samples=4, eos_id=None,
                       key=jax.random.PRNGKey(3),
-                      record_products=args.record_products)
+                      record_products=args.record_products, decode_layout=args.decode_layout)
         return jax.block_until_ready(ro.completion_tokens)
 
     call()
@@ -114,6 +117,7 @@ def main() -> tuple[dict, str | None]:
     dots = sum(s for name, s in total.items() if names[name].endswith("dot_general"))
     result = {"preset": preset, "policy": str(policy), "device": jax.devices()[0].device_kind,
              "draw": args.draw, "record_products": args.record_products,
+             "decode_layout": args.decode_layout or "auto",
              "batch": 4 * args.prompts, "prompt_len": args.prompt_len,
              "new_tokens": args.new_tokens, "calls": args.calls,
              "loadavg": [round(x, 2) for x in os.getloadavg()],

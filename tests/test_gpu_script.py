@@ -23,6 +23,8 @@ SUITES = {
     "speed": ("gpu-speed", ["sampler", "learner"]),
     "iteration": ("gpu-iteration", ["iteration"]),
     "profile": ("gpu-profile", ["profile-sampler", "profile-update"]),
+    "graphs": ("gpu-graphs", ["sampler-flags-none", "sampler-flags-decode_graphs",
+                              "decode-flags", "replay-flags-decode_graphs"]),
 }
 
 
@@ -45,3 +47,10 @@ def test_the_gpu_script_runs_each_suite_on_cpu(tmp_path, suite):
         assert {"hybrid_mb4", "traced_mb4"} <= set(out["iteration"]["tiny-qwen3"])
     elif suite == "profile":  # the ops were found in the trace
         assert out["profile-sampler"]["trace"]["lines"] and out["profile-update"]["top"]
+    elif suite == "graphs":  # both presets ran, in their own processes, flags set
+        assert out["sampler-flags-decode_graphs"]["xla_gpu_flags"]["flags"]
+        assert "--xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL" in (
+            out["sampler-flags-decode_graphs"]["xla_gpu_flags"]["XLA_FLAGS"])
+        for cell in out["decode-flags"]["cells"].values():
+            assert cell["decode_graphs"]["speedup_vs_none"] > 0
+        assert out["decode-flags"]["replay_equals_sampler"] == {"decode_graphs": True}

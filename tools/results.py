@@ -165,6 +165,12 @@ HEADLINES: dict[str, list] = {
                               ("sampler", "loop_weight_converts"),
                               ("grpo_step_hybrid", "mixed_flop_share"),
                               ("grpo_step_hybrid", "f32_operand_flop_share"), "problems"))],
+    "jaxrl-lp bench decode": [
+        Figures(("ok",)), Figures(("preset",)), Figures(("rows",)),
+        Figures(("lowered", "total")), Figures(("lowered", "products")),
+        Figures(("lowered", "weight_ops")), Figures(("lowered", "nested_loops")),
+        Grid(("compiled", "*"), ("total", "products", ("ops", "*"), "weight_ops", "nested_loops",
+                                 ("logits_passes", "reads"), ("logits_passes", "writes")))],
     "jaxrl-lp bench kernels": [
         Figures(("kernel_mode",)),
         Grid(("summary", "*"), (("kernel", "time_s"), ("reference", "time_s"), ("kernel", "max_rel_diff"),

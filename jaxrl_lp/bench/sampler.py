@@ -175,7 +175,7 @@ def _hf_threads(model, prompt_BxP, choice: str) -> int:
 
 def bench_dense(size: str, *, batch: int, prompt_len: int, new_tokens: int, repeats: int,
                 min_time: float, hf: bool, hf_threads: str, bandwidth_gbps: float,
-                seed: int, policy: Policy = POLICY) -> dict:
+                seed: int, policy: Policy = POLICY, decode_layout: str | None = None) -> dict:
     """Greedy decoding tokens/s of our sampler and of `transformers` on one dense preset.
 
     After a warm-up of each, timed runs of the two alternate, so that a change
@@ -186,7 +186,8 @@ def bench_dense(size: str, *, batch: int, prompt_len: int, new_tokens: int, repe
     params = init_params(cfg, jax.random.PRNGKey(seed))
     prompts = np.random.RandomState(seed).randint(1, cfg.vocab_size, (batch, prompt_len))
     ours = _ours_call(params, cfg, prompts.tolist(), sampling=SamplingConfig(greedy=True),
-                      policy=policy, max_new_tokens=new_tokens, eos_id=None)
+                      policy=policy, max_new_tokens=new_tokens, eos_id=None,
+                      decode_layout=decode_layout)
     calls = {"ours": ours}
     if hf:
         import torch
@@ -249,7 +250,8 @@ def looped_params(cfg: ModelConfig, seed: int, gate_bias: float, gate_scale: flo
 
 def bench_looped(size: str, *, batches, prompt_len: int, new_tokens: int, repeats: int,
                  min_time: float, exit_rule: str, gate_bias: float, gate_scale: float,
-                 bandwidth_gbps: float, seed: int, policy: Policy = POLICY) -> dict:
+                 bandwidth_gbps: float, seed: int, policy: Policy = POLICY,
+                 decode_layout: str | None = None) -> dict:
     """Dense against deferred compute mode on a looped model whose exits come early."""
     cfg = LOOPED_SIZES[size] if size in LOOPED_SIZES else get_preset(size)
     r = cfg.loop_steps
@@ -272,7 +274,7 @@ def bench_looped(size: str, *, batches, prompt_len: int, new_tokens: int, repeat
         call = lambda p, mode, rule=exit_rule, pl=prompt_list: _ours_call(
             p, cfg, pl, sampling=sampling, policy=policy,
             max_new_tokens=new_tokens, eos_id=None, loop=LoopSpec(rule, mode),
-            key=jax.random.PRNGKey(seed))
+            key=jax.random.PRNGKey(seed), decode_layout=decode_layout)
         calls = {"dense": call(params, "dense"), "deferred": call(params, "deferred")}
         if batch == 1:
             # Where deferred time goes: every token exiting at the first / the last step
@@ -360,6 +362,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="precision policy of our sampler (fp32 on CPU: docs/design/low_precision.md; "
                              "bf16 on GPU, where it is stored natively)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--decode-layout", default=None,
+                        choices=["as_stored", "transposed", "invariant"],
+                        help="our sampler's decode layout (`rollout.step.decode_layout`; "
+                             "default: generate's pick); invariant: the batch-invariant "
+                             "forms of grpo.logprobs=invariant")
+    parser.add_argument("--xla-gpu-flags", default="none",
+                        help="XLA's GPU flags by preset (jaxrl_lp.xla_flags: none, "
+                             "decode_graphs, scheduler; comma-separated), set before JAX's "
+                             "backend starts: the A/B of benchmarks/gpu.sh SUITE=graphs")
 
 
 def _batches(text: str, name: str) -> list[int]:
@@ -381,6 +392,10 @@ def _csv(text: str, allowed=None) -> list[str]:
 
 def run(args: argparse.Namespace) -> dict:
     """Runs the benchmark; returns one JSON-serializable dict."""
+    from jaxrl_lp.xla_flags import apply, flags_for, parse
+
+    presets = parse(args.xla_gpu_flags, "--xla-gpu-flags")
+    apply(presets, "--xla-gpu-flags")  # before the first JAX computation below
     for name in ("prompt_len", "new_tokens", "repeats"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
@@ -400,13 +415,15 @@ def run(args: argparse.Namespace) -> dict:
         "target": "sampler",
         "platform": f"{platform.machine()} {jax.default_backend()}, {os.cpu_count()} cores",
         "jax": jax.__version__, "loadavg_start": round(os.getloadavg()[0], 2),
-        "policy": args.policy.name,
+        "policy": args.policy.name, "decode_layout": args.decode_layout or "auto",
         "device": jax.devices()[0].device_kind,
         "note": "default policy fp32: XLA's bf16 matmuls on CPU are much slower than f32 "
                 "(docs/design/low_precision.md); "
                 "bounds are batch * bandwidth / bytes read per decode step (the weights as the "
                 "loop reads them, and the KV cache at the mean context)",
         "bandwidth_gbps": bandwidth, "bandwidth_source": bandwidth_src,
+        "xla_gpu_flags": {"presets": list(presets), "flags": list(flags_for(presets)),
+                          "XLA_FLAGS": os.environ.get("XLA_FLAGS", "")},
     }
     if not args.no_hf:
         import torch
@@ -419,13 +436,15 @@ def run(args: argparse.Namespace) -> dict:
                                     new_tokens=args.new_tokens, repeats=args.repeats,
                                     min_time=args.min_time, hf=not args.no_hf,
                                     hf_threads=args.hf_threads, bandwidth_gbps=bandwidth,
-                                    seed=args.seed, policy=args.policy)
+                                    seed=args.seed, policy=args.policy,
+                                    decode_layout=args.decode_layout)
              for s in sizes for b in dense_batches}
     looped = {s: bench_looped(s, batches=batches, prompt_len=args.prompt_len,
                               new_tokens=args.new_tokens, repeats=args.repeats,
                               min_time=args.min_time, exit_rule=args.exit_rule, gate_bias=args.gate_bias,
                               gate_scale=args.gate_scale, bandwidth_gbps=bandwidth,
-                              seed=args.seed, policy=args.policy) for s in looped_sizes}
+                              seed=args.seed, policy=args.policy,
+                              decode_layout=args.decode_layout) for s in looped_sizes}
     summary = {}
     for k in ("ours_tokens_per_s", "hf_tokens_per_s", "ratio_vs_hf", "compile_s",
               "bound_tokens_per_s", "ours_fraction_of_bound"):

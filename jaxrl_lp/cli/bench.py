@@ -17,7 +17,8 @@ import sys
 from jaxrl_lp.cli.help import show_defaults
 
 TARGETS = ("sampler", "exactness", "replay", "smoke", "learner", "iteration", "kernels",
-           "speculative", "lowering", "compile", "overlap", "lora", "hotpath", "multiturn")
+           "speculative", "lowering", "compile", "overlap", "lora", "hotpath", "multiturn",
+           "decode")
 
 
 def _target_modules() -> dict:
