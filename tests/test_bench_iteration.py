@@ -20,7 +20,8 @@ from jaxrl_lp.cli.main import main
 def test_bench_iteration_reports_phases_and_which_updates_replayed(capsys):
     assert main(["bench", "iteration", "--size", "tiny", "--looped-size", "", "--batch", "4",
                  "--group", "2", "--prompt-len", "4", "--new-tokens", "4",
-                 "--minibatches", "1,2", "--methods", "hybrid,traced,products", "--repeats", "1",
+                 "--minibatches", "1,2", "--methods", "hybrid,traced,products,invariant",
+                 "--repeats", "1",
                  "--no-tunix"]) == 0
     res = json.loads(capsys.readouterr().out)
     assert res["target"] == "iteration" and res["tunix"] == {"available": False,
@@ -44,6 +45,11 @@ def test_bench_iteration_reports_phases_and_which_updates_replayed(capsys):
     traced = tiny["traced_mb2"]
     assert traced["replayed_updates"] == 1 and traced["compiled_flops"] == two["compiled_flops"]
     assert p1["compiled_flops"]["updates"][0] < one["compiled_flops"]["updates"][0]
+    # `invariant`: sampled in the invariant layout, no update replays, each one forward.
+    inv = tiny["invariant_mb2"]
+    assert inv["decode_layout"] == "invariant" and inv["replayed_updates"] == 0
+    assert inv["behaviour_recomputed"] == 0
+    assert inv["compiled_flops"]["updates"][1] < two["compiled_flops"]["updates"][1]
     assert p2["compiled_flops"]["updates"][1] == two["compiled_flops"]["updates"][1]
     for r in (one, two):
         assert r["page_faults"] >= 0 and r["kernel_cpu_s"] >= 0 and r["user_cpu_s"] > 0

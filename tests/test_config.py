@@ -159,6 +159,8 @@ BAD = {
     "run.wandb": ["maybe"],
     "run.wandb_project": [" "],
     "run.wandb_mode": ["cloud"],
+    # unknown; `none` combined; twice (`jaxrl_lp.xla_flags`)
+    "run.xla_gpu_flags": ["graphs", "none,decode_graphs", "scheduler,scheduler"],
     # without the sampler's; with run.mesh; overlapping the sampler's; not a mesh
     "run.learner_mesh": ["fsdp=4", ("fsdp=4", ["run.mesh=fsdp=8", "run.sampler_mesh=data=4"]),
                          ("fsdp=4", ["run.sampler_mesh=data=4@2"]),

@@ -19,6 +19,7 @@ reason it cannot run here. A new key with neither fails
 import dataclasses
 import json
 import math
+import os
 import string
 import subprocess
 import sys
@@ -37,8 +38,10 @@ BASE = [*TINY_MODEL, f"sft.steps={SFT_STEPS}", "sft.batch_size=16", f"grpo.steps
         f"run.checkpoint_every={SFT_STEPS + 1}", "run.progress=false"]
 
 # Stand-ins filled in by the test: a tiny Hugging Face checkpoint with a character
-# tokenizer (`_hf_checkpoint`), and a GSM8K-format file of a few records.
-HF, GSM8K = "{hf}", "{gsm8k}"
+# tokenizer (`_hf_checkpoint`), a GSM8K-format file of a few records, and a user's
+# directory (on the run's PYTHONPATH) with a JSONL of sums, its held-out file and an
+# environment module.
+HF, GSM8K, USER = "{hf}", "{gsm8k}", "{user}"
 
 # The runs: each a list of overrides on top of BASE (a later value of a key wins).
 RUNS = {
@@ -136,6 +139,28 @@ RUNS = {
         "task.kind=gsm8k", f"task.path={GSM8K}", f"init_from={HF}", f"loss.reference={HF}",
         "loss.kl_beta=0.01", "grpo.max_new_tokens=8",
     ],
+    # A user's JSONL with its own column names, a held-out file, two built-in reward
+    # functions (one a format regex) and a system prompt in the plain format; logged to W&B
+    # offline; the GPU flag preset (nothing off a GPU).
+    "dataset": [
+        "task.kind=dataset", f"task.path={USER}/sums.jsonl", "task.prompt_key=q",
+        "task.answer_key=a", "task.completion_key=a", f"task.heldout={USER}/heldout.jsonl",
+        "task.heldout_fraction=0.2", "task.rewards=exact_match,regex_format=0.1",
+        "task.format_regex=[0-9]+", "task.reward_timeout_s=5.0", "task.system_prompt=Add.",
+        "task.chat_template=none", "task.template_options=enable_thinking=false",
+        "grpo.max_new_tokens=4", "run.wandb=true", "run.wandb_mode=offline",
+        "run.wandb_project=reach", "run.xla_gpu_flags=decode_graphs,scheduler",
+    ],
+    # The same records as episodes of an environment of the user's own (`task.env`), turns
+    # ending on '?' or at 3 tokens, observations cut to 4.
+    "dataset_env": [
+        "task.kind=dataset", f"task.path={USER}/sums.jsonl", "task.prompt_key=q",
+        "task.answer_key=a", "task.env=reach_env:make_env", "task.stop=?", "task.max_turns=2",
+        "task.max_turn_tokens=3", "task.max_observation_tokens=4", "grpo.verify_every=1",
+    ],
+    # Every update's value the learner's own parallel forward in the batch-invariant forms
+    # (two minibatches: the second at moved weights), verified each step.
+    "invariant": ["grpo.logprobs=invariant", "grpo.minibatches=2", "grpo.verify_every=1"],
 }
 
 # Keys (or `key=choice` of a Literal key) no run here can take, and why.
@@ -143,6 +168,8 @@ NOT_RUN = {
     "distributed.coordinator": "several processes: tests/test_multiprocess.py",
     "distributed.num_processes": "several processes: tests/test_multiprocess.py",
     "distributed.process_id": "several processes: tests/test_multiprocess.py",
+    "task.tools": "a chat checkpoint whose tokenizer has </tool_call> as one token: "
+                  "tests/test_own_task_chat.py",
 }
 
 
@@ -164,8 +191,8 @@ def _get(cfg, key: str):
     return cfg
 
 
-def _overrides(name: str, out_dir, hf="/hf", gsm8k="/gsm8k.jsonl") -> list[str]:
-    return [o.replace(HF, str(hf)).replace(GSM8K, str(gsm8k))
+def _overrides(name: str, out_dir, hf="/hf", gsm8k="/gsm8k.jsonl", user="/user") -> list[str]:
+    return [o.replace(HF, str(hf)).replace(GSM8K, str(gsm8k)).replace(USER, str(user))
             for o in [*BASE, *RUNS[name], f"run.out_dir={out_dir}"]]
 
 
@@ -205,7 +232,35 @@ def hf_checkpoint(tmp_path_factory):
     mcfg = cfg.model.replace(vocab_size=tok.vocab_size, bos_token_id=tok.bos_id,
                              eos_token_id=tok.eos_id, pad_token_id=tok.pad_id)
     save_hf_checkpoint(hf, mcfg, init_params(mcfg, jax.random.PRNGKey(5)))
-    return hf, gsm8k
+    user = root / "user"
+    user.mkdir()
+    for name, pairs in (("sums", [(a, b) for a in range(6) for b in range(6)]),
+                        ("heldout", [(a, b) for a in range(6, 9) for b in range(3)])):
+        (user / f"{name}.jsonl").write_text("".join(
+            json.dumps({"q": f"{a}+{b}=", "a": str(a + b)}) + "\n" for a, b in pairs))
+    (user / "reach_env.py").write_text(ENV_MODULE)
+    return hf, gsm8k, user
+
+
+# `task.env`'s module: asks once for a guess ('?' ends the turn), then ends the episode.
+ENV_MODULE = '''
+from jaxrl_lp.envs import StepResult
+
+
+class Ask:
+    def __init__(self):
+        self.turns = 0
+
+    def step(self, turn):
+        self.turns += 1
+        if self.turns == 1 and turn.ended_by != "eos":
+            return StepResult(observation="=")
+        return StepResult(reward=float(turn.text.strip().endswith("?")), done=True)
+
+
+def make_env():
+    return Ask()
+'''
 
 
 @pytest.mark.slow
@@ -213,13 +268,15 @@ def hf_checkpoint(tmp_path_factory):
 @pytest.mark.parametrize("name", sorted(RUNS))
 def test_every_key_at_a_non_default_value_runs_to_its_first_grpo_checkpoint(
         name, hf_checkpoint, tmp_path):
-    hf, gsm8k = hf_checkpoint
+    hf, gsm8k, user = hf_checkpoint
     out = tmp_path / "run"
-    args = [a for o in _overrides(name, out, hf, gsm8k) for a in ("--set", o)]
+    args = [a for o in _overrides(name, out, hf, gsm8k, user) for a in ("--set", o)]
     # A process of its own per run (as `jaxrl-lp train` is run); it inherits the tests'
-    # 8 CPU devices and compilation cache.
+    # 8 CPU devices and compilation cache; the user's directory is on its PYTHONPATH.
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        p for p in (str(user), os.environ.get("PYTHONPATH", "")) if p)}
     res = subprocess.run([sys.executable, "-m", "jaxrl_lp.cli.main", "train", *args],
-                         capture_output=True, text=True, timeout=600)
+                         capture_output=True, text=True, timeout=600, env=env)
     assert res.returncode == 0, res.stderr[-3000:]
     first = SFT_STEPS + 1
     steps = sorted(int(p.name) for p in (out / "checkpoints").iterdir() if p.name.isdigit())

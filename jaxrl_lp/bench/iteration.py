@@ -27,6 +27,12 @@ Ours, per method (`--methods`):
   sampler's bits on a GPU), where `hybrid` runs the sampler's program over
   the minibatch's whole call. `hybrid` against `traced` at more than one
   minibatch is what the mechanism costs an iteration.
+- `invariant`: `grpo.logprobs=invariant`: the sampler decodes in the
+  batch-invariant forms (the decode layout `invariant`, `numerics.invariant`)
+  and every update's value is its own parallel forward in the same forms, the
+  sampler's bits without a replay; the behaviour log-probs are the rollout's
+  (the same digest rule as `hybrid`), and its verification is that forward of
+  the whole batch (`verify_replay_s`).
 - `products`: `hybrid` with `grpo.reuse_products=true`: the rollout also
   keeps the sampler's weight products and logits (`models.recorded`), and an
   update at the sampler's weights (the first) reads them instead of
@@ -131,7 +137,7 @@ __all__ = ["add_arguments", "run"]
 NO_EOS = -1  # an EOS id no sampled token equals: every sequence runs to --new-tokens
 VERIFY_EVERY = 10  # grpo.verify_every's default
 TARGET_VS_TUNIX = 1.5
-METHODS = ("hybrid", "traced", "dense", "products")
+METHODS = ("hybrid", "traced", "dense", "products", "invariant")
 
 
 def _xla_flops(compiled) -> float:
@@ -160,7 +166,8 @@ class _Iteration:
     def __init__(self, cfg, policy, params, prompts, optimizer, *, method, group, new_tokens,
                  minibatches, loop, pack_buckets, seed, draw="gumbel", layout=None):
         self.cfg, self.policy, self.prompts, self.draw = cfg, policy, prompts, draw
-        self.layout = layout  # the sampler's decode layout (None: `generate` picks it)
+        # The sampler's decode layout (None: `generate` picks it; `invariant`'s its own).
+        self.layout = "invariant" if method == "invariant" else layout
         self.group, self.new_tokens, self.minibatches = group, new_tokens, minibatches
         self.loop, self.seed, self.method = loop, seed, method
         # `products`: the hybrid learner reading the sampler's weight products where it may.
@@ -207,7 +214,7 @@ class _Iteration:
             for k in range(self.minibatches):
                 idx = np.arange(k * size, (k + 1) * size)
                 reuse = recorded if k == 0 else self.rule.recorded(ro, self.params)
-                replayed += int(self.method != "dense" and not reuse)
+                replayed += int(self.method not in ("dense", "invariant") and not reuse)
                 reused += int(reuse and products is not None)
                 self.last_updates.append((idx, reuse))
                 self.params, self.opt, m = self.step(*self._update_args(ro, products, idx, reuse,
@@ -222,7 +229,7 @@ class _Iteration:
         """The GRPO step's arguments for the update of rows `idx` (`train.grpo_iteration`'s);
         `run` False: for lowering (a replaying update's value left to the step to trace)."""
         rows = take_rows(ro, idx)
-        value = ro.logprobs[idx] if reuse else None
+        value = ro.logprobs[idx] if reuse and self.method != "invariant" else None
         if value is None and self.traced is not None and run:
             value = self.traced(self.params, self.cfg, self.policy, rows)
         return (self.params, self.opt, rows, jnp.asarray(adv[idx]), old_logp[idx], None, None,
@@ -248,7 +255,7 @@ class _Iteration:
         behaviour = 0.0
         if self.method == "dense":  # its behaviour forward runs every iteration
             behaviour = hlo_cost(self.behaviour.lower(self.params, ro).compile().as_text()).flops
-        return {"updates": flops, "replays": [self.method != "dense" and not r
+        return {"updates": flops, "replays": [self.method not in ("dense", "invariant") and not r
                                               for _, r in self.last_updates],
                 "behaviour": behaviour, "xla_updates": xla}
 

@@ -17,6 +17,7 @@ from jaxrl_lp.models.config import ModelConfig
 from jaxrl_lp.models.layers import TransposedWeight, dot, rms_norm, rope, swiglu
 from jaxrl_lp.models.packing import Packing, pack, unpack
 from jaxrl_lp.models.recorded import LAYER_PRODUCTS
+from jaxrl_lp.numerics import invariant
 from jaxrl_lp.numerics.policy import Policy
 from jaxrl_lp.parallel.context import constrain
 
@@ -211,7 +212,10 @@ def attend(lp: dict, q, k, v, positions_BxT, policy: Policy, cache_kv=None, laye
     buf_k, buf_v = (ck[layer], cv[layer]) if per_layer else (ck, cv)
     buf_k = _write(buf_k, k_heads, at, cache_index)
     buf_v = _write(buf_v, v_heads, at, cache_index)
-    attn = decode_kernel.decode_attention if q.shape[1] == 1 else attention
+    # Inside `invariant_forms` every chunk reads the cache by `attention`'s invariant form, so
+    # a decode step and a parallel forward over the same slots agree.
+    one_token = q.shape[1] == 1 and not invariant.active()
+    attn = decode_kernel.decode_attention if one_token else attention
     o = attn(q, _read(buf_k, at), _read(buf_v, at), positions_BxT, pos_slots_BxS, policy)
     if per_layer:
         buf_k = (*ck[:layer], buf_k, *ck[layer + 1:])

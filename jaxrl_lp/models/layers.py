@@ -24,6 +24,7 @@ import jax.numpy as jnp
 from jaxrl_lp.kernels.fake_quant import quantized_matmul
 from jaxrl_lp.models.lora import LoraWeight, adapter_product, base_value
 from jaxrl_lp.models.recorded import RecordedWeight
+from jaxrl_lp.numerics import invariant
 from jaxrl_lp.numerics.policy import Policy
 from jaxrl_lp.numerics.products import precision_for, product
 from jaxrl_lp.numerics.qarray import QArray
@@ -64,7 +65,15 @@ def dot(x_xK: jax.Array, w_KxN: jax.Array, policy: Policy) -> jax.Array:
 
     A `RecordedWeight` (`models.recorded`) returns its recorded product, with
     the gradient of this function at its weight.
+
+    Inside `numerics.invariant.invariant_forms` a plain weight's product takes
+    the invariant form (each row's bits independent of the row count;
+    `TransposedWeight`s by `invariant.weights_major`, stored weights by
+    `invariant.invariant_dot`, whose gradient is the plain product's); other
+    weights and formats are refused there, never computed otherwise.
     """
+    if invariant.active():
+        return _invariant(x_xK, w_KxN, policy)
     if isinstance(w_KxN, RecordedWeight):
         return _recorded(x_xK, w_KxN.weight, w_KxN.product, policy)
     if isinstance(w_KxN, TransposedWeight):
@@ -97,6 +106,22 @@ def dot(x_xK: jax.Array, w_KxN: jax.Array, policy: Policy) -> jax.Array:
         k, n = w.shape
         return _f32_product(x_xK.reshape(-1, k), w, policy).reshape(*x_xK.shape[:-1], n)
     return _f32_product(x_xK, w, policy)
+
+
+def _invariant(x_xK: jax.Array, w_KxN, policy: Policy) -> jax.Array:
+    """`dot` inside `invariant_forms`: plain weights only (docstring above)."""
+    if policy.matmul_format is not None or current_mesh() is not None or not isinstance(
+            w_KxN, (jax.Array, TransposedWeight)):
+        raise ValueError("invariant forms: a plain weight on one device without a "
+                         f"matmul_format; got {type(w_KxN).__name__}"
+                         + (f" with matmul_format {policy.matmul_format}"
+                            if policy.matmul_format else "")
+                         + (" under a mesh" if current_mesh() is not None else ""))
+    if isinstance(w_KxN, TransposedWeight):
+        w = policy.round_params(w_KxN.w_NxK)
+        n, k = w.shape
+        return invariant.weights_major(x_xK.reshape(-1, k), w).reshape(*x_xK.shape[:-1], n)
+    return invariant.invariant_dot(x_xK, policy.round_params(w_KxN), policy)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
@@ -154,11 +179,14 @@ def rms_norm(x_xD: jax.Array, w_D: jax.Array, eps: float, policy: Policy) -> jax
     applied in compute precision, as Hugging Face's `weight * x.to(dtype)`.
     """
     x = x_xD.astype(jnp.float32)  # the variance is f32 in every kernel we model
-    inv = jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps)
+    # `apart`: inside `invariant_forms` each product is summed as rounded, whatever fuses.
+    mean_sq = invariant.total(invariant.apart(x * x)) / x.shape[-1]
+    inv = invariant.rsqrt(invariant.apart(mean_sq) + eps)
     if policy.has("norm"):
-        return policy.round(scale_features(x * inv, policy.round_params(w_D).astype(jnp.float32)))
+        return invariant.apart(policy.round(
+            scale_features(x * inv, policy.round_params(w_D).astype(jnp.float32))))
     y = policy.round(x * inv)
-    return policy.round(policy.round_params(w_D) * y)
+    return invariant.apart(policy.round(policy.round_params(w_D) * y))
 
 
 @jax.custom_vjp
@@ -213,16 +241,19 @@ def rope(x_BxTxHxDh: jax.Array, positions_BxT: jax.Array, theta: float, policy: 
     dh = x_BxTxHxDh.shape[-1]
     inv_freq = 1.0 / (theta ** (jnp.arange(0, dh, 2, dtype=jnp.float32) / dh))
     pos = jnp.maximum(positions_BxT, 0).astype(jnp.float32)
-    freqs = pos[..., None] * inv_freq  # [B, T, Dh/2]
+    freqs = invariant.apart(pos[..., None] * inv_freq)  # [B, T, Dh/2]
     emb = jnp.concatenate([freqs, freqs], axis=-1)[:, :, None, :]
     cos, sin = jnp.cos(emb), jnp.sin(emb)
     x1, x2 = jnp.split(x_BxTxHxDh, 2, axis=-1)
     rot = jnp.concatenate([-x2, x1], axis=-1)
     if policy.has("rope"):
         x = x_BxTxHxDh.astype(jnp.float32)  # f32 region: rotation from the rounded input
-        return policy.round(x * cos + rot.astype(jnp.float32) * sin)
+        # `apart`: inside `invariant_forms` the sum adds the rounded products, whatever fuses.
+        return policy.round(invariant.apart(x * cos)
+                            + invariant.apart(rot.astype(jnp.float32) * sin))
     cos, sin = policy.round(cos), policy.round(sin)
-    return policy.round(policy.round(x_BxTxHxDh * cos) + policy.round(rot * sin))
+    return policy.round(invariant.apart(policy.round(x_BxTxHxDh * cos))
+                        + invariant.apart(policy.round(rot * sin)))
 
 
 def swiglu(gate_acc: jax.Array, up_acc: jax.Array, policy: Policy) -> jax.Array:

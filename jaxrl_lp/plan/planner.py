@@ -314,7 +314,9 @@ def iteration_updates(cfg: TrainConfig, stale: bool = False) -> dict:
     the loss reads does not move within a step); a master the sampler did not
     run (an exporter without `loss_on_served`) is never the rollout's. The
     others replay (`replaying`: the later minibatches and epochs). A dense
-    learner has no replay (`dense`). Behaviour log-probs (`behaviour`, per
+    learner has no replay (`dense`), nor has an invariant one, whose updates
+    each run one forward (`dense`) and whose behaviour log-probs are counted as
+    a hybrid's first update's. Behaviour log-probs (`behaviour`, per
     iteration) are computed where the first update is not recorded, on the
     `grpo.verify_every` steps' verification otherwise (a share of one), and
     for the sync diagnostics' master log-probs under `loss_on_served`.
@@ -350,7 +352,10 @@ def iteration_updates(cfg: TrainConfig, stale: bool = False) -> dict:
     if stale:
         counts["behaviour"] = 1.0 + verify + (1.0 if exporter else 0.0)
         return counts
-    first_recorded = counts["recorded"] > 0
+    # An invariant learner's updates compute their values; its behaviour log-probs are the
+    # rollout's where the hybrid's first update's would be (`train.behaviour.ReplayRule`).
+    first_recorded = counts["recorded"] > 0 or (
+        g.logprobs == "invariant" and rule.can_reuse and (not exporter or on_served))
     counts["behaviour"] = (verify if first_recorded else 1.0) + (1.0 if on_served else 0.0)
     return counts
 

@@ -68,6 +68,8 @@ class LearnerStep:
         (not by `trace` or `lower`): what the update needs computed by other
         compiled programs first (the hybrid GRPO step's replay value,
         `make_grpo_step`), or None.
+      compiler_options: XLA options of the jit (the `invariant` GRPO step's,
+        `numerics.invariant.COMPILER_OPTIONS`), or None.
 
     Examples:
       >>> step = make_grpo_step(cfg, policy, LossConfig(), optax.adam(1e-6))
@@ -78,7 +80,8 @@ class LearnerStep:
     def __init__(self, fn: Callable, kinds: tuple[str, ...], *,
                  rows_of: Callable[..., Any] | None = None, mesh: Mesh | None = None,
                  cfg: ModelConfig | None = None, rules: ShardingRules = DEFAULT_RULES,
-                 prepare: Callable[[tuple], tuple] | None = None):
+                 prepare: Callable[[tuple], tuple] | None = None,
+                 compiler_options: dict | None = None):
         if bad := [k for k in kinds if k not in KINDS]:
             raise ValueError(f"LearnerStep kinds must be among {KINDS}; got {bad}")
         if mesh is not None and cfg is None:
@@ -86,7 +89,7 @@ class LearnerStep:
                              "shardings)")
         self.fn, self.kinds, self.rows_of = fn, tuple(kinds), rows_of
         self.mesh, self.cfg, self.rules = mesh, cfg, rules
-        self.prepare = prepare
+        self.prepare, self.compiler_options = prepare, compiler_options
         # By which arguments are None: each pattern is a program of its own (on a mesh its
         # in-shardings differ; there also by row count). Values: (in-shardings or None, the
         # jitted function).
@@ -103,7 +106,8 @@ class LearnerStep:
         if not self.packs:
             raise ValueError("with_packed_rows: this step packs no rows")
         return LearnerStep(self.fn, self.kinds, rows_of=lambda *_: packed_rows, mesh=self.mesh,
-                           cfg=self.cfg, rules=self.rules, prepare=self.prepare)
+                           cfg=self.cfg, rules=self.rules, prepare=self.prepare,
+                           compiler_options=self.compiler_options)
 
     def shardings(self, *args):
         """The in-shardings of `args` (by kind) and the out-shardings of the step (mesh only)."""
@@ -135,7 +139,8 @@ class LearnerStep:
         if self.mesh is None:
             if pattern not in self._programs:
                 self._programs[pattern] = None, jax.jit(
-                    self.fn, donate_argnums=(0, 1), static_argnames=("packed_rows",))
+                    self.fn, donate_argnums=(0, 1), static_argnames=("packed_rows",),
+                    compiler_options=self.compiler_options)
             return (*self._programs[pattern], static)
         # A jit with in-shardings takes no keyword arguments: on a mesh each row count is a
         # program of its own, with the count bound.
@@ -151,7 +156,8 @@ class LearnerStep:
             with use_mesh(self.mesh, self.rules):
                 return self.fn(*a, **static)
 
-        return ins, jax.jit(traced, in_shardings=ins, out_shardings=outs, donate_argnums=(0, 1))
+        return ins, jax.jit(traced, in_shardings=ins, out_shardings=outs, donate_argnums=(0, 1),
+                            compiler_options=self.compiler_options)
 
     def _static(self, args) -> dict:
         return {"packed_rows": self.rows_of(*args[2:])} if self.packs else {}

@@ -18,6 +18,13 @@
   bracket is exactly 0.0 in value, so the value is replay's bits; its gradient
   is exactly the dense gradient. `make_grpo_step` computes the replay value
   by `replay_logprobs` before its jitted update and passes it in.
+- `invariant`: the dense forward in the batch-invariant forms
+  (`numerics.invariant`), read out as the sampler reads out
+  (`rollout.sampling.token_logprobs`), of a rollout sampled in the `invariant`
+  decode layout: one parallel forward whose values are the replay's bits
+  (the sampler's under its weights, the replay's under moved ones), and whose
+  gradient is the dense one's. XLA:CPU on one device only
+  (`invariant.unsupported`); elsewhere the programs replay (`hybrid`).
 
 A rollout says how to read it: its `loop` (exit rule and compute mode) and
 `temperature` are what every function here computes with. A caller that
@@ -45,6 +52,9 @@ from jaxrl_lp.models.loop import ExitSchedule
 from jaxrl_lp.models.model import forward
 from jaxrl_lp.models.packing import gather_rows, make_packing, unpack
 from jaxrl_lp.models.recorded import Products, with_products
+from jaxrl_lp.numerics.invariant import COMPILER_OPTIONS as INVARIANT_OPTIONS
+from jaxrl_lp.numerics.invariant import invariant_forms, opaque_zero
+from jaxrl_lp.numerics.invariant import unsupported as invariant_unsupported
 from jaxrl_lp.numerics.policy import Policy, require
 from jaxrl_lp.parallel.context import use_mesh
 from jaxrl_lp.parallel.rules import DEFAULT_RULES, ShardingRules
@@ -57,14 +67,17 @@ from jaxrl_lp.rollout.replay import (
     rollout_loop,
     traced_replay_logprobs,
 )
+from jaxrl_lp.rollout.sampling import token_logprobs
 from jaxrl_lp.rollout.step import LoopSpec, fused_readout
 
-__all__ = ["LogprobMethod", "LogprobProgram", "dense_logprobs", "forward_products",
+__all__ = ["LOGPROB_METHODS", "LogprobMethod", "LogprobProgram", "check_invariant_rollout",
+           "invariant_readout", "dense_logprobs", "forward_products",
            "jit_learner_logprobs", "learner_logprobs", "logprob_entropy", "pack_groups",
            "packed_logprobs", "packed_rows_for", "packed_rows_of", "prompt_positions",
            "recorded_logprobs", "replay_logprobs", "rollout_loop", "traced_replay_logprobs"]
 
-LogprobMethod = Literal["dense", "replay", "hybrid"]
+LogprobMethod = Literal["dense", "replay", "hybrid", "invariant"]
+LOGPROB_METHODS: tuple[str, ...] = ("dense", "replay", "hybrid", "invariant")
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
@@ -111,7 +124,7 @@ logprob_entropy.defvjp(_logprob_entropy_fwd, _logprob_entropy_bwd)
 
 def dense_logprobs(params: dict, cfg: ModelConfig, policy: Policy, ro: Rollout, *,
                    loop: LoopSpec | None = None, remat: bool = False,
-                   packed_rows: tuple[int, int] | None = None):
+                   packed_rows: tuple[int, int] | None = None, invariant: bool = False):
     """Teacher-forced log-probs and entropies [B, N] from one parallel forward (differentiable).
 
     The forward applies the rollout's recorded schedule in its compute mode
@@ -131,8 +144,22 @@ def dense_logprobs(params: dict, cfg: ModelConfig, policy: Policy, ro: Rollout, 
     If a count is larger than its rows every value is NaN (the step is
     skipped as non-finite, never silently wrong). Under a mesh the rows of
     each data shard are packed apart (`pack_groups`).
+
+    With `invariant` (traced inside a program jitted with
+    `numerics.invariant.COMPILER_OPTIONS`, the rollout sampled in the
+    `invariant` layout: `check_invariant_rollout`) the forward takes the
+    batch-invariant forms and the read-out is `invariant_readout`: the values
+    are the sampler's computation bit for bit, packed or not.
     """
     loop = rollout_loop(ro, cfg, loop)
+    if invariant:
+        check_invariant_rollout(ro)
+        with invariant_forms(opaque_zero(ro.weights_version)):
+            return _dense_logprobs(params, cfg, policy, ro, loop, remat, packed_rows, True)
+    return _dense_logprobs(params, cfg, policy, ro, loop, remat, packed_rows, False)
+
+
+def _dense_logprobs(params, cfg, policy, ro, loop, remat, packed_rows, invariant):
     b, p = ro.prompt_tokens.shape
     n = ro.completion_tokens.shape[1]
     tokens = jnp.concatenate([ro.prompt_tokens, ro.completion_tokens], axis=1)
@@ -154,11 +181,14 @@ def dense_logprobs(params: dict, cfg: ModelConfig, policy: Policy, ro: Rollout, 
     if packed_rows is not None:
         return packed_logprobs(params, cfg, policy, tokens, positions, positions[:, :p] >= 0,
                                ro.completion_mask, packed_rows, ro.temperature, remat=remat,
-                               loop=loop if cfg.is_looped else None, schedule=schedule)
+                               loop=loop if cfg.is_looped else None, schedule=schedule,
+                               invariant=invariant)
     h, _, _ = forward(params, cfg, policy, tokens, positions, loop=loop if cfg.is_looped else None,
                       schedule=schedule, remat=remat, hidden=True)
     h = h[:, p - 1:p - 1 + n]  # the lm head reads the positions that predict the completion
     t = ro.temperature
+    if invariant:
+        return invariant_readout(lm_logits(params, h, cfg, policy), ro.completion_tokens, t)
     plain = lambda: logprob_entropy(lm_logits(params, h, cfg, policy), ro.completion_tokens, t)
     if not fused_readout(policy):
         return plain()
@@ -167,6 +197,47 @@ def dense_logprobs(params: dict, cfg: ModelConfig, policy: Policy, ro: Rollout, 
                                policy, mask_T=flat(ro.completion_mask),
                                plain=lambda: tuple(map(flat, plain())))
     return lp.reshape(b, n), ent.reshape(b, n)
+
+
+def invariant_readout(logits_xV: jax.Array, tokens_x: jax.Array, temperature: float):
+    """(log-prob, entropy) of `tokens_x`: the value the sampler's `token_logprobs`, the
+    gradient and entropy `logprob_entropy`'s (as the hybrid's value and gradient).
+
+    The value is passed through by `_valued` (no arithmetic): `sampled + (lp - lp)` is
+    0.0 only where XLA computes both copies of `lp` alike, and XLA:CPU duplicates a
+    producer into two fusions and contracts its products into fused multiply-adds in
+    one and not the other (a few tokens 1 ulp off the sampler's in a development run).
+    """
+    lp, ent = logprob_entropy(logits_xV, tokens_x, temperature)
+    return _valued(token_logprobs(logits_xV, tokens_x, temperature), lp), ent
+
+
+@jax.custom_vjp
+def _valued(value, grad_of):
+    """`value`, differentiated as `grad_of` (the identity's gradient to `grad_of`)."""
+    return value
+
+
+def _valued_fwd(value, grad_of):
+    return value, None
+
+
+def _valued_bwd(_, g):
+    return jnp.zeros_like(g), g
+
+
+_valued.defvjp(_valued_fwd, _valued_bwd)
+
+
+def check_invariant_rollout(ro: Rollout) -> None:
+    """Raises unless `ro` was sampled in the `invariant` decode layout (what the `invariant`
+    log-probs reproduce: another layout's decode sums otherwise)."""
+    if ro.decode_layout != "invariant":
+        raise ValueError(f"invariant log-probs reproduce a rollout sampled in the 'invariant' "
+                         f"decode layout; this one was sampled in {ro.decode_layout!r} "
+                         "(generate(..., decode_layout='invariant'))")
+    if ro.verify_tokens:
+        raise ValueError("invariant log-probs: a speculative rollout verifies chunks; replay it")
 
 
 def recorded_logprobs(params: dict, cfg: ModelConfig, policy: Policy, ro: Rollout,
@@ -219,7 +290,7 @@ def packed_logprobs(params: dict, cfg: ModelConfig, policy: Policy, tokens_BxT: 
                     positions_BxT: jax.Array, lead_real_BxP: jax.Array, mask_BxN: jax.Array,
                     packed_rows: tuple[int, int], temperature: float = 1.0, *,
                     remat: bool = False, loop: LoopSpec | None = None,
-                    schedule: ExitSchedule | None = None):
+                    schedule: ExitSchedule | None = None, invariant: bool = False):
     """Log-probs and entropies [B, N] of a model's targets from a packed forward.
 
     The grid `tokens_BxT` is P lead slots (real where `lead_real_BxP`), then N
@@ -233,7 +304,8 @@ def packed_logprobs(params: dict, cfg: ModelConfig, policy: Policy, tokens_BxT: 
     mesh each data shard's rows are packed apart (`pack_groups`). Values off
     the mask are 0; if a count is larger than its rows every value is NaN.
     Used by `dense_logprobs` (lead: the prompt) and the SFT step (lead: the
-    first token).
+    first token). `invariant`: the read-out is `invariant_readout` (the caller
+    traces inside `invariant_forms`).
     """
     b, p = lead_real_BxP.shape
     n = mask_BxN.shape[1]
@@ -269,9 +341,12 @@ def packed_logprobs(params: dict, cfg: ModelConfig, policy: Policy, tokens_BxT: 
         targets = lambda x_BxN: jnp.take_along_axis(
             x_BxN.reshape(groups, -1), head.index_M, axis=1).reshape(-1)
     toks = targets(tokens_BxT[:, p:])
-    lp, ent = readout_logprobs(
-        h, lm_head(params, cfg), toks, temperature, policy, mask_T=targets(done),
-        plain=lambda: logprob_entropy(lm_logits(params, h, cfg, policy), toks, temperature))
+    if invariant:  # inside `invariant_forms` (`dense_logprobs`): the sampler's read-out
+        lp, ent = invariant_readout(lm_logits(params, h, cfg, policy), toks, temperature)
+    else:
+        lp, ent = readout_logprobs(
+            h, lm_head(params, cfg), toks, temperature, policy, mask_T=targets(done),
+            plain=lambda: logprob_entropy(lm_logits(params, h, cfg, policy), toks, temperature))
     ok = fits_body & fits_head
     grid = lambda x: unpack(x.reshape(groups, head_rows), head, b, n)
     out = lambda x: jnp.where(ok, jnp.where(done, grid(x), 0.0), jnp.nan)
@@ -289,7 +364,7 @@ def learner_logprobs(params: dict, cfg: ModelConfig, policy: Policy, ro: Rollout
       cfg: the learner's model.
       policy: the learner's numerics.
       ro: the rollout; its loop spec and temperature are used (`rollout_loop`).
-      method: `dense`, `replay` or `hybrid` (module docstring).
+      method: `dense`, `replay`, `hybrid` or `invariant` (module docstring).
       loop: the loop spec the caller expects the rollout to have (checked), or
         None to take the rollout's.
       remat: recompute layer activations in the dense backward.
@@ -313,6 +388,12 @@ def learner_logprobs(params: dict, cfg: ModelConfig, policy: Policy, ro: Rollout
                          "the weights the sampler ran: pass them with its replay_BxN")
     if method == "replay":
         return traced_replay_logprobs(params, cfg, policy, ro), jnp.zeros(ro.logprobs.shape)
+    if method == "invariant":
+        if replay_BxN is not None or products is not None:
+            raise ValueError("invariant log-probs compute their value in their forward; they "
+                             "take no replay_BxN or products")
+        return dense_logprobs(params, cfg, policy, ro, remat=remat, packed_rows=packed_rows,
+                              invariant=True)
     if products is not None:
         dense, entropy = recorded_logprobs(params, cfg, policy, ro, products)
     else:
@@ -321,7 +402,7 @@ def learner_logprobs(params: dict, cfg: ModelConfig, policy: Policy, ro: Rollout
     if method == "dense":
         return dense, entropy
     if method != "hybrid":
-        raise ValueError(f"log-prob method must be 'dense', 'replay' or 'hybrid'; got {method!r}")
+        raise ValueError(f"log-prob method must be one of {LOGPROB_METHODS}; got {method!r}")
     if replay_BxN is None:
         # stop_gradient on the *input*: a JVP-traced replay compiles differently (1 ulp off
         # the sampler).
@@ -341,11 +422,14 @@ class LogprobProgram:
     Args:
       fn: the untraced `fn(params, rollout, packed_rows=None)`.
       rows_of: `rows_of(rollout) -> packed_rows` (host-side), or None.
+      compiler_options: XLA options of the jit (the `invariant` method's,
+        `numerics.invariant.COMPILER_OPTIONS`), or None.
     """
 
-    def __init__(self, fn, rows_of=None):
-        self.fn, self.rows_of = fn, rows_of
-        self._jitted = jax.jit(fn, static_argnames=("packed_rows",))
+    def __init__(self, fn, rows_of=None, compiler_options: dict | None = None):
+        self.fn, self.rows_of, self.compiler_options = fn, rows_of, compiler_options
+        self._jitted = jax.jit(fn, static_argnames=("packed_rows",),
+                               compiler_options=compiler_options)
 
     @property
     def packs(self) -> bool:
@@ -357,7 +441,7 @@ class LogprobProgram:
         cannot be read): e.g. the planner builds the largest bucket."""
         if not self.packs:
             raise ValueError("with_packed_rows: this program packs no rows")
-        return LogprobProgram(self.fn, lambda _: packed_rows)
+        return LogprobProgram(self.fn, lambda _: packed_rows, self.compiler_options)
 
     def _static(self, ro) -> dict:
         return {"packed_rows": self.rows_of(ro)} if self.packs else {}
@@ -391,6 +475,13 @@ def jit_learner_logprobs(cfg: ModelConfig, policy: Policy, method: LogprobMethod
     holds. `micro_batches` does not apply to it: it runs at the sampler's
     shape and memory.
 
+    `invariant` returns a `LogprobProgram` as `dense` does, jitted with
+    `numerics.invariant.COMPILER_OPTIONS`: its values are the sampler's
+    computation bit for bit (the rollout's recorded log-probs under its weights),
+    whatever slice or micro-batch it is given. Where the invariant forms are not
+    proven (`numerics.invariant.unsupported`: another platform, a mesh) it is
+    the `hybrid`'s `ReplayProgram`, which is exact there.
+
     `dense` returns a `LogprobProgram` (jitted). With `micro_batches` > 1 the
     rows are taken in that many slices one after the other (`lax.map`), so the
     logits exist for one slice at a time. It skips the padding as the learner
@@ -408,13 +499,15 @@ def jit_learner_logprobs(cfg: ModelConfig, policy: Policy, method: LogprobMethod
     the behaviour log-probs and its verifications, and by the tests.
     """
     policy = require(policy, "jit_learner_logprobs")
+    if method == "invariant" and invariant_unsupported(mesh=mesh) is not None:
+        method = "hybrid"  # the forms are not proven here: the replay, exact
     if method in ("replay", "hybrid"):
         return ReplayProgram(cfg, policy, loop=loop, mesh=mesh, rules=rules)
-    if method != "dense":
-        raise ValueError(f"log-prob method must be 'dense', 'replay' or 'hybrid'; got {method!r}")
+    if method not in ("dense", "invariant"):
+        raise ValueError(f"log-prob method must be one of {LOGPROB_METHODS}; got {method!r}")
 
     def one(params, ro, rows):
-        return learner_logprobs(params, cfg, policy, ro, "dense", loop=loop, packed_rows=rows)[0]
+        return learner_logprobs(params, cfg, policy, ro, method, loop=loop, packed_rows=rows)[0]
 
     def fn(params, ro, packed_rows=None):
         with use_mesh(mesh, rules):
@@ -429,4 +522,5 @@ def jit_learner_logprobs(cfg: ModelConfig, policy: Policy, method: LogprobMethod
         return packed_rows_of(ro, micro_batches=micro_batches, buckets=pack_buckets,
                               groups=groups)
 
-    return LogprobProgram(fn, rows_of if pack_buckets > 0 else None)
+    return LogprobProgram(fn, rows_of if pack_buckets > 0 else None,
+                          INVARIANT_OPTIONS if method == "invariant" else None)

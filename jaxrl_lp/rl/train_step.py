@@ -16,6 +16,7 @@ changed). Without it (the default) the steps are exactly as before.
 
 from __future__ import annotations
 
+import warnings
 from typing import NamedTuple
 
 import jax
@@ -29,6 +30,8 @@ from jaxrl_lp.models.blocks import lm_head, lm_logits
 from jaxrl_lp.models.config import ModelConfig
 from jaxrl_lp.models.model import forward
 from jaxrl_lp.models.recorded import Products, split_products
+from jaxrl_lp.numerics.invariant import COMPILER_OPTIONS as INVARIANT_OPTIONS
+from jaxrl_lp.numerics.invariant import unsupported as invariant_unsupported
 from jaxrl_lp.numerics.policy import Policy, require
 from jaxrl_lp.parallel.context import constrain_params
 from jaxrl_lp.parallel.rules import DEFAULT_RULES, ShardingRules
@@ -50,8 +53,8 @@ from jaxrl_lp.rollout.generate import Rollout, split_rows, take_rows
 from jaxrl_lp.rollout.step import LoopSpec
 from jaxrl_lp.sync.export import straight_through_served
 
-__all__ = ["LearnerStep", "MicroBatch", "make_grpo_step", "make_sft_step", "split_rows",
-           "take_rows"]
+__all__ = ["LearnerStep", "MicroBatch", "invariant_fallback", "make_grpo_step", "make_sft_step",
+           "split_rows", "take_rows"]
 
 
 class MicroBatch(NamedTuple):
@@ -160,8 +163,13 @@ def make_grpo_step(cfg: ModelConfig, policy: Policy, loss_cfg: LossConfig,
       optimizer: an optax transformation.
       loop: the loop spec the rollouts must have been sampled with (or None).
       sampler_policy: the policy the rollouts must have been sampled under.
-      method: learner log-probs, `dense` or `hybrid` (`replay` has no
-        gradient in deferred mode).
+      method: learner log-probs, `dense`, `hybrid` or `invariant` (`replay` has
+        no gradient in deferred mode). `invariant`: the value is the dense
+        forward's in the batch-invariant forms, the sampler's bits for a rollout
+        sampled in the `invariant` decode layout (`rl.logprobs`); the step is
+        jitted with `numerics.invariant.COMPILER_OPTIONS`. Where the forms are
+        not proven (`invariant_fallback`: another platform, a mesh, `weights`)
+        it warns and is the `hybrid` step, which replays.
       micro_batches: gradient-accumulation slices.
       remat: recompute layer activations in the backward pass.
       mesh: run sharded (`LearnerStep` on a mesh): params and optimizer
@@ -205,6 +213,11 @@ def make_grpo_step(cfg: ModelConfig, policy: Policy, loss_cfg: LossConfig,
     if weights is not None and mesh is not None and not weights.shardable:
         raise ValueError("make_grpo_step: this weight representation (weights=) runs on one "
                          "device; drop mesh")
+    if method == "invariant" and (why := invariant_fallback(mesh, weights)) is not None:
+        # The forms are not proven here: the step replays the decode, which is exact.
+        warnings.warn(f"grpo.logprobs=invariant: {why}; the updates take the replay of the "
+                      "sampler's decode as their value (hybrid)", stacklevel=2)
+        method = "hybrid"
 
     def mb_loss(params, mb: MicroBatch, num_tokens, served, rows, frozen):
         if weights is not None:  # the float view of the train tree -> the model's params
@@ -222,7 +235,7 @@ def make_grpo_step(cfg: ModelConfig, policy: Policy, loss_cfg: LossConfig,
     grad_fn = jax.value_and_grad(mb_loss, has_aux=True)
     policy = require(policy, "make_grpo_step")
     want_policy = policy if sampler_policy is None else require(sampler_policy, "make_grpo_step")
-    packs = pack_buckets > 0 and method in ("dense", "hybrid")
+    packs = pack_buckets > 0 and method in ("dense", "hybrid", "invariant")
 
     def step(params, opt_state, ro: Rollout, adv_B, old_logp_BxN, ref_logp_BxN=None,
              served=None, replay_BxN=None, products=None, packed_rows=None):
@@ -311,7 +324,17 @@ def make_grpo_step(cfg: ModelConfig, policy: Policy, loss_cfg: LossConfig,
             return (*args[:7], value, *args[8:])
 
     return LearnerStep(step, kinds, rows_of=rows_of if packs else None, mesh=mesh, cfg=cfg,
-                       rules=rules, prepare=prepare)
+                       rules=rules, prepare=prepare,
+                       compiler_options=INVARIANT_OPTIONS if method == "invariant" else None)
+
+
+def invariant_fallback(mesh: Mesh | None = None, weights=None) -> str | None:
+    """Why a learner with `invariant` log-probs replays instead, or None where it need not:
+    the forms are proven on XLA:CPU on one device (`numerics.invariant.unsupported`) for
+    plain weights (a weight representation's products are not the decode's)."""
+    if weights is not None:
+        return "a weight representation (LoRA, low-bit codes) has no invariant form"
+    return invariant_unsupported(mesh=mesh)
 
 
 def make_sft_step(cfg: ModelConfig, policy: Policy, optimizer: optax.GradientTransformation,

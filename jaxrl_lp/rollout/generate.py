@@ -18,7 +18,6 @@ sequence sits at cache slot P + j - 1 when it is fed back.
 from __future__ import annotations
 
 import dataclasses
-import functools
 from collections.abc import Sequence
 from typing import NamedTuple
 
@@ -35,6 +34,7 @@ from jaxrl_lp.models.recorded import (
     empty_products,
 )
 from jaxrl_lp.numerics.fingerprint import tree_fingerprint
+from jaxrl_lp.numerics.invariant import COMPILER_OPTIONS, invariant_forms, opaque_zero
 from jaxrl_lp.numerics.policy import FP32, Policy, require
 from jaxrl_lp.parallel.context import use_mesh
 from jaxrl_lp.parallel.rules import DEFAULT_RULES, ShardingRules
@@ -58,8 +58,8 @@ from jaxrl_lp.rollout.step import (
 from jaxrl_lp.rollout.step import decode_layout as decode_layout_for  # `generate` has the name
 
 __all__ = ["Forced", "Rollout", "SamplerCall", "bucket_length", "call_inputs", "concat_rollouts",
-           "generate", "one_device", "pad_prompts", "sampler_program", "split_rows",
-           "take_rows", "tree_devices"]
+           "generate", "invariant_sampler_program", "one_device", "pad_prompts", "program_for",
+           "sampler_program", "split_rows", "take_rows", "tree_devices"]
 
 
 class Forced(NamedTuple):
@@ -94,13 +94,14 @@ class _DecodeState(NamedTuple):
     products: Products | None  # the weight products and logits so far (`record_products`)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "policy", "loop", "sampling",
-                                             "max_new_tokens", "eos_id", "pad_id", "mesh",
-                                             "rules", "record", "layout"))
-def sampler_program(params, prompt_BxP, positions_BxP, lengths_B, key, version,
-                    forced: Forced | None,
-                    *, cfg, policy, loop, sampling, max_new_tokens, eos_id, pad_id, mesh=None,
-                    rules=DEFAULT_RULES, record=False, layout="as_stored") -> Rollout:
+_STATICS = ("cfg", "policy", "loop", "sampling", "max_new_tokens", "eos_id", "pad_id", "mesh",
+            "rules", "record", "layout")
+
+
+def _program(params, prompt_BxP, positions_BxP, lengths_B, key, version,
+             forced: Forced | None,
+             *, cfg, policy, loop, sampling, max_new_tokens, eos_id, pad_id, mesh=None,
+             rules=DEFAULT_RULES, record=False, layout="as_stored") -> Rollout:
     """The sampler's compiled program: samples (`forced.on` False) or replays (True).
 
     Jitted. Static (a new value compiles anew): `cfg`, `policy`, `loop`,
@@ -117,12 +118,29 @@ def sampler_program(params, prompt_BxP, positions_BxP, lengths_B, key, version,
     sampler without that input (it draws, and a looped model's rule exits):
     the program before the replay shared it, which `bench replay` times
     against. Called by `generate`, `rollout.replay` and `bench replay`.
+
+    The `invariant` layout's program is `invariant_sampler_program`, the same
+    function jitted with `numerics.invariant.COMPILER_OPTIONS` (`program_for`).
     """
-    with use_mesh(mesh, rules):
+    with use_mesh(mesh, rules), invariant_forms(opaque_zero(version), layout == "invariant"):
         return _sample(params, prompt_BxP, positions_BxP, lengths_B, key, version, forced,
                        cfg=cfg, policy=policy, loop=loop, sampling=sampling,
                        max_new_tokens=max_new_tokens, eos_id=eos_id, pad_id=pad_id,
                        record=record, layout=layout)
+
+
+sampler_program = jax.jit(_program, static_argnames=_STATICS)
+sampler_program.__doc__ = _program.__doc__
+# The sampler's program in the `invariant` decode layout: its reductions and elementwise work
+# are XLA's own (`numerics.invariant.COMPILER_OPTIONS`), as in the learner's parallel forward.
+invariant_sampler_program = jax.jit(_program, static_argnames=_STATICS,
+                                    compiler_options=COMPILER_OPTIONS)
+
+
+def program_for(layout: str):
+    """The sampler's jitted program for a decode layout (`invariant_sampler_program` for
+    `invariant`, else `sampler_program`)."""
+    return invariant_sampler_program if layout == "invariant" else sampler_program
 
 
 def _sample(params, prompt_BxP, positions_BxP, lengths_B, key, version, forced: Forced | None,
@@ -132,7 +150,7 @@ def _sample(params, prompt_BxP, positions_BxP, lengths_B, key, version, forced: 
     # Sliced and rounded once, here: inside the loop a scan over stacked weights copies them
     # every step, a transpose there would be redone every step, and so would the rounding of
     # the f32 master to the matmul inputs (`decode_weights`).
-    params = unstack_layers(params, transpose=layout == "transposed", policy=policy)
+    params = unstack_layers(params, transpose=layout != "as_stored", policy=policy)
     cache = unstack_cache(init_cache(cfg, policy, b, p + n), cfg)
     # With the fused read-out the steps return the hidden state: the token is sampled from its
     # logits, and its log-prob is theirs (`token_logprobs`, what `step_logprobs` replays).
@@ -274,10 +292,12 @@ def generate(
         step in the rollout (`Rollout.products`, `models.recorded`): a dense
         model on one device. The sampled tokens and log-probs are the same
         bits as without.
-      decode_layout: `as_stored` or `transposed`, the layout of the decode's
-        copy of the weights (`rollout.step.decode_layout`); None picks it by
-        the platform the weights are on (`transposed` on CPU). The rollout
-        records it and the replay follows it.
+      decode_layout: `as_stored`, `transposed` or `invariant`, the layout of the
+        decode's copy of the weights (`rollout.step.decode_layout`); None picks
+        it by the platform the weights are on (`transposed` on CPU). The rollout
+        records it and the replay follows it. `invariant` (CPU, one device) adds
+        the batch-invariant forms, which the learner's `invariant` log-probs
+        reproduce in one parallel forward (`numerics.invariant`).
 
     Returns:
       A `Rollout`.
@@ -307,7 +327,7 @@ def generate(
     zeros = np.zeros((req.tokens_BxP.shape[0], max_new_tokens), np.int32)
     layout = decode_layout_for(params, policy, mesh, decode_layout)
     device = None if mesh is not None else one_device(params)
-    ro = sampler_program(params, *call_inputs(req.tokens_BxP, req.positions_BxP, req.lengths_B,
+    ro = program_for(layout)(params, *call_inputs(req.tokens_BxP, req.positions_BxP, req.lengths_B,
                                               key, weights_version, zeros, zeros, False, mesh,
                                               rules, device),
                          cfg=cfg, policy=policy, loop=loop, sampling=sampling,

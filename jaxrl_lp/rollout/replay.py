@@ -53,6 +53,7 @@ from jaxrl_lp.models.blocks import unstack_layers
 from jaxrl_lp.models.cache import init_cache, unstack_cache
 from jaxrl_lp.models.config import ModelConfig
 from jaxrl_lp.models.loop import MODEL_DEFAULT
+from jaxrl_lp.numerics.invariant import invariant_forms, opaque_zero
 from jaxrl_lp.numerics.policy import Policy, require
 from jaxrl_lp.parallel.context import use_mesh
 from jaxrl_lp.parallel.rules import DEFAULT_RULES, ShardingRules, param_shardings
@@ -62,7 +63,7 @@ from jaxrl_lp.rollout.generate import (
     SamplerCall,
     call_inputs,
     one_device,
-    sampler_program,
+    program_for,
     tree_devices,
 )
 from jaxrl_lp.rollout.sampling import SamplingConfig
@@ -142,10 +143,18 @@ def traced_replay_logprobs(params: dict, cfg: ModelConfig, policy: Policy, ro: R
     b, p = ro.prompt_tokens.shape
     n = ro.completion_tokens.shape[1]
     # As the sampler (`generate`) decoded: the same copy of the weights, in its layout.
-    params = unstack_layers(params, transpose=ro.decode_layout == "transposed", policy=policy)
+    params = unstack_layers(params, transpose=ro.decode_layout != "as_stored", policy=policy)
     cache = unstack_cache(init_cache(cfg, policy, b, p + n), cfg)
     positions = prompt_positions(ro.prompt_tokens, ro.prompt_lengths)
     fused = fused_readout(policy)  # the steps return what the sampler's did
+    with invariant_forms(opaque_zero(ro.weights_version),  # the sampler's forms
+                         ro.decode_layout == "invariant"):
+        return _traced_steps(params, cfg, policy, loop, ro, cache, positions, fused)
+
+
+def _traced_steps(params, cfg, policy, loop, ro, cache, positions, fused):
+    """`traced_replay_logprobs`' steps on the decode copy of the weights."""
+    p, n = ro.prompt_tokens.shape[1], ro.completion_tokens.shape[1]
     out, cache, _, _ = prefill(params, cfg, policy, loop, ro.prompt_tokens, positions, cache,
                                readout_steps_B=ro.exit_steps[:, 0] if cfg.is_looped else None,
                                hidden=fused)
@@ -276,8 +285,8 @@ def replay_logprobs(params: dict, cfg: ModelConfig, policy: Policy, ro: Rollout,
             lp = speculative_program(held, drafter_stand_in(spec, device), *args,
                                      dcfg=spec.drafter_cfg, spec=spec.spec, **kw)[0].logprobs
         else:
-            lp = sampler_program(held, *args, mesh=call.mesh, rules=rules, record=call.record,
-                                 **kw).logprobs
+            lp = program_for(ro.decode_layout)(held, *args, mesh=call.mesh, rules=rules,
+                                               record=call.record, **kw).logprobs
         if len(calls) == 1 and call.rows == b and (at == np.arange(b)).all():
             # The whole call, in its order, placed as the rollout's rows are (a sampler of its
             # own ran it on its devices).

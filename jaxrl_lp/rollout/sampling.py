@@ -8,6 +8,7 @@ from typing import Literal
 import jax
 import jax.numpy as jnp
 
+from jaxrl_lp.numerics import invariant
 from jaxrl_lp.rollout.noise import gumbel
 
 __all__ = ["DRAWS", "SamplingConfig", "choose_tokens", "draw_categorical", "first_argmax",
@@ -61,26 +62,48 @@ def token_logprobs(logits_BxV: jax.Array, tokens_B: jax.Array, temperature: floa
     """log_softmax(logits / temperature)[token], in f32 (unfiltered by top-k/top-p).
 
     The sampler and the learner both call this function, so their log-probs of
-    the same logits are the same bits.
+    the same logits are the same bits. Inside `numerics.invariant.invariant_forms`
+    the scaled logits and the log of the sum are kept apart from the sums that read
+    them (`invariant.apart`) and the sum is a fixed tree (`invariant.total`), so any
+    program that computes it computes it alike.
     """
-    lp = jax.nn.log_softmax(logits_BxV.astype(jnp.float32) / temperature, axis=-1)
+    s = logits_BxV.astype(jnp.float32) / temperature
+    if invariant.active():
+        s = invariant.apart(s)
+        shifted = s - jax.lax.stop_gradient(jnp.max(s, axis=-1, keepdims=True))
+        lse = invariant.apart(jnp.log(invariant.total(jnp.exp(shifted))))
+        lp = shifted - lse
+    else:
+        lp = jax.nn.log_softmax(s, axis=-1)
     return jnp.take_along_axis(lp, tokens_B[..., None], axis=-1)[..., 0]
 
 
 def first_argmax(x: jax.Array, axis: int = -1) -> jax.Array:
-    """`jnp.argmax(x, axis)` as int32, computed as two plain reductions.
+    """`jnp.argmax(x, axis)` as int32: on CPU as two plain reductions, elsewhere itself.
 
     The same index bit for bit, on every platform: the first position of the
     maximum, a NaN counting as the maximum (its first position then), index 0
     where every entry is -inf (or False). `jnp.argmax` lowers to one reduce
     over (value, index) pairs, which XLA:CPU emits as a scalar loop, about
     twice the time of the noise, a max and a min of positions here
-    (docs/design/exact_logprobs.md, "Argmax as two plain reductions"). GPU and TPU reduce
-    either form in one pass over a [B, V] block; this one costs them a
-    second pass.
+    (docs/design/exact_logprobs.md, "Argmax as two plain reductions"). GPU and
+    TPU run that reduce in one pass over a [B, V] block, and the Gumbel noise
+    and the logits it adds fuse into it (`gumbel_max`): the two reductions
+    would read the noisy logits twice, written out once in between
+    (docs/design/hot_path.md, "The decode step's kernels"). So the platform
+    lowered for picks (`lax.platform_dependent`): the two reductions on CPU,
+    `jnp.argmax` on GPU and TPU. Either is the same index: the draw's tokens
+    do not depend on the platform's form.
     """
     x = jnp.asarray(x)
     axis = axis % x.ndim
+    return jax.lax.platform_dependent(
+        x, cpu=lambda x: _two_reductions(x, axis),
+        default=lambda x: jnp.argmax(x, axis=axis).astype(jnp.int32))
+
+
+def _two_reductions(x: jax.Array, axis: int) -> jax.Array:
+    """`first_argmax` as a max and a min of the positions that reach it (XLA:CPU's form)."""
     hit = x == jnp.max(x, axis=axis, keepdims=True)
     if jnp.issubdtype(x.dtype, jnp.inexact):
         hit = hit | jnp.isnan(x)

@@ -29,6 +29,7 @@ from jaxrl_lp.models.config import ModelConfig
 from jaxrl_lp.models.layers import TransposedWeight
 from jaxrl_lp.models.loop import ExitSchedule, LoopSpec
 from jaxrl_lp.models.model import forward
+from jaxrl_lp.numerics import invariant
 from jaxrl_lp.numerics.policy import Policy
 from jaxrl_lp.rollout.sampling import token_logprobs
 
@@ -37,8 +38,11 @@ __all__ = ["DECODE_LAYOUTS", "LoopSpec", "decode_layout", "decode_step", "fused_
 
 # How the sampler's decode copy of the weights is laid out (`Rollout.decode_layout`):
 # `as_stored` slices the stacked layers; `transposed` copies the plain matmul weights and
-# the lm head `[out, in]` (`models.blocks.unstack_layers(transpose=True)`).
-DECODE_LAYOUTS = ("as_stored", "transposed")
+# the lm head `[out, in]` (`models.blocks.unstack_layers(transpose=True)`); `invariant` is
+# `transposed` with the batch-invariant forms (`numerics.invariant`: the sampler's program
+# traced inside `invariant_forms`, compiled with its options), which the learner's parallel
+# forward reproduces bit for bit (`rl.logprobs`' `invariant` method).
+DECODE_LAYOUTS = ("as_stored", "transposed", "invariant")
 
 
 def decode_layout(params, policy: Policy, mesh=None, layout: str | None = None) -> str:
@@ -55,14 +59,20 @@ def decode_layout(params, policy: Policy, mesh=None, layout: str | None = None) 
     for; abstract or traced weights (`jax.ShapeDtypeStruct`, inside another
     jit) take `as_stored` unless `layout` says otherwise.
 
+    `invariant` (asked for, never picked) is `transposed` with the batch-invariant
+    forms (`numerics.invariant`); it is refused where those are not proven
+    (`invariant.unsupported`: another platform than CPU, a mesh).
+
     Raises:
-      ValueError: an unknown `layout`, or `transposed` where it cannot apply.
+      ValueError: an unknown `layout`, or `transposed` / `invariant` where it cannot apply.
     """
     layers = params["layers"]
     if isinstance(layers, tuple):  # unstacked by the caller
         leaves = jax.tree.leaves(params, is_leaf=lambda x: isinstance(x, TransposedWeight))
         found = ("transposed" if any(isinstance(x, TransposedWeight) for x in leaves)
                  else "as_stored")
+        if layout == "invariant" and found == "transposed":  # the same copy of the weights
+            return layout
         if layout is not None and layout != found:
             raise ValueError(f"decode_layout: params unstacked as {found!r}, asked for "
                              f"{layout!r}; pass the stacked params")
@@ -70,9 +80,15 @@ def decode_layout(params, policy: Policy, mesh=None, layout: str | None = None) 
     if layout is not None:
         if layout not in DECODE_LAYOUTS:
             raise ValueError(f"decode_layout: {layout!r} is not one of {DECODE_LAYOUTS}")
-        if layout == "transposed" and (mesh is not None or policy.matmul_format is not None):
-            raise ValueError("decode_layout: 'transposed' is for one device and plain "
+        if layout != "as_stored" and (mesh is not None or policy.matmul_format is not None):
+            raise ValueError(f"decode_layout: {layout!r} is for one device and plain "
                              "matmuls (no mesh, no matmul_format)")
+        if layout == "invariant":
+            leaf = next((x for x in jax.tree.leaves(params) if isinstance(x, jax.Array)
+                         and not isinstance(x, jax.core.Tracer)), None)
+            platform = None if leaf is None else next(iter(leaf.devices())).platform
+            if (why := invariant.unsupported(platform or "cpu", mesh)) is not None:
+                raise ValueError(f"decode_layout: 'invariant': {why}")
         return layout
     if mesh is not None or policy.matmul_format is not None:
         return "as_stored"

@@ -44,7 +44,10 @@ class ReplayRule:
     Attributes:
       replay: `auto` (take the recorded values where they are the replay's) or
         `always` (replay every update, as before `grpo.replay` existed).
-      method: the learner's `grpo.logprobs`; only `hybrid` has a replay value.
+      method: the learner's `grpo.logprobs`; `hybrid` has a replay value, and
+        `invariant` log-probs are the replay's bits by their forms (the
+        behaviour log-probs may be the rollout's; each update computes its own
+        value in its forward).
       matched: the learner's policy is the sampler's.
     """
 
@@ -54,7 +57,7 @@ class ReplayRule:
 
     @property
     def can_reuse(self) -> bool:
-        return self.replay == "auto" and self.method == "hybrid" and self.matched
+        return self.replay == "auto" and self.method in ("hybrid", "invariant") and self.matched
 
     def recorded(self, ro: Rollout, weights) -> bool:
         """Whether `ro.logprobs` are the replay's values under `weights` (a host decision).
@@ -80,9 +83,17 @@ def bit_mismatch(got, want, mask) -> tuple[int, int, float]:
     return int(differ.sum()), int(mask.sum()), worst
 
 
-def check_replay_equal(replayed, ro: Rollout, step: int) -> None:
-    """Raises `ReplayMismatchError` unless `replayed` equals `ro.logprobs` bit for bit on the mask."""
+def check_replay_equal(replayed, ro: Rollout, step: int, method: str = "hybrid") -> None:
+    """Raises `ReplayMismatchError` unless `replayed` equals `ro.logprobs` bit for bit on the
+    mask (`method`: the learner's, `invariant` naming its parallel forward in the message)."""
     differ, tokens, worst = bit_mismatch(replayed, ro.logprobs, ro.completion_mask)
+    if differ and method == "invariant":
+        raise ReplayMismatchError(
+            f"grpo.verify_every: at step {step} the learner's invariant forward of the training "
+            f"batch under the weights the sampler ran differs from the sampler's recorded "
+            f"log-probs on {differ} of {tokens} tokens (max |dlogp| {worst:.3g}): the invariant "
+            "forms do not hold for this configuration; run with grpo.logprobs=hybrid (the "
+            "updates replay the decode) and report the configuration")
     if differ:
         raise ReplayMismatchError(
             f"grpo.verify_every: at step {step} the learner's replay of the training batch under "

@@ -254,6 +254,10 @@ class RunConfig:
       wandb_project: the W&B project.
       wandb_mode: `online` (synced as the run goes) or `offline` (written under the run
         directory, no network; `wandb sync` uploads it later).
+      xla_gpu_flags: XLA's GPU flags by preset, comma-separated to combine (`none`,
+        `decode_graphs`: the decode loop as CUDA graphs, `scheduler`: the latency-hiding
+        scheduler; `jaxrl_lp.xla_flags`), added to `XLA_FLAGS` when the run starts, before
+        JAX's backend; refused if the backend started already. No effect off a GPU.
     """
 
     out_dir: str = "runs/default"
@@ -270,9 +274,13 @@ class RunConfig:
     wandb: bool = False
     wandb_project: str = "jaxrl-lp"
     wandb_mode: Literal["online", "offline"] = "online"
+    xla_gpu_flags: str = "none"
 
     def __post_init__(self):
         check_bool("run.wandb", self.wandb)
+        from jaxrl_lp.xla_flags import parse as parse_xla_gpu_flags
+
+        parse_xla_gpu_flags(self.xla_gpu_flags, "run.xla_gpu_flags")
         check_str("run.wandb_project", self.wandb_project, nonempty=True, what="a W&B project name")
         check_choice("run.wandb_mode", self.wandb_mode, ("online", "offline"))
         check_str("run.out_dir", self.out_dir, nonempty=True, what="a directory path")

@@ -44,7 +44,12 @@ class GRPOConfig:
       minibatches: optimizer updates per pass (the batch is split into this many).
       micro_batches: gradient-accumulation slices per minibatch (same result, less memory).
       advantage: `grpo`, `drgrpo` or `rloo`.
-      logprobs: learner log-probs, `dense` or `hybrid`.
+      logprobs: learner log-probs, `dense`, `hybrid` or `invariant`. `invariant`: the
+        sampler decodes in the batch-invariant forms (`numerics.invariant`, the decode
+        layout `invariant`) and every update's value is its own parallel forward in the
+        same forms, the sampler's bits without replaying the decode
+        (docs/design/invariant.md). XLA:CPU on one device with plain weights; elsewhere
+        the updates replay as `hybrid`'s (a warning says so). Not with `speculative`.
       replay: `auto`: where an update computes with the weights the sampler ran, under
         its policy, the hybrid's value and the behaviour log-probs are the rollout's
         recorded ones and the replay is not run (`train.behaviour`); `always`: every
@@ -135,7 +140,7 @@ class GRPOConfig:
     minibatches: int = 1
     micro_batches: int = 1
     advantage: Literal["grpo", "drgrpo", "rloo"] = "grpo"
-    logprobs: Literal["dense", "hybrid"] = "hybrid"
+    logprobs: Literal["dense", "hybrid", "invariant"] = "hybrid"
     replay: Literal["auto", "always"] = "auto"
     verify_every: int = 10
     start_probe: bool = True
@@ -168,6 +173,10 @@ class GRPOConfig:
             raise ValueError(f"grpo.speculative={self.speculative!r} draws by Gumbel-max (its "
                              f"drafter and residual draws); set grpo.draw=gumbel (got "
                              f"{self.draw!r}) or grpo.speculative=''")
+        if spec is not None and self.logprobs == "invariant":
+            raise ValueError(f"grpo.speculative={self.speculative!r} verifies chunks, which the "
+                             "invariant forward does not reproduce; set grpo.logprobs=hybrid or "
+                             "grpo.speculative=''")
         if spec is not None and self.compute_mode != "dense":
             raise ValueError(f"grpo.speculative={self.speculative!r} verifies drafts in dense "
                              f"compute mode; set grpo.compute_mode=dense (got {self.compute_mode!r})")
@@ -194,7 +203,7 @@ class GRPOConfig:
                      why=" (it divides the logits; the sampler records log-probs at it)")
         check_choice("grpo.draw", self.draw, DRAWS)
         check_choice("grpo.advantage", self.advantage, ("grpo", "drgrpo", "rloo"))
-        check_choice("grpo.logprobs", self.logprobs, ("dense", "hybrid"))
+        check_choice("grpo.logprobs", self.logprobs, ("dense", "hybrid", "invariant"))
         check_choice("grpo.replay", self.replay, ("auto", "always"))
         check_int("grpo.verify_every", self.verify_every, minimum=0, why=" (0: never)")
         check_bool("grpo.start_probe", self.start_probe)

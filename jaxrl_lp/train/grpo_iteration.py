@@ -38,6 +38,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxrl_lp.models.recorded import take_product_rows
+from jaxrl_lp.numerics.invariant import unsupported as invariant_unsupported
 from jaxrl_lp.parallel.shard import to_host
 from jaxrl_lp.rl.advantages import group_advantages, overlong_penalty, zero_variance_groups
 from jaxrl_lp.rl.dynamic_sampling import refill_groups
@@ -52,7 +53,7 @@ from jaxrl_lp.train.run_state import RunState
 from jaxrl_lp.train.sync_hooks import SyncHooks
 
 __all__ = ["IterationPrograms", "Reference", "dispatch_rollout", "grpo_iteration",
-           "sample_step_episodes", "sampler_side", "sampling_key"]
+           "sample_step_episodes", "sampler_layout", "sampler_side", "sampling_key"]
 
 
 def sampler_side(plan) -> SamplerSide:
@@ -116,7 +117,15 @@ def dispatch_rollout(held, version, key, cfg, plan, problems, side: SamplerSide)
                     "spec_tokens_per_forward": st.tokens_per_target_forward(
                         ro.prompt_tokens.shape[0])}
     return side.generate(held, prompts, key=key, record_products=g.reuse_products,
-                         **sample_kw), {}
+                         decode_layout=sampler_layout(g, side), **sample_kw), {}
+
+
+def sampler_layout(g, side: SamplerSide) -> str | None:
+    """The sampler's decode layout: `invariant` for `grpo.logprobs=invariant` where its forms
+    hold (`numerics.invariant.unsupported`), else None (`generate` picks)."""
+    if g.logprobs != "invariant" or invariant_unsupported(mesh=side.sampler_mesh) is not None:
+        return None
+    return "invariant"
 
 
 def _sample(weights, step, key, cfg, plan, problems, timer, side: SamplerSide):
@@ -343,7 +352,7 @@ def grpo_iteration(state: RunState, step: int, cfg, plan, programs: IterationPro
             # its call: `rollout.replay`) must be the recorded bits
             old_logp = jax.block_until_ready(
                 old_logp_fn(sampler_params if on_served else master, ro))
-            check_replay_equal(old_logp, ro, step)
+            check_replay_equal(old_logp, ro, step, g.logprobs)
         else:  # the behaviour log-probs as the learner computes them (on the copy the loss uses)
             old_logp = jax.block_until_ready(
                 old_logp_fn(sampler_params if on_served else master, ro))
@@ -351,7 +360,7 @@ def grpo_iteration(state: RunState, step: int, cfg, plan, programs: IterationPro
                 at_own = jax.block_until_ready(
                     old_logp_fn(side.params_to_learner(rollout_weights), ro))
                 if rule.can_reuse:  # the replay at the rollout's weights: its bits
-                    check_replay_equal(at_own, ro, step)
+                    check_replay_equal(at_own, ro, step, g.logprobs)
                 numerics = {k: float(v) for k, v in mismatch_metrics(
                     at_own, ro.logprobs, ro.completion_mask).items()}
     measured = not (recorded and not verify)
@@ -393,7 +402,8 @@ def grpo_iteration(state: RunState, step: int, cfg, plan, programs: IterationPro
                 # served copy, which the updates do not move).
                 first = epoch == 0 and i == 0
                 reuse = recorded if first or on_served else rule.recorded(ro, loss_weights())
-                value = (ro.logprobs[idx] if reuse else
+                value = (None if g.logprobs == "invariant" else  # its forward computes it
+                         ro.logprobs[idx] if reuse else
                          old_logp[idx] if behaviour_value and (first or on_served) else None)
                 replayed += int(g.logprobs == "hybrid" and value is None)
                 if value is None and episodes is not None and g.logprobs == "hybrid":

@@ -30,13 +30,14 @@ from jaxrl_lp.envs import EnvRunner
 from jaxrl_lp.models.model import init_params
 from jaxrl_lp.parallel.rules import param_shardings
 from jaxrl_lp.parallel.shard import put_tree, to_host
+from jaxrl_lp.rl.logprobs import jit_learner_logprobs
 from jaxrl_lp.rollout.generate import take_rows
 from jaxrl_lp.rollout.multiturn import replay_multiturn
 from jaxrl_lp.rollout.replay import replay_logprobs
 from jaxrl_lp.rollout.sampling import SamplingConfig
 from jaxrl_lp.train.behaviour import bit_mismatch
 from jaxrl_lp.train.episodes import is_multiturn, sample_episodes
-from jaxrl_lp.train.grpo_iteration import sampler_side
+from jaxrl_lp.train.grpo_iteration import sampler_layout, sampler_side
 
 __all__ = ["ExactnessProbeError", "probe_exactness"]
 
@@ -60,14 +61,16 @@ def probe_exactness(cfg, plan) -> dict | None:
     `grpo.start_probe` is false; else what was checked: `{"rows": B,
     "slices": [...], "tokens": n}`. A multi-turn task's call of episodes is checked
     whole (its updates replay whole calls); a speculative sampler's batch, whole and in
-    the slices, as a plain one's.
+    the slices, as a plain one's. With `grpo.logprobs=invariant` the batch is sampled in
+    the `invariant` decode layout and checked by the learner's invariant forward (the
+    program its verifications run), whole and in the slices.
 
     Raises:
       ExactnessProbeError: the replay of the whole batch or of a slice differs
         from the sampler's recorded log-probs.
     """
     g = cfg.grpo
-    relies = (g.replay == "auto" and g.logprobs == "hybrid"
+    relies = (g.replay == "auto" and g.logprobs in ("hybrid", "invariant")
               and plan.learner_policy == plan.sampler_policy)
     if not (g.start_probe and relies):
         return None
@@ -87,27 +90,39 @@ def probe_exactness(cfg, plan) -> dict | None:
 
         ro = speculative_generate(params, plan.model, prompts, g.speculative, **kw)
     else:
-        ro = side.to_learner(jax.block_until_ready(side.generate(side.hold(params, copy=False),
-                                                                 prompts, **kw)))
+        ro = side.to_learner(jax.block_until_ready(side.generate(
+            side.hold(params, copy=False), prompts, decode_layout=sampler_layout(g, side), **kw)))
     mesh = plan.mesh  # the learner's: a rollout's calls replay where they ran
     want = np.asarray(to_host(ro.logprobs), np.float32)
     mask = np.asarray(to_host(ro.completion_mask)) > 0
     rows = want.shape[0]
-    replay = lambda r: np.asarray(to_host(replay_logprobs(params, plan.model, plan.learner_policy,
-                                                          r, mesh=mesh)), np.float32)
+    # `invariant`: the learner's parallel forward in the invariant forms, the program its
+    # verifications run (the replay where the forms are not proven here).
+    learner = (jit_learner_logprobs(plan.model, plan.learner_policy, "invariant", loop=plan.loop,
+                                    mesh=mesh) if g.logprobs == "invariant" else
+               lambda p, r: replay_logprobs(p, plan.model, plan.learner_policy, r, mesh=mesh))
+    replay = lambda r: np.asarray(to_host(learner(params, r)), np.float32)
     slices = _slices(rows, g.minibatches, g.micro_batches)
     for size in [rows, *slices]:
         got = np.concatenate([replay(ro if size == rows else
                                      take_rows(ro, np.arange(i, i + size)))
                               for i in range(0, rows, size)])
-        _compare(got, want, mask, "the whole batch" if size == rows else f"slices of {size} rows")
+        _compare(got, want, mask, "the whole batch" if size == rows else f"slices of {size} rows",
+                 g.logprobs)
     return {"rows": rows, "slices": slices, "tokens": int(mask.sum())}
 
 
-def _compare(got, want, mask, shape: str) -> None:
+def _compare(got, want, mask, shape: str, method: str = "hybrid") -> None:
     """Raises `ExactnessProbeError` where a replayed value under `mask` is not the sampler's
-    bits (`shape`: what was replayed, for the message)."""
+    bits (`shape`: what was replayed, for the message; `method`: the learner's)."""
     differ, tokens, worst = bit_mismatch(got, want, mask)
+    if differ and method == "invariant":
+        raise ExactnessProbeError(
+            f"grpo.start_probe: on {jax.default_backend()} the learner's invariant forward of "
+            f"{shape} differs from the sampler on {differ} of {tokens} tokens (max |dlogp| "
+            f"{worst:.3g}), so its log-probs are not the sampler's; nothing was written. Set "
+            "grpo.logprobs=hybrid (the updates replay the decode) or grpo.start_probe=false "
+            "to run as configured")
     if differ:
         raise ExactnessProbeError(
             f"grpo.start_probe: on {jax.default_backend()} the learner's replay of "

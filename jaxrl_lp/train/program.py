@@ -57,6 +57,8 @@ from jaxrl_lp.train.run_state import Progress, RunState
 from jaxrl_lp.train.sync_hooks import SyncHooks
 from jaxrl_lp.train.task_source import TaskRecord, check_task_record
 from jaxrl_lp.train.validate import RunPlan, validate
+from jaxrl_lp.xla_flags import apply as apply_xla_gpu_flags
+from jaxrl_lp.xla_flags import parse as parse_xla_gpu_flags
 
 __all__ = ["NonFiniteError", "initial_state", "run_train"]
 
@@ -276,6 +278,8 @@ def run_train(cfg: TrainConfig, task: Any = None, *, stop_after: int | None = No
         `jaxrl-lp eval --run` finds the task again).
     """
     t_start = time.time()
+    # XLA reads XLA_FLAGS once, when JAX's backend starts: the run's GPU flags go first.
+    apply_xla_gpu_flags(parse_xla_gpu_flags(cfg.run.xla_gpu_flags))
     initialize(cfg.distributed)  # the processes join before the mesh is laid over them
     plan = validate(cfg, task)  # every setting, before anything is built or written
     run_dir = Path(cfg.run.out_dir)

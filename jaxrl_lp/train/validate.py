@@ -239,6 +239,8 @@ def _multiturn(cfg: TrainConfig, task, mcfg: ModelConfig, weights) -> None:
         why = "decode with the plain sampler: set grpo.speculative=''"
     elif g.reuse_products:
         why = "record no weight products: set grpo.reuse_products=false"
+    elif g.logprobs == "invariant":
+        why = "replay each call by their own programs: set grpo.logprobs=hybrid"
     elif weights is not None:
         why = "train plain weights: set sft.optimizer=adamw"
     if why:

@@ -1,0 +1,243 @@
+"""The invariant log-probs: one parallel forward whose values are the sampler's decode bits.
+
+A rollout sampled in the `invariant` decode layout (`numerics.invariant`: the
+batch-invariant forms) is read by the learner's `invariant` program, one
+packed parallel forward over every token: on the whole batch, on 2- and 4-way
+row slices, and inside a gradient's program, its log-probs are the sampler's
+bit for bit; under weights moved by a step they are the replay's (which stays
+the reference). Dense and looped deferred models, fp32 and bf16 policies.
+
+The model is wider than the tiny presets (hidden 256, head width 64): at a
+hidden size of 64 XLA:CPU's products give a row the same bits at every row
+count anyway, and a form reverted to the plain one would pass unseen.
+"""
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from jaxrl_lp.models.config import get_preset
+from jaxrl_lp.models.model import init_params
+from jaxrl_lp.numerics.invariant import COMPILER_OPTIONS, unsupported
+from jaxrl_lp.numerics.policy import Policy
+from jaxrl_lp.rl.logprobs import jit_learner_logprobs, learner_logprobs, packed_rows_of
+from jaxrl_lp.rl.loss import LossConfig
+from jaxrl_lp.rl.train_step import make_grpo_step
+from jaxrl_lp.rollout.generate import generate, take_rows
+from jaxrl_lp.rollout.replay import replay_logprobs
+from jaxrl_lp.rollout.sampling import SamplingConfig
+from jaxrl_lp.rollout.step import LoopSpec
+from jaxrl_lp.train.behaviour import bit_mismatch
+
+EOS = 3
+PROMPTS = ((1, 5, 7), (2, 9, 4, 11, 3, 8), (6,), (12, 13, 14, 15))
+
+
+def _model(kind: str):
+    """One layer at widths where XLA:CPU's plain forms depend on the row count."""
+    cfg = get_preset("tiny-qwen3").replace(hidden_size=256, intermediate_size=512, num_heads=4,
+                                           num_kv_heads=2, head_dim=64, vocab_size=512,
+                                           num_layers=1)
+    loop = LoopSpec()
+    if kind == "looped_deferred":
+        cfg = cfg.replace(family="ouro", loop_steps=3, qk_norm=False)
+        loop = LoopSpec("threshold:0.5", "deferred")
+    params = init_params(cfg, jax.random.PRNGKey(0))
+    params["lm_head"] = params["lm_head"].at[:, EOS].multiply(6.0)  # some rows end early
+    if cfg.is_looped:  # exits at every loop step (`bench.exactness.exactness_model`)
+        params["exit_gate"] = {"kernel": params["exit_gate"]["kernel"] * 20.0,
+                               "bias": params["exit_gate"]["bias"] + 2.0}
+    return cfg, params, loop
+
+
+def _rollout(cfg, params, loop, policy, layout="invariant"):
+    return generate(params, cfg, PROMPTS, policy=policy, sampling=SamplingConfig(temperature=0.8),
+                    max_new_tokens=12, num_samples=2, eos_id=EOS, loop=loop,
+                    key=jax.random.PRNGKey(1), decode_layout=layout)
+
+
+def _exact(got, want, ro, what):
+    differ, tokens, worst = bit_mismatch(got, want, ro.completion_mask)
+    assert tokens > 0 and (differ, worst) == (0, 0.0), (what, differ, tokens, worst)
+
+
+# Each case compiles a sampler and four learner programs (14-19 s of CPU cold on 2 shared
+# cores, 3-5 s from the compilation cache): the default run takes the dense model in f32 and
+# the looped model deferred in bf16; the other two run in CI's slow tier.
+CASES = [pytest.param(kind, pol, marks=(pytest.mark.slow, pytest.mark.ci)
+                      if (kind, pol) in {("dense", "bf16"), ("looped_deferred", "fp32")} else ())
+         for kind in ("dense", "looped_deferred") for pol in ("fp32", "bf16")]
+
+
+@pytest.mark.parametrize(("kind", "policy"), CASES)
+def test_the_parallel_forward_is_the_samplers_bits(kind, policy):
+    """Whole batch, 2- and 4-way slices (packed, as the learner step packs), and the value
+    inside a gradient's program: the sampler's bits; under moved weights the replay's."""
+    policy = Policy.parse(policy)
+    cfg, params, loop = _model(kind)
+    ro = _rollout(cfg, params, loop, policy)
+    lengths = np.asarray(ro.completion_mask).sum(1)
+    assert lengths.min() < lengths.max(), lengths  # EOS in play
+    if cfg.is_looped:
+        assert len(np.unique(np.asarray(ro.exit_steps)[np.asarray(ro.completion_mask) > 0])) > 1
+    program = jit_learner_logprobs(cfg, policy, "invariant")
+    _exact(program(params, ro), ro.logprobs, ro, "whole batch")
+    for ways in (2, 4):
+        size = 8 // ways
+        for i in range(0, 8, size):
+            rows = take_rows(ro, np.arange(i, i + size))
+            _exact(program(params, rows), rows.logprobs, rows, f"{ways}-way slice at {i}")
+
+    def loss(p, r, packed):  # the value as a gradient's program computes it
+        lp, ent = learner_logprobs(p, cfg, policy, r, "invariant", packed_rows=packed)
+        return jnp.sum(lp * r.completion_mask) + 0.01 * jnp.sum(ent), lp
+
+    grad = jax.jit(jax.value_and_grad(loss, has_aux=True), static_argnums=2,
+                   compiler_options=COMPILER_OPTIONS)
+    half = take_rows(ro, np.arange(4))
+    for packed in (packed_rows_of(half), None):  # packed as the step runs, and on the grid
+        (_, lp), g = grad(params, half, packed)
+        _exact(lp, half.logprobs, half, f"inside value_and_grad, packed {packed}")
+        assert all(bool(jnp.isfinite(x).all()) for x in jax.tree.leaves(g))
+
+    moved = jax.tree.map(lambda x: x * 1.01, params)  # weights a step moved
+    for rows in (np.arange(8), np.arange(2, 4)):
+        r = take_rows(ro, rows)
+        _exact(program(moved, r), replay_logprobs(moved, cfg, policy, r), r,
+               f"moved weights, rows {rows.tolist()}")
+
+
+def test_the_invariant_step_runs_at_ratio_one():
+    """The GRPO step of `method='invariant'` (its own program, compiled with the forms'
+    options) computes 2-row minibatches at the sampler's weights at ratio 1, and takes no
+    replay value."""
+    policy = Policy.parse("fp32")
+    cfg, params, loop = _model("dense")
+    ro = _rollout(cfg, params, loop, policy)
+    step = make_grpo_step(cfg, policy, LossConfig(), optax.sgd(0.0), loop=loop,
+                          method="invariant", micro_batches=2)
+    assert step.prepare is None and step.compiler_options == COMPILER_OPTIONS
+    for i in (0, 6):
+        rows = take_rows(ro, np.arange(i, i + 2))
+        copy = jax.tree.map(jnp.copy, params)
+        _, _, m = step(copy, optax.sgd(0.0).init(copy), rows, jnp.asarray([1.0, -1.0]),
+                       rows.logprobs)
+        assert float(m["ratio_mean"]) == 1.0, (i, float(m["ratio_mean"]))
+
+
+def test_another_layouts_rollout_is_refused_and_a_mesh_replays():
+    """The invariant forward reproduces the `invariant` layout only (another layout's decode
+    sums otherwise: refused, never silently inexact); off XLA:CPU or on a mesh the program
+    is the replay, exact there."""
+    policy = Policy.parse("fp32")
+    cfg, params, loop = _model("dense")
+    ro = _rollout(cfg, params, loop, policy, layout="transposed")
+    with pytest.raises(ValueError, match="'invariant' decode layout"):
+        jit_learner_logprobs(cfg, policy, "invariant")(params, ro)
+    assert unsupported("cuda") is not None and unsupported("cpu") is None
+    mesh = jax.sharding.Mesh(np.asarray(jax.devices()[:1]).reshape(1, 1, 1),
+                             ("data", "fsdp", "tensor"))
+    assert type(jit_learner_logprobs(cfg, policy, "invariant", mesh=mesh)).__name__ == \
+        "ReplayProgram"
+
+
+def test_attention_over_the_cache_is_the_same_for_one_query_or_all():
+    """The invariant attention of one query (a decode step) over a cache is the bits of the
+    same query among all of a parallel forward's, at a cache long and wide enough (520 slots,
+    head width 128) that the plain products give a query other bits by the query count."""
+    from jaxrl_lp.models.attention import attention
+    from jaxrl_lp.numerics.invariant import invariant_forms, opaque_zero
+
+    policy = Policy.parse("fp32")
+    b, h, kv, dh, s = 2, 4, 2, 128, 520
+    keys = jax.random.split(jax.random.PRNGKey(0), 3)
+    q = jax.random.normal(keys[0], (b, s, h, dh))
+    k, v = (jax.random.normal(x, (b, kv, s, dh)) for x in keys[1:])
+    pos = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32)[None], (b, s))
+
+    def differing(forms: bool) -> list[int]:
+        def attend(q, q_pos):
+            with invariant_forms(opaque_zero(jnp.int32(0)), forms):
+                return attention(q, k, v, q_pos, pos, policy)
+
+        run = jax.jit(attend, compiler_options=COMPILER_OPTIONS)
+        every = np.asarray(run(q, pos)).view(np.uint32)
+        return [int((np.asarray(run(q[:, t:t + 1], pos[:, t:t + 1]))[:, 0].view(np.uint32)
+                     != every[:, t]).sum()) for t in (0, 1, 7, 300, s - 1)]
+
+    assert differing(True) == [0] * 5
+    assert sum(differing(False)) > 0  # the plant: the plain attention, the same inputs
+
+
+def test_the_weight_products_back_to_the_plain_form_break_the_equality(monkeypatch):
+    """The forms are what makes the equality: the learner's weight products reverted to the
+    plain `x @ W`, the same rollout's log-probs are not the sampler's bits at this model's
+    widths (`benchmarks/batch_invariance.py --parts model` reverts each form in turn; the
+    attention's is planted in the test below, at a cache where it matters)."""
+    import jaxrl_lp.models.layers as layers
+    import jaxrl_lp.numerics.invariant as inv
+
+    policy = Policy.parse("fp32")
+    cfg, params, loop = _model("dense")
+    ro = _rollout(cfg, params, loop, policy)  # sampled with every form in place
+    program = jit_learner_logprobs(cfg, policy, "invariant")
+    _exact(program(params, ro), ro.logprobs, ro, "before the plant")
+    monkeypatch.setattr(inv, "invariant_dot",
+                        lambda x, w, policy: layers._f32_product(x, w, policy))
+    planted = jit_learner_logprobs(cfg, policy, "invariant")  # traced anew, with the plant
+    differ = sum(bit_mismatch(planted(params, r), r.logprobs, r.completion_mask)[0]
+                 for r in (ro, take_rows(ro, np.arange(2))))
+    assert differ > 0, "the products reverted to the plain form, yet every log-prob is the sampler's"
+
+
+WIDE = ["model.family=qwen3", "model.loop_steps=1", "model.hidden_size=256",
+        "model.intermediate_size=512", "model.num_heads=4", "model.num_kv_heads=2",
+        "model.head_dim=64", "model.num_layers=1", "model.max_position_embeddings=64",
+        "sft.steps=2", "sft.batch_size=8", "grpo.steps=2", "grpo.prompts_per_step=4",
+        "grpo.group_size=2", "grpo.max_new_tokens=6", "grpo.minibatches=2",
+        "grpo.logprobs=invariant", "grpo.verify_every=1", "run.eval_size=4",
+        "run.progress=false"]
+
+
+def test_a_run_with_invariant_logprobs_replays_no_update_and_verifies_exact(tmp_path):
+    """`jaxrl-lp train --set grpo.logprobs=invariant` at two minibatches: the start probe and
+    every step's verification pass (the learner's forward of the batch == the sampler's
+    bits), and no update replays the decode (the second minibatch's value is its forward)."""
+    from helpers import sets
+
+    from jaxrl_lp.cli.main import main
+
+    out = tmp_path / "run"
+    assert main(["train", *sets(*WIDE, f"run.out_dir={out}")]) == 0
+    grpo = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    grpo = [r for r in grpo if r["phase"] == "grpo"]
+    assert len(grpo) == 2
+    for r in grpo:
+        assert r["replay_verified"] == 1.0 and r["mismatch_max_abs_dlogp"] == 0.0, r
+        assert r["replayed_updates"] == 0.0, r
+
+
+def test_the_start_probe_stops_a_run_whose_learner_products_are_plain(tmp_path, monkeypatch,
+                                                                       capsys):
+    """The plant in a run: the learner's weight products back to the plain form, the start
+    probe finds its forward off the sampler's bits and stops with one line naming the
+    invariant forward and `grpo.logprobs=hybrid`; nothing is written."""
+    from helpers import sets
+
+    import jaxrl_lp.models.layers as layers
+    import jaxrl_lp.numerics.invariant as inv
+    from jaxrl_lp.cli.main import main
+
+    monkeypatch.setattr(inv, "invariant_dot",
+                        lambda x, w, policy: layers._f32_product(x, w, policy))
+    out = tmp_path / "run"
+    assert main(["train", *sets(*WIDE, f"run.out_dir={out}")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1, err
+    assert "grpo.start_probe" in err and "invariant forward" in err and \
+        "grpo.logprobs=hybrid" in err and "nothing was written" in err, err
+    assert not out.exists()
