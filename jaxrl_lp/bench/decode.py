@@ -33,7 +33,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
-import json
 import os
 import platform
 import sys
@@ -42,6 +41,7 @@ import time
 import jax
 import jax.numpy as jnp
 
+from jaxrl_lp.bench import emit
 from jaxrl_lp.numerics.policy import policy_arg
 from jaxrl_lp.plan.cuda_aot import PLUGIN_ENV
 
@@ -235,9 +235,5 @@ def main(args: argparse.Namespace) -> int:
         print(f"jaxrl-lp bench decode: {e}", file=sys.stderr)
         return 2
     out = report(_spec(args), args.target, plugin, flag_sets or ("none",))
-    text = json.dumps(out, indent=1)
-    print(text)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text + "\n")
+    emit(out, args.out)
     return 0 if out["ok"] else 1

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import os
 import subprocess
 import sys
@@ -38,6 +37,7 @@ import time
 import jax
 import jax.numpy as jnp
 
+from jaxrl_lp.bench import emit
 from jaxrl_lp.numerics.policy import policy_list_arg, require
 
 __all__ = ["F32_SHARE", "LEARNER_PROGRAMS", "add_arguments", "learner_cell", "main", "report", "sampler_cell"]
@@ -179,9 +179,5 @@ def main(args: argparse.Namespace) -> int:
             print(f"jaxrl-lp bench hotpath: {n} must be >= 1, got {v}", file=sys.stderr)
             return 2
     out = report(presets, policies, args.platform, args.rows, args.prompt_len, args.new_tokens)
-    text = json.dumps(out, indent=1)
-    print(text)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text + "\n")
+    emit(out, args.out)
     return 0 if out["ok"] else 1

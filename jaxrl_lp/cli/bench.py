@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import json
 import sys
 
 from jaxrl_lp.cli.help import show_defaults
@@ -56,9 +55,7 @@ def run(args) -> int:
         return 2
     if not hasattr(mod, "run"):
         return int(mod.main(args) or 0)
-    text = json.dumps(mod.run(args), indent=2)
-    print(text)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text + "\n")
+    from jaxrl_lp.bench import emit
+
+    emit(mod.run(args), args.out, indent=2)
     return 0
