@@ -38,6 +38,15 @@ STEPS = 5
 pytestmark = pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 (simulated) devices")
 
 
+# 4 CPU devices a process. A collective whose participants have not all arrived says so in
+# the log after 120 s and fails after 480 s (the gloo exchange across the processes too),
+# naming itself, within `_wait`'s 600 s: a hang in a collective ends the run with its name.
+_XLA_FLAGS = ("--xla_force_host_platform_device_count=4 "
+              "--xla_cpu_collective_call_warn_stuck_timeout_seconds=120 "
+              "--xla_cpu_collective_call_terminate_timeout_seconds=480 "
+              "--xla_cpu_collective_timeout_seconds=480")
+
+
 def _port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -48,8 +57,7 @@ def _start(run_dir: Path, port: int, log_dir: Path, *extra: str,
            signal_at: str | None = None) -> list[subprocess.Popen]:
     """Both processes of the run; with `signal_at` one of them sends itself SIGTERM at that
     moment (`_SIGNAL_AT`), the plain command line otherwise."""
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4",
-               JAX_PLATFORMS="cpu")
+    env = dict(os.environ, XLA_FLAGS=_XLA_FLAGS, JAX_PLATFORMS="cpu")
     entry = ["-c", _PLAIN] if signal_at is None else ["-c", _SIGNAL_AT, signal_at]
     procs = []
     for i in range(2):
@@ -115,8 +123,30 @@ def _wait(procs, log_dir: Path, timeout: float = 600) -> list[int]:
             p.kill()
             p.wait()
         pytest.fail(f"the processes did not exit within {timeout:.0f} s (exit codes "
-                    f"{[p.returncode for p in procs]}); their logs:\n{_logs(log_dir)}")
+                    f"{[p.returncode for p in procs]}); their logs:\n{_logs(log_dir)}\n"
+                    f"{_main_stacks(log_dir)}")
     return [p.returncode for p in procs]
+
+
+def _main_stacks(log_dir: Path, frames: int = 12) -> str:
+    """Each process's main-thread stack (the thread whose outermost frame is the module's) at
+    its last faulthandler dump, innermost frames first, at most `frames` of them: the end of
+    a failure message, which a CI excerpt that elides the middle of long output still shows."""
+    out = ["== main-thread stacks at the timeout (innermost first)"]
+    for log in sorted(log_dir.glob("*.log")):
+        stacks, stack = [], None
+        for x in log.read_text().splitlines():
+            if x.startswith(("Current thread 0x", "Thread 0x")):
+                stack = []
+                stacks.append(stack)
+            elif stack is not None and x.startswith("  File "):
+                stack.append(x.strip())
+            else:
+                stack = None
+        main = [st for st in stacks if st and st[-1].endswith("in <module>")]
+        out.append(f"{log.name}:" if main else f"{log.name}: no faulthandler dump")
+        out.extend(f"  {x}" for x in (main[-1][:frames] if main else []))
+    return "\n".join(out)
 
 
 def _params(run_dir: Path, step: int = STEPS):
