@@ -18,7 +18,8 @@ library or the code generator picks its algorithm by size
 The invariant forms fix each of these:
 
 - `weights_major(x, w_NxK)`: the product as `W @ x.T` with the rows padded to
-  a multiple of `COLUMN_TILE` (16), so every column is computed by the
+  a multiple of the kernel's column tile (`column_tile`: 16 on an AVX2 CPU,
+  64 on an AVX-512 one, found by a probe), so every column is computed by the
   full-tile kernel whatever the row count; the decode's weights are its
   `[out, in]` copy (the `transposed` layout's), the learner transposes its
   stored weights in its program (`invariant_dot`, whose backward is the plain
@@ -46,17 +47,19 @@ from collections.abc import Iterator
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxrl_lp.numerics.policy import Policy
 from jaxrl_lp.numerics.products import precision_for, product
 
-__all__ = ["COLUMN_TILE", "COMPILER_OPTIONS", "active", "apart", "attention_scores",
-           "attention_values", "invariant_dot", "invariant_forms", "opaque_zero", "pad_rows",
-           "rsqrt", "total", "unsupported", "weights_major"]
+__all__ = ["COLUMN_TILES", "COMPILER_OPTIONS", "active", "apart", "attention_scores",
+           "attention_values", "column_tile", "invariant_dot", "invariant_forms", "opaque_zero",
+           "pad_rows", "rsqrt", "total", "unsupported", "weights_major"]
 
-# The column tile of XLA:CPU's YNNPACK product kernel: a last tile of 1-8 columns is summed
-# in another order than a full one, so rows are padded to a multiple of this.
-COLUMN_TILE = 16
+# The column tiles `column_tile` tries, smallest first: YNNPACK's f32 product kernel takes
+# the columns of `W @ x.T` in tiles of 16 on an AVX2 CPU (a last tile of 1-8 columns summed
+# in another order) and of 64 on an AVX-512 one (a last tile of 1-48 columns otherwise).
+COLUMN_TILES = (16, 32, 64, 128)
 # YNNPACK fusions for dots only: reductions and elementwise ops are XLA's own loops, whose
 # bits per row do not depend on the row count (with YNNPACK's reductions and `exp` they do).
 COMPILER_OPTIONS = {"xla_cpu_experimental_ynn_fusion_type": "LIBRARY_FUSION_TYPE_INDIVIDUAL_DOT"}
@@ -99,6 +102,34 @@ def unsupported(platform: str | None = None, mesh=None) -> str | None:
         return f"the invariant forms are proven on XLA:CPU only, not {platform}"
     if mesh is not None:
         return "the invariant forms run on one device, not a mesh"
+    if platform == jax.default_backend() and column_tile() is None:
+        return (f"no column tile of {COLUMN_TILES} gives this CPU's product kernel a column's "
+                "bits whatever the column count")
+    return None
+
+
+@functools.cache
+def column_tile() -> int | None:
+    """The smallest tile of `COLUMN_TILES` whose multiples of columns give `W @ x.T` (f32,
+    XLA:CPU's product kernel under `COMPILER_OPTIONS`) every column's bits of a product over
+    1024 columns, or None when none does.
+
+    Which kernel sums a column, and in which order, depends on the CPU's vector width, so
+    it is probed here (once a process: a few small programs) rather than assumed.
+    """
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((1024, 128)).astype(np.float32)
+    w = (rng.standard_normal((64, 128)) * 0.05).astype(np.float32)
+    dims = (((1,), (1,)), ((), ()))
+    with jax.ensure_compile_time_eval():
+        cols = jax.jit(lambda w, x: jax.lax.dot_general(w, x, dims,
+                                                        precision=jax.lax.Precision.HIGHEST),
+                       compiler_options=COMPILER_OPTIONS)
+        bits = lambda y: np.asarray(y).view(np.uint32)
+        wide = bits(cols(w, x))
+        for tile in COLUMN_TILES:
+            if all((bits(cols(w, x[:n])) == wide[:, :n]).all() for n in (tile, 2 * tile, 3 * tile)):
+                return tile
     return None
 
 
@@ -156,9 +187,10 @@ def opaque_zero(count: jax.Array) -> jax.Array:
     return jnp.minimum(jnp.asarray(count, jnp.int32).reshape(()), 0)
 
 
-def pad_rows(x: jax.Array, axis: int, tile: int = COLUMN_TILE) -> jax.Array:
-    """`x` with zeros appended along `axis` to a multiple of `tile` entries."""
-    pad = -x.shape[axis] % tile
+def pad_rows(x: jax.Array, axis: int, tile: int | None = None) -> jax.Array:
+    """`x` with zeros appended along `axis` to a multiple of `tile` entries (default: this
+    CPU's `column_tile`)."""
+    pad = -x.shape[axis] % (tile or column_tile() or 1)
     if not pad:
         return x
     widths = [(0, 0)] * x.ndim
