@@ -203,16 +203,22 @@ WIDE = ["model.family=qwen3", "model.loop_steps=1", "model.hidden_size=256",
         "run.progress=false"]
 
 
-def test_a_run_with_invariant_logprobs_replays_no_update_and_verifies_exact(tmp_path):
-    """`jaxrl-lp train --set grpo.logprobs=invariant` at two minibatches: the start probe and
-    every step's verification pass (the learner's forward of the batch == the sampler's
-    bits), and no update replays the decode (the second minibatch's value is its forward)."""
+def test_a_run_with_auto_logprobs_takes_invariant_replays_no_update_and_verifies_exact(
+        tmp_path, capsys):
+    """`jaxrl-lp train --set grpo.logprobs=auto` at two minibatches takes `invariant` (one
+    line says so; config.json records it): the start probe and every step's verification
+    pass (the learner's forward of the batch == the sampler's bits), and no update replays
+    the decode (the second minibatch's value is its forward)."""
     from helpers import sets
 
     from jaxrl_lp.cli.main import main
 
     out = tmp_path / "run"
-    assert main(["train", *sets(*WIDE, f"run.out_dir={out}")]) == 0
+    assert main(["train", *sets(*WIDE, f"run.out_dir={out}", "grpo.logprobs=auto")]) == 0
+    said = [x for x in capsys.readouterr().err.splitlines() if "grpo.logprobs=auto" in x]
+    assert len(said) == 1 and said[0].startswith("jaxrl-lp train: grpo.logprobs=auto: "
+                                                 "invariant ("), said
+    assert json.loads((out / "config.json").read_text())["grpo"]["logprobs"] == "invariant"
     grpo = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     grpo = [r for r in grpo if r["phase"] == "grpo"]
     assert len(grpo) == 2
@@ -221,19 +227,25 @@ def test_a_run_with_invariant_logprobs_replays_no_update_and_verifies_exact(tmp_
         assert r["replayed_updates"] == 0.0, r
 
 
-def test_the_start_probe_stops_a_run_whose_learner_products_are_plain(tmp_path, monkeypatch,
-                                                                       capsys):
-    """The plant in a run: the learner's weight products back to the plain form, the start
-    probe finds its forward off the sampler's bits and stops with one line naming the
-    invariant forward and `grpo.logprobs=hybrid`; nothing is written."""
+def test_the_start_probe_stops_a_run_whose_learner_products_sum_otherwise(tmp_path, monkeypatch,
+                                                                           capsys):
+    """The plant in a run: the learner's weight products sum their contraction in two halves
+    (another order on every CPU; the plain form `x @ W` is another order on some CPUs only:
+    on an AVX-512 one it sums a forward's rows as the invariant form does), the start probe
+    finds its forward off the sampler's bits and stops with one line naming the invariant
+    forward and `grpo.logprobs=hybrid`; nothing is written."""
     from helpers import sets
 
-    import jaxrl_lp.models.layers as layers
     import jaxrl_lp.numerics.invariant as inv
     from jaxrl_lp.cli.main import main
 
-    monkeypatch.setattr(inv, "invariant_dot",
-                        lambda x, w, policy: layers._f32_product(x, w, policy))
+    dot = inv.invariant_dot
+
+    def halves(x, w, policy):
+        k = w.shape[0] // 2
+        return dot(x[..., :k], w[:k], policy) + dot(x[..., k:], w[k:], policy)
+
+    monkeypatch.setattr(inv, "invariant_dot", halves)
     out = tmp_path / "run"
     assert main(["train", *sets(*WIDE, f"run.out_dir={out}")]) == 2
     err = capsys.readouterr().err.strip()
@@ -241,3 +253,61 @@ def test_the_start_probe_stops_a_run_whose_learner_products_are_plain(tmp_path, 
     assert "grpo.start_probe" in err and "invariant forward" in err and \
         "grpo.logprobs=hybrid" in err and "nothing was written" in err, err
     assert not out.exists()
+
+
+def test_auto_takes_invariant_where_the_hybrid_replays_and_its_forms_hold():
+    """`grpo.logprobs=auto` (`train.logprobs_choice`): `invariant` from one hybrid replay an
+    iteration on average (later minibatches, epochs, a KL reference's log-probs, every
+    verification), `hybrid` below it (the recorded log-probs are free) and wherever the
+    forms do not serve the run, each with its reason; a named method is kept."""
+    import dataclasses
+
+    from jaxrl_lp.train import apply_overrides, default_config
+    from jaxrl_lp.train.logprobs_choice import choose_logprobs, replays_per_iteration
+
+    def cfg(*sets):
+        return apply_overrides(default_config(), ["grpo.logprobs=auto", *sets])
+
+    base = cfg()  # one minibatch, one epoch, verification every 10th step, no KL
+    assert replays_per_iteration(base) == pytest.approx(0.1)
+    assert choose_logprobs(base).method == "hybrid"
+    for sets, replays in ((["grpo.minibatches=2"], 1.1), (["grpo.minibatches=4"], 3.1),
+                          (["grpo.mu=2"], 1.1), (["loss.kl_beta=0.05"], 1.1),
+                          (["grpo.verify_every=1"], 1.0)):
+        assert replays_per_iteration(cfg(*sets)) == pytest.approx(replays), sets
+        choice = choose_logprobs(cfg(*sets))
+        assert choice.method == "invariant" and "replay" in choice.why, (sets, choice)
+    four = cfg("grpo.minibatches=4")
+    blocked = {
+        "platform": (choose_logprobs(four, platform="cuda"), "XLA:CPU"),
+        "multi-turn": (choose_logprobs(four, multiturn=True), "multi-turn"),
+        "LoRA": (choose_logprobs(cfg("grpo.minibatches=4", "lora.rank=4")), "LoRA"),
+        "off-policy": (choose_logprobs(cfg("grpo.minibatches=4", "grpo.max_staleness=1")),
+                       "off-policy"),
+        "policies": (choose_logprobs(cfg("grpo.minibatches=4", "grpo.sampler_policy=bf16")),
+                     "other policies"),
+        "low-bit products": (choose_logprobs(cfg("grpo.minibatches=4",
+                                                 "grpo.learner_policy=mxfp8",
+                                                 "grpo.sampler_policy=mxfp8")), "mxfp8"),
+    }
+    for name, (choice, why) in blocked.items():
+        assert choice.method == "hybrid" and why in choice.why, (name, choice)
+    for named in ("dense", "hybrid", "invariant"):
+        named_cfg = dataclasses.replace(four, grpo=dataclasses.replace(four.grpo, logprobs=named))
+        assert choose_logprobs(named_cfg) == (named, "")
+
+
+@pytest.mark.parametrize("minibatches, method", [(1, "hybrid"), (4, "invariant")])
+def test_jaxrl_lp_config_prints_auto_resolved(minibatches, method, capsys):
+    """`jaxrl-lp config` prints the config a run would use: `grpo.logprobs=auto` resolved, and
+    the plan's iteration counts follow the resolved method."""
+    from jaxrl_lp.cli.main import main
+    from jaxrl_lp.plan import iteration_updates
+    from jaxrl_lp.train import apply_overrides, default_config
+
+    sets = ["grpo.logprobs=auto", f"grpo.minibatches={minibatches}"]
+    assert main(["config", *[x for s in sets for x in ("--set", s)]]) == 0
+    assert json.loads(capsys.readouterr().out)["grpo"]["logprobs"] == method
+    counts = iteration_updates(apply_overrides(default_config(), sets))
+    assert counts["replaying"] == 0 and counts["dense" if method == "invariant" else "recorded"] \
+        == minibatches, counts

@@ -21,9 +21,11 @@ def add_parser(sub) -> None:
 
 
 def run(args) -> int:
+    from jaxrl_lp.train.logprobs_choice import with_logprobs
     from jaxrl_lp.train.validate import validate
 
     cfg = load(args)
-    validate(cfg)  # the same checks a run makes before it writes anything
+    plan = validate(cfg)  # the same checks a run makes before it writes anything
+    cfg = with_logprobs(cfg, plan.logprobs)  # `grpo.logprobs=auto` as a run resolves it
     print(json.dumps(dataclasses.asdict(cfg), indent=2))
     return 0

@@ -88,6 +88,7 @@ from jaxrl_lp.rl.train_step import make_grpo_step
 from jaxrl_lp.rollout.step import LoopSpec, decode_step, fused_readout, step_logits
 from jaxrl_lp.train.behaviour import ReplayRule
 from jaxrl_lp.train.config import TrainConfig
+from jaxrl_lp.train.logprobs_choice import choose_logprobs, with_logprobs
 
 __all__ = ["iteration_updates", "plan"]
 
@@ -161,6 +162,9 @@ def plan(cfg: TrainConfig, mesh: str, devices: int, target: str = "h100", *,
     from jaxrl_lp.train.optimizers import make_optimizers
 
     m = make_mesh(spec, jax.devices()[:devices])
+    if cfg.grpo.logprobs == "auto":  # as a run on the target would resolve it
+        cfg = with_logprobs(cfg, choose_logprobs(cfg, mesh=m if devices > 1 else None,
+                                                 platform=tgt.platform))
     g = cfg.grpo
     lpol, spol = (native(p) for p in g.policies)
     loop = LoopSpec(g.exit_rule, g.compute_mode).resolve(mcfg)
@@ -331,6 +335,8 @@ def iteration_updates(cfg: TrainConfig, stale: bool = False) -> dict:
     Returns:
       `{"recorded", "replaying", "dense", "behaviour"}` (counts per iteration).
     """
+    if cfg.grpo.logprobs == "auto":  # a single-turn run here (`train.logprobs_choice`)
+        cfg = with_logprobs(cfg, choose_logprobs(cfg))
     g = cfg.grpo
     updates = g.mu * g.minibatches
     rule = ReplayRule(g.replay, g.logprobs, matched=g.policies.matched)

@@ -44,12 +44,15 @@ class GRPOConfig:
       minibatches: optimizer updates per pass (the batch is split into this many).
       micro_batches: gradient-accumulation slices per minibatch (same result, less memory).
       advantage: `grpo`, `drgrpo` or `rloo`.
-      logprobs: learner log-probs, `dense`, `hybrid` or `invariant`. `invariant`: the
-        sampler decodes in the batch-invariant forms (`numerics.invariant`, the decode
+      logprobs: learner log-probs, `dense`, `hybrid`, `invariant` or `auto`. `invariant`:
+        the sampler decodes in the batch-invariant forms (`numerics.invariant`, the decode
         layout `invariant`) and every update's value is its own parallel forward in the
         same forms, the sampler's bits without replaying the decode
         (docs/design/invariant.md). XLA:CPU on one device with plain weights; elsewhere
         the updates replay as `hybrid`'s (a warning says so). Not with `speculative`.
+        `auto`: `invariant` where its forms hold and the hybrid would replay the decode
+        at least once an iteration (later minibatches, epochs, a KL reference,
+        verification), `hybrid` otherwise (`train.logprobs_choice`); the run says which.
       replay: `auto`: where an update computes with the weights the sampler ran, under
         its policy, the hybrid's value and the behaviour log-probs are the rollout's
         recorded ones and the replay is not run (`train.behaviour`); `always`: every
@@ -140,7 +143,7 @@ class GRPOConfig:
     minibatches: int = 1
     micro_batches: int = 1
     advantage: Literal["grpo", "drgrpo", "rloo"] = "grpo"
-    logprobs: Literal["dense", "hybrid", "invariant"] = "hybrid"
+    logprobs: Literal["dense", "hybrid", "invariant", "auto"] = "hybrid"
     replay: Literal["auto", "always"] = "auto"
     verify_every: int = 10
     start_probe: bool = True
@@ -203,12 +206,13 @@ class GRPOConfig:
                      why=" (it divides the logits; the sampler records log-probs at it)")
         check_choice("grpo.draw", self.draw, DRAWS)
         check_choice("grpo.advantage", self.advantage, ("grpo", "drgrpo", "rloo"))
-        check_choice("grpo.logprobs", self.logprobs, ("dense", "hybrid", "invariant"))
+        check_choice("grpo.logprobs", self.logprobs, ("dense", "hybrid", "invariant", "auto"))
         check_choice("grpo.replay", self.replay, ("auto", "always"))
         check_int("grpo.verify_every", self.verify_every, minimum=0, why=" (0: never)")
         check_bool("grpo.start_probe", self.start_probe)
         check_bool("grpo.reuse_products", self.reuse_products)
-        if self.reuse_products and (self.logprobs, self.replay) != ("hybrid", "auto"):
+        if self.reuse_products and (self.logprobs not in ("hybrid", "auto")
+                                    or self.replay != "auto"):
             raise ValueError(
                 "grpo.reuse_products=true gives the sampler's products to the updates whose "
                 "recorded log-probs grpo.replay=auto takes; set grpo.logprobs=hybrid and "

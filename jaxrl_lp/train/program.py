@@ -46,6 +46,7 @@ from jaxrl_lp.train.grpo_iteration import (
     sampling_key,
 )
 from jaxrl_lp.train.logger import MetricsLogger, WandbSettings, plot_metrics
+from jaxrl_lp.train.logprobs_choice import with_logprobs
 from jaxrl_lp.train.lora_run import LoraCheckpoints, begin_lora
 from jaxrl_lp.train.preemption import Preempted, SignalGuard
 from jaxrl_lp.train.probe import probe_exactness, probe_rewards
@@ -282,6 +283,11 @@ def run_train(cfg: TrainConfig, task: Any = None, *, stop_after: int | None = No
     apply_xla_gpu_flags(parse_xla_gpu_flags(cfg.run.xla_gpu_flags))
     initialize(cfg.distributed)  # the processes join before the mesh is laid over them
     plan = validate(cfg, task)  # every setting, before anything is built or written
+    if cfg.grpo.logprobs == "auto":  # the method chosen once; config.json records it
+        cfg = with_logprobs(cfg, plan.logprobs)
+        if jax.process_index() == 0:
+            print(f"jaxrl-lp train: grpo.logprobs=auto: {plan.logprobs.method} "
+                  f"({plan.logprobs.why})", file=sys.stderr)
     run_dir = Path(cfg.run.out_dir)
     record = TaskRecord.of(plan.task, config_file)
     check_task_record(run_dir, record)  # a resumed run trains the task it started with

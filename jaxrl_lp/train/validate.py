@@ -55,6 +55,8 @@ class RunPlan(NamedTuple):
     sampler: Any = None              # where the sampler runs (`train.rollout_queue.SamplerSide`);
                                      # None: on the learner's devices (`mesh`)
     lora: Any = None                 # `train.lora_run.LoraPlan` (`lora.rank > 0`), or None
+    logprobs: Any = None             # `train.logprobs_choice.LogprobsChoice`: the learner's
+                                     # log-prob method (`grpo.logprobs=auto` resolved)
 
 
 def _named(key: str, fn, *args, **kwargs):
@@ -171,10 +173,15 @@ def validate(cfg: TrainConfig, task: Any = None) -> RunPlan:
     _reference(cfg, mcfg)
     _multiturn(cfg, task, mcfg, weights)
     mesh, sampler = _placement(cfg, mcfg) if cfg.run.learner_mesh else (_mesh(cfg, mcfg), None)
+    from jaxrl_lp.tasks.protocol import is_multiturn
+    from jaxrl_lp.train.logprobs_choice import choose_logprobs
+
+    logprobs = choose_logprobs(cfg, multiturn=is_multiturn(task), mesh=mesh,
+                               weights=weights if lora is None else lora.weights)
     return RunPlan(task=task, model=mcfg, max_new_tokens=max_new, seq_len=seq_len,
                    learner_policy=lpol, sampler_policy=spol, loop=loop, sampling=sampling,
                    exporter=exporter, optimizers=make_optimizers(cfg), mesh=mesh,
-                   weights=weights, sampler=sampler, lora=lora)
+                   weights=weights, sampler=sampler, lora=lora, logprobs=logprobs)
 
 
 def _weights(cfg: TrainConfig):
