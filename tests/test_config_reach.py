@@ -161,6 +161,9 @@ RUNS = {
     # Every update's value the learner's own parallel forward in the batch-invariant forms
     # (two minibatches: the second at moved weights), verified each step.
     "invariant": ["grpo.logprobs=invariant", "grpo.minibatches=2", "grpo.verify_every=1"],
+    # `auto` with a KL reference at one minibatch: the hybrid would replay the decode once a
+    # step for the reference's log-probs, so the run takes `invariant`.
+    "logprobs_auto": ["grpo.logprobs=auto", "loss.kl_beta=0.05"],
 }
 
 # Keys (or `key=choice` of a Literal key) no run here can take, and why.
@@ -289,4 +292,8 @@ def test_every_key_at_a_non_default_value_runs_to_its_first_grpo_checkpoint(
         # replay (the second minibatch too, where the first moved nothing: no reward yet)
         assert all(r["reused_forward_updates"] >= 1.0 and r["reused_forward_updates"]
                    + r["replayed_updates"] == 2.0 for r in grpo), grpo
+    if name == "logprobs_auto":  # resolved once, said once, recorded; no update replays
+        assert "grpo.logprobs=auto: invariant (" in res.stderr, res.stderr[-3000:]
+        assert json.loads((out / "config.json").read_text())["grpo"]["logprobs"] == "invariant"
+        assert all(r["replayed_updates"] == 0.0 for r in grpo), grpo
     assert json.loads((out / "summary.json").read_text())["steps"] == SFT_STEPS + GRPO_STEPS

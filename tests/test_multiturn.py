@@ -80,17 +80,22 @@ def _sample(kind, policy, max_turns, seed=3, turn_tokens=6, bias=40.0):
     return cfg, params, env, mt
 
 
-# The dense learner's max |dlogp| against the sampler over the policy tokens, at these cells
+# The dense learner's |dlogp| against the sampler over the policy tokens, at these cells
 # (seed 3), measured on XLA:CPU by
 #   python -c "import sys; sys.path.insert(0, 'tests'); import test_multiturn as t; \
 #     print(t._dense_gap('looped_deferred', 'bf16', 4))"
-# fp32: dense 1.2e-6 (1 and 2 turns) and 2.4e-6 (4), looped 1.9e-6 (1, 2, 4 turns);
-# bf16: dense 4.8e-7; looped 6.3e-7 at 1 turn, 7.7e-5 at 2 and 4 (one token of log-prob
-# -0.002, its logits a bf16 rounding apart). The bounds are a few times those; the bug they
-# must see, a looped model's observations computed short of full depth, moves a log-prob by
-# 2.6e-3 (bf16) and 2.9e-3 (fp32) at the 4-turn cells.
-DENSE_BOUND = {("dense", "fp32"): 1e-5, ("looped_deferred", "fp32"): 1e-5,
-               ("dense", "bf16"): 2e-6, ("looped_deferred", "bf16"): 3e-4}
+# fp32, the largest: dense 1.2e-6 (1 and 2 turns) and 2.4e-6 (4), looped 1.9e-6 (1, 2, 4
+# turns) on a Zen 3; dense 1.9e-6 and looped 9.2e-6 at 4 turns on a Zen 4 (AVX-512).
+# bf16: every token within 7.2e-7 but one, whose logits are a bf16 rounding apart (its
+# log-prob moves by up to |logit| x 2^-8): 7.7e-5 (looped, 2 and 4 turns, Zen 3), 3.8e-3
+# (dense, 4 turns, Zen 4). A bf16 cell therefore bounds all but one token in 16 tightly and
+# that one by a rounding's reach; the fp32 bounds are a few times the largest gap. The bug
+# they must see, a looped model's observations computed short of full depth, moves a
+# log-prob by 2.9e-3 at the fp32 4-turn cell, 100 times its bound (by 2.6e-3 in bf16,
+# within a rounding's reach: the fp32 cell is the one that sees it).
+DENSE_BOUND = {("dense", "fp32"): 3e-5, ("looped_deferred", "fp32"): 3e-5,
+               ("dense", "bf16"): 2e-6, ("looped_deferred", "bf16"): 2e-6}
+BF16_ROUNDING_REACH = 2e-2  # |logit| x 2^-8 for the logits of these models (|logit| < 5)
 
 # Default suite: both models in bf16 and f32 at 4 turns (the dense one in f32 holds the
 # context across turns to 1e-5; the looped one's f32 dense learner is what sees an
@@ -145,8 +150,12 @@ def test_replay_equals_sampler_on_the_policy_tokens(kind, policy, max_turns):
     assert _max_gap(rekeyed, ro.logprobs, mask) == 0.0
     # The dense learner reads the compacted rollout: close to the sampler, not its bits.
     dense = _dense_logprobs(params, ro, cfg=cfg, policy=Policy.parse(policy))
-    diff = _max_gap(dense, ro.logprobs, mask)
-    assert diff < DENSE_BOUND[kind, policy], diff
+    gaps = np.abs(np.asarray(dense) - np.asarray(ro.logprobs))[mask > 0]
+    past = int((gaps >= DENSE_BOUND[kind, policy]).sum())
+    if policy == "bf16":  # one token in 16 may sit a logit's bf16 rounding apart
+        assert past <= gaps.size // 16 and gaps.max() < BF16_ROUNDING_REACH, (past, gaps.max())
+    else:
+        assert past == 0, gaps.max()
 
 
 def _perturbed(params, scale: float, seed: int):
