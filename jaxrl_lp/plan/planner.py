@@ -86,7 +86,7 @@ from jaxrl_lp.plan.targets import Target
 from jaxrl_lp.rl.logprobs import jit_learner_logprobs, pack_groups
 from jaxrl_lp.rl.train_step import make_grpo_step
 from jaxrl_lp.rollout.step import LoopSpec, decode_step, fused_readout, step_logits
-from jaxrl_lp.train.behaviour import ReplayRule
+from jaxrl_lp.train.behaviour import iteration_counts
 from jaxrl_lp.train.config import TrainConfig
 from jaxrl_lp.train.logprobs_choice import choose_logprobs, with_logprobs
 
@@ -308,62 +308,16 @@ def _weights_read(params, mcfg: ModelConfig, spec: MeshSpec) -> int:
 
 
 def iteration_updates(cfg: TrainConfig, stale: bool = False) -> dict:
-    """Which learner programs one GRPO iteration of `cfg` runs, and how often (host rules).
-
-    As `train.grpo_iteration` decides per update (`train.behaviour.ReplayRule`):
-    with hybrid log-probs, `grpo.replay=auto` and matched policies, an update
-    on the weights the sampler ran takes the rollout's log-probs as its value
-    (`recorded`): the first update of the step (the learner on the master with
-    no exporter), or every update under `sync.loss_on_served` (the served copy
-    the loss reads does not move within a step); a master the sampler did not
-    run (an exporter without `loss_on_served`) is never the rollout's. The
-    others replay (`replaying`: the later minibatches and epochs). A dense
-    learner has no replay (`dense`), nor has an invariant one, whose updates
-    each run one forward (`dense`) and whose behaviour log-probs are counted as
-    a hybrid's first update's. Behaviour log-probs (`behaviour`, per
-    iteration) are computed where the first update is not recorded, on the
-    `grpo.verify_every` steps' verification otherwise (a share of one), and
-    for the sync diagnostics' master log-probs under `loss_on_served`.
-
-    With `stale` (a rollout sampled on an earlier export, `grpo.max_staleness`),
-    no update is on the weights the sampler ran: the behaviour log-probs run
-    every step (plus, on the verification steps, the replay at the rollout's
-    own weights, and with an exporter the served copy's log-probs), and under
-    `grpo.replay=auto` they are the first update's value (every update's under
-    `loss_on_served`): priced as `recorded`, the rest replay.
+    """Which learner programs one GRPO iteration of `cfg` runs, and how often: the host rules
+    of `train.behaviour.iteration_counts`, with `grpo.logprobs=auto` resolved as a
+    single-turn run here resolves it (`train.logprobs_choice`).
 
     Returns:
       `{"recorded", "replaying", "dense", "behaviour"}` (counts per iteration).
     """
-    if cfg.grpo.logprobs == "auto":  # a single-turn run here (`train.logprobs_choice`)
+    if cfg.grpo.logprobs == "auto":
         cfg = with_logprobs(cfg, choose_logprobs(cfg))
-    g = cfg.grpo
-    updates = g.mu * g.minibatches
-    rule = ReplayRule(g.replay, g.logprobs, matched=g.policies.matched)
-    exporter = cfg.sync.exporter != "none"
-    on_served = exporter and cfg.sync.loss_on_served
-    verify = 1.0 / g.verify_every if g.verify_every else 0.0
-    if g.logprobs != "hybrid":
-        counts = {"recorded": 0, "replaying": 0, "dense": updates}
-    elif stale:
-        given = g.replay == "auto"  # the behaviour replay handed to the step as its value
-        counts = ({"recorded": updates, "replaying": 0, "dense": 0} if given and on_served else
-                  {"recorded": int(given), "replaying": updates - int(given), "dense": 0})
-    elif not rule.can_reuse or (exporter and not on_served):
-        counts = {"recorded": 0, "replaying": updates, "dense": 0}
-    elif on_served:
-        counts = {"recorded": updates, "replaying": 0, "dense": 0}
-    else:
-        counts = {"recorded": 1, "replaying": updates - 1, "dense": 0}
-    if stale:
-        counts["behaviour"] = 1.0 + verify + (1.0 if exporter else 0.0)
-        return counts
-    # An invariant learner's updates compute their values; its behaviour log-probs are the
-    # rollout's where the hybrid's first update's would be (`train.behaviour.ReplayRule`).
-    first_recorded = counts["recorded"] > 0 or (
-        g.logprobs == "invariant" and rule.can_reuse and (not exporter or on_served))
-    counts["behaviour"] = (verify if first_recorded else 1.0) + (1.0 if on_served else 0.0)
-    return counts
+    return iteration_counts(cfg, stale)
 
 
 def _summarize(out: dict, cfg: TrainConfig, tgt: Target) -> dict:

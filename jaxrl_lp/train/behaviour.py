@@ -30,7 +30,7 @@ from jaxrl_lp.parallel.shard import to_host
 from jaxrl_lp.rollout.generate import Rollout
 
 __all__ = ["PhaseTimer", "ReplayMismatchError", "ReplayRule", "bit_mismatch",
-           "check_replay_equal"]
+           "check_replay_equal", "iteration_counts"]
 
 
 class ReplayMismatchError(RuntimeError):
@@ -127,3 +127,63 @@ class PhaseTimer:
         out = {f"timing_s/{k}": v for k, v in self.seconds.items()}
         out["timing_s/iteration"] = sum(self.seconds.values())
         return out
+
+
+def iteration_counts(cfg, stale: bool = False) -> dict:
+    """Which learner programs one GRPO iteration of `cfg` runs, and how often (host rules).
+
+    As `train.grpo_iteration` decides per update (`ReplayRule`):
+    with hybrid log-probs, `grpo.replay=auto` and matched policies, an update
+    on the weights the sampler ran takes the rollout's log-probs as its value
+    (`recorded`): the first update of the step (the learner on the master with
+    no exporter), or every update under `sync.loss_on_served` (the served copy
+    the loss reads does not move within a step); a master the sampler did not
+    run (an exporter without `loss_on_served`) is never the rollout's. The
+    others replay (`replaying`: the later minibatches and epochs). A dense
+    learner has no replay (`dense`), nor has an invariant one, whose updates
+    each run one forward (`dense`) and whose behaviour log-probs are counted as
+    a hybrid's first update's. Behaviour log-probs (`behaviour`, per
+    iteration) are computed where the first update is not recorded, on the
+    `grpo.verify_every` steps' verification otherwise (a share of one), and
+    for the sync diagnostics' master log-probs under `loss_on_served`.
+
+    With `stale` (a rollout sampled on an earlier export, `grpo.max_staleness`),
+    no update is on the weights the sampler ran: the behaviour log-probs run
+    every step (plus, on the verification steps, the replay at the rollout's
+    own weights, and with an exporter the served copy's log-probs), and under
+    `grpo.replay=auto` they are the first update's value (every update's under
+    `loss_on_served`): priced as `recorded`, the rest replay.
+
+    Returns:
+      `{"recorded", "replaying", "dense", "behaviour"}` (counts per iteration).
+    """
+    g = cfg.grpo
+    if g.logprobs not in ("dense", "hybrid", "invariant"):
+        raise ValueError(f"iteration_counts: grpo.logprobs={g.logprobs!r} is not a method; "
+                         "resolve `auto` first (train.logprobs_choice.choose_logprobs)")
+    updates = g.mu * g.minibatches
+    rule = ReplayRule(g.replay, g.logprobs, matched=g.policies.matched)
+    exporter = cfg.sync.exporter != "none"
+    on_served = exporter and cfg.sync.loss_on_served
+    verify = 1.0 / g.verify_every if g.verify_every else 0.0
+    if g.logprobs != "hybrid":
+        counts = {"recorded": 0, "replaying": 0, "dense": updates}
+    elif stale:
+        given = g.replay == "auto"  # the behaviour replay handed to the step as its value
+        counts = ({"recorded": updates, "replaying": 0, "dense": 0} if given and on_served else
+                  {"recorded": int(given), "replaying": updates - int(given), "dense": 0})
+    elif not rule.can_reuse or (exporter and not on_served):
+        counts = {"recorded": 0, "replaying": updates, "dense": 0}
+    elif on_served:
+        counts = {"recorded": updates, "replaying": 0, "dense": 0}
+    else:
+        counts = {"recorded": 1, "replaying": updates - 1, "dense": 0}
+    if stale:
+        counts["behaviour"] = 1.0 + verify + (1.0 if exporter else 0.0)
+        return counts
+    # An invariant learner's updates compute their values; its behaviour log-probs are the
+    # rollout's where the hybrid's first update's would be (`ReplayRule`).
+    first_recorded = counts["recorded"] > 0 or (
+        g.logprobs == "invariant" and rule.can_reuse and (not exporter or on_served))
+    counts["behaviour"] = (verify if first_recorded else 1.0) + (1.0 if on_served else 0.0)
+    return counts

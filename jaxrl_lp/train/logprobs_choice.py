@@ -23,6 +23,7 @@ from typing import Any, NamedTuple
 import jax
 
 from jaxrl_lp.numerics.invariant import unsupported
+from jaxrl_lp.train.behaviour import iteration_counts
 
 __all__ = ["LogprobsChoice", "choose_logprobs", "replays_per_iteration", "with_logprobs"]
 
@@ -38,12 +39,10 @@ class LogprobsChoice(NamedTuple):
 
 def replays_per_iteration(cfg) -> float:
     """How many times, on average, one iteration of `cfg` with `grpo.logprobs=hybrid` replays
-    the decode: its replaying updates (`plan.iteration_updates`), the KL reference's
+    the decode: its replaying updates (`train.behaviour.iteration_counts`), the KL reference's
     log-probs (one replay under the reference's weights a step) and the verification
     steps' replay (one every `grpo.verify_every` steps)."""
-    from jaxrl_lp.plan.planner import iteration_updates
-
-    counts = iteration_updates(with_logprobs(cfg, LogprobsChoice("hybrid", "")))
+    counts = iteration_counts(with_logprobs(cfg, LogprobsChoice("hybrid", "")))
     return counts["replaying"] + counts["behaviour"] + (1.0 if cfg.loss.kl_beta > 0 else 0.0)
 
 
