@@ -1,7 +1,7 @@
 """What gives a row other bits by the rows computed beside it on this XLA:CPU, and what the
 batch-invariant forms (`numerics.invariant`) cost.
 
-    python benchmarks/batch_invariance.py --out docs/bench/batch-invariance-2core-cpu.json
+    python benchmarks/batch_invariance.py --out docs/bench/batch-invariance-2core-zen4.json
 
 Three parts (`--parts`), one JSON object:
 

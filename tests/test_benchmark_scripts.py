@@ -67,3 +67,21 @@ def test_speculative_replay_is_exact_in_every_slice_and_timed():
     for name in ("sampler_forcing_input_s", "sampler_without_s", "replay_program_s",
                  "traced_replay_s"):
         assert res[name] > 0, name
+
+
+@pytest.mark.slow
+@pytest.mark.ci
+def test_batch_invariance_ops_hold_the_invariant_forms_on_this_cpu():
+    # `docs/bench/batch-invariance-*.json`'s script, its `ops` part at the smallest sizes: on
+    # whichever CPU runs it, the forms are what makes a row's bits independent of its batch
+    # (the column tile probed for this CPU: 16 on a Zen 3, 64 on a Zen 4), where the plain
+    # forms are not.
+    res = _run("batch_invariance.py", "--parts", "ops", "--quick")["ops"]
+    attention = res["attention: values differing, one query vs all over the same cache"]
+    assert [v for k, v in attention.items() if k.endswith("invariant")] == [0]
+    assert all(v > 0 for k, v in attention.items() if "plain" in k), attention
+    dots_only = res["reductions, dots only: row counts whose rows differ from 2560 rows'"]
+    assert dots_only and not any(dots_only.values()), dots_only
+    norm = res["norm of h + a product (hidden 32), one row vs 32: values differing"]
+    assert norm["fixed tree (invariant.total)"] == 0, norm
+    assert res["a*b + c*d: values differing from the separately rounded sum (FMA contraction)"] > 0

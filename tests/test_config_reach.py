@@ -161,9 +161,11 @@ RUNS = {
     # Every update's value the learner's own parallel forward in the batch-invariant forms
     # (two minibatches: the second at moved weights), verified each step.
     "invariant": ["grpo.logprobs=invariant", "grpo.minibatches=2", "grpo.verify_every=1"],
-    # `auto` with a KL reference at one minibatch: the hybrid would replay the decode once a
-    # step for the reference's log-probs, so the run takes `invariant`.
-    "logprobs_auto": ["grpo.logprobs=auto", "loss.kl_beta=0.05"],
+    # `auto` with a KL reference, four minibatches and every step verified: the hybrid would
+    # replay the decode 5 times a step (above the threshold of its 8 rows on any CPU's
+    # column tile up to 128), so the run takes `invariant`.
+    "logprobs_auto": ["grpo.logprobs=auto", "loss.kl_beta=0.05", "grpo.minibatches=4",
+                      "grpo.verify_every=1"],
 }
 
 # Keys (or `key=choice` of a Literal key) no run here can take, and why.

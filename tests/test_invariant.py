@@ -205,16 +205,18 @@ WIDE = ["model.family=qwen3", "model.loop_steps=1", "model.hidden_size=256",
 
 def test_a_run_with_auto_logprobs_takes_invariant_replays_no_update_and_verifies_exact(
         tmp_path, capsys):
-    """`jaxrl-lp train --set grpo.logprobs=auto` at two minibatches takes `invariant` (one
-    line says so; config.json records it): the start probe and every step's verification
-    pass (the learner's forward of the batch == the sampler's bits), and no update replays
-    the decode (the second minibatch's value is its forward)."""
+    """`jaxrl-lp train --set grpo.logprobs=auto` at four minibatches takes `invariant` (the
+    hybrid would replay 4 times a step: above the threshold of 8 rows on any column tile up
+    to 64; one line says so; config.json records it): the start probe and every step's
+    verification pass (the learner's forward of the batch == the sampler's bits), and no
+    update replays the decode (the later minibatches' values are their forwards)."""
     from helpers import sets
 
     from jaxrl_lp.cli.main import main
 
     out = tmp_path / "run"
-    assert main(["train", *sets(*WIDE, f"run.out_dir={out}", "grpo.logprobs=auto")]) == 0
+    assert main(["train", *sets(*WIDE, f"run.out_dir={out}", "grpo.logprobs=auto",
+                                "grpo.minibatches=4")]) == 0
     said = [x for x in capsys.readouterr().err.splitlines() if "grpo.logprobs=auto" in x]
     assert len(said) == 1 and said[0].startswith("jaxrl-lp train: grpo.logprobs=auto: "
                                                  "invariant ("), said
@@ -295,6 +297,26 @@ def test_auto_takes_invariant_where_the_hybrid_replays_and_its_forms_hold():
     for named in ("dense", "hybrid", "invariant"):
         named_cfg = dataclasses.replace(four, grpo=dataclasses.replace(four.grpo, logprobs=named))
         assert choose_logprobs(named_cfg) == (named, "")
+
+
+def test_auto_weighs_the_padding_of_the_decodes_rows_to_the_cpus_column_tile(monkeypatch):
+    """The invariant sampler pads its rows to the CPU's column tile: 8 rows cost the hybrid's
+    1 replay on a 16-column tile and 2.5 on a 64-column one (the races: at 2 minibatches the
+    hybrid won on the Zen 4 by 1.16x, at 4 it lost by 1.35x); 256 rows pad nothing."""
+    import jaxrl_lp.train.logprobs_choice as choice
+    from jaxrl_lp.train import apply_overrides, default_config
+
+    eight = ["grpo.logprobs=auto", "grpo.prompts_per_step=2", "grpo.group_size=4",
+             "grpo.verify_every=0"]
+    cfg = lambda *sets: apply_overrides(default_config(), [*eight, *sets])
+    assert choice.invariant_threshold(cfg(), tile=16) == 1.0
+    assert choice.invariant_threshold(cfg(), tile=64) == 2.5
+    assert choice.invariant_threshold(apply_overrides(default_config(), []), tile=64) == 0.75
+    for tile, minibatches, method in ((16, 2, "invariant"), (64, 2, "hybrid"),
+                                      (64, 4, "invariant"), (16, 1, "hybrid")):
+        monkeypatch.setattr(choice, "column_tile", lambda tile=tile: tile)
+        got = choice.choose_logprobs(cfg(f"grpo.minibatches={minibatches}"))
+        assert got.method == method, (tile, minibatches, got)
 
 
 @pytest.mark.parametrize("minibatches, method", [(1, "hybrid"), (4, "invariant")])

@@ -8,10 +8,14 @@ forms, which cost the decode about half as much again, and never replays: each
 of those values is one parallel forward (docs/design/invariant.md).
 
 `choose_logprobs` takes `invariant` where its forms hold for the run and the
-hybrid would replay the decode at least once an iteration on average
-(`replays_per_iteration`); `hybrid` otherwise, with the reason. The races
-behind the threshold are in docs/bench (`jaxrl-lp bench iteration`, 1, 2 and 4
-minibatches). A run resolves `auto` before anything is built
+hybrid would replay the decode more often an iteration (`replays_per_iteration`)
+than the invariant sampler's extra cost is worth in replays
+(`invariant_threshold`); `hybrid` otherwise, with the reason. That cost grows
+with the padding of the decode's rows to the CPU's column tile
+(`numerics.invariant.column_tile`): 8 rows padded to 16 cost the sampler 1.2x
+on a Zen 3, padded to 64 2.7x on a Zen 4. The races behind the threshold are
+in docs/bench (`jaxrl-lp bench iteration`, 1, 2 and 4 minibatches;
+docs/design/invariant.md). A run resolves `auto` before anything is built
 (`train.program.run_train`), says which method it took in one line, and
 records the resolved method in its `config.json`.
 """
@@ -22,14 +26,17 @@ from typing import Any, NamedTuple
 
 import jax
 
-from jaxrl_lp.numerics.invariant import unsupported
+from jaxrl_lp.numerics.invariant import column_tile, unsupported
 from jaxrl_lp.train.behaviour import iteration_counts
 
-__all__ = ["LogprobsChoice", "choose_logprobs", "replays_per_iteration", "with_logprobs"]
+__all__ = ["LogprobsChoice", "choose_logprobs", "invariant_threshold", "replays_per_iteration",
+           "with_logprobs"]
 
-# The hybrid's replays per iteration from which `auto` takes `invariant`: a replay costs
-# about one decode, the invariant forms about half a decode more per sampling call.
-INVARIANT_FROM_REPLAYS = 1.0
+# `invariant_threshold`'s terms: a replay costs about one decode; the invariant sampler costs
+# a decode and part of one more, growing with the padded rows' share (fitted to the races:
+# 8 rows on a 16-column tile, 1.0 replay; on a 64-column tile, 2.5: the hybrid won at 2
+# minibatches, 1 replay, by 1.16x and lost at 4, 3 replays, by 1.35x).
+BASE_REPLAYS, PADDED_SHARE_REPLAYS = 0.5, 0.25
 
 
 class LogprobsChoice(NamedTuple):
@@ -44,6 +51,16 @@ def replays_per_iteration(cfg) -> float:
     steps' replay (one every `grpo.verify_every` steps)."""
     counts = iteration_counts(with_logprobs(cfg, LogprobsChoice("hybrid", "")))
     return counts["replaying"] + counts["behaviour"] + (1.0 if cfg.loss.kl_beta > 0 else 0.0)
+
+
+def invariant_threshold(cfg, tile: int | None = None) -> float:
+    """The hybrid's replays per iteration from which `invariant` costs a run of `cfg` less:
+    `BASE_REPLAYS` plus `PADDED_SHARE_REPLAYS` per padded decode row per row, the sampler's
+    `prompts_per_step x group_size` rows padded to `tile` (default: this CPU's column tile)."""
+    rows = cfg.grpo.prompts_per_step * cfg.grpo.group_size
+    tile = tile or column_tile() or 1
+    padded = -(-rows // tile) * tile
+    return BASE_REPLAYS + PADDED_SHARE_REPLAYS * padded / rows
 
 
 def _invariant_blocked(cfg, *, multiturn: bool, weights: Any, mesh: Any,
@@ -92,12 +109,14 @@ def choose_logprobs(cfg, *, multiturn: bool = False, weights: Any = None, mesh: 
                                  platform=platform)
     if blocked is not None:
         return LogprobsChoice("hybrid", blocked)
-    replays = replays_per_iteration(cfg)
-    if replays < INVARIANT_FROM_REPLAYS:
+    replays, threshold = replays_per_iteration(cfg), invariant_threshold(cfg)
+    if replays < threshold:
         return LogprobsChoice("hybrid", f"the hybrid replays the decode {replays:.2g} times an "
-                              "iteration, less than the invariant forms cost the sampler")
+                              f"iteration, fewer than the {threshold:.2g} the invariant "
+                              "sampler's extra cost is worth here")
     return LogprobsChoice("invariant", f"the hybrid would replay the decode {replays:.2g} times "
-                          "an iteration; the invariant forward replaces each replay")
+                          f"an iteration, at least the {threshold:.2g} the invariant sampler's "
+                          "extra cost is worth here; the invariant forward replaces each replay")
 
 
 def with_logprobs(cfg, choice: LogprobsChoice):
