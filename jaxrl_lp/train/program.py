@@ -51,6 +51,7 @@ from jaxrl_lp.train.lora_run import LoraCheckpoints, begin_lora
 from jaxrl_lp.train.preemption import Preempted, SignalGuard
 from jaxrl_lp.train.probe import probe_exactness, probe_rewards
 from jaxrl_lp.train.progress import PhaseProgress
+from jaxrl_lp.train.reference import reference_params
 from jaxrl_lp.train.resume import restore_newest_intact
 from jaxrl_lp.train.rollout_queue import RolloutQueue, weights_key
 from jaxrl_lp.train.run_lock import RunLock
@@ -132,41 +133,6 @@ def _postfix(m: dict) -> dict:
     out = {k: m[k] for k in ("loss", "reward_mean") if k in m}
     out.update({f"{p}_s": m[f"timing_s/{p}"] for p in _BAR_PHASES if f"timing_s/{p}" in m})
     return out
-
-
-def _reference_params(cfg: TrainConfig, plan: RunPlan, run_dir: Path, start) -> dict:
-    """The frozen KL reference's params (`loss.kl_beta > 0`), sharded like the model's.
-
-    `loss.reference=PATH`: that Hugging Face checkpoint (`validate` checked its
-    architecture and vocabulary). Otherwise the GRPO phase's starting weights:
-    `start` (the model's params at the first GRPO step) is copied and written
-    once to `<run_dir>/reference` (orbax, atomic), which a run resumed inside
-    GRPO (`start=None`) reads back. Nothing is added to the run's checkpoints.
-    """
-    mcfg, mesh = plan.model, plan.mesh
-    shardings = None if mesh is None else param_shardings(
-        jax.eval_shape(lambda: init_params(mcfg, jax.random.PRNGKey(0))), mcfg, mesh)
-    if cfg.loss.reference:
-        from jaxrl_lp.models.hf_io import load_hf_params
-
-        return load_hf_params(cfg.loss.reference, mcfg, shardings=shardings)
-    store = Checkpointer(run_dir, keep=1, subdir="reference")
-    try:
-        step = cfg.sft.steps
-        if start is not None and store.latest_step() != step:
-            ref = jax.tree.map(jnp.copy, start)  # the learner step donates the master
-            store.save(step, {"params": ref},
-                       {"model": json.loads(json.dumps(dataclasses.asdict(mcfg)))})
-            return ref
-        if store.latest_step() != step:
-            raise ValueError(
-                f"loss.kl_beta={cfg.loss.kl_beta}: the run in {run_dir} is inside its GRPO phase "
-                f"but has no KL reference ({store.dir}/{step}): it started GRPO with kl_beta = 0. "
-                "Set loss.reference to a checkpoint directory, or start a new run.out_dir")
-        params, _ = store.restore_params(step, mcfg)
-    finally:
-        store.close()
-    return params if shardings is None else put_tree(params, shardings)
 
 
 def _rollout_queue(cfg: TrainConfig, plan: RunPlan, prompt_it, total: int,
@@ -405,7 +371,7 @@ def _train(cfg: TrainConfig, plan: RunPlan, run_dir: Path, ckpt: Checkpointer, t
         model_params=None if grpo_weights is None else model_params, env_runner=runner)
     if cfg.loss.kl_beta > 0 and progress.initial_accuracy is not None:  # resumed inside GRPO
         programs = programs._replace(reference=Reference(
-            _reference_params(cfg, plan, run_dir, None), old_logp_fn))
+            reference_params(cfg, plan, run_dir, None), old_logp_fn))
     # Held-out accuracy of the model's params (`score`), or of the run's own (`evaluate_now`:
     # a low-bit run's train tree is materialized first).
     score = lambda p: evaluate(p, mcfg, task, spol, loop, cfg.run.eval_size, max_new, mesh)
@@ -445,7 +411,7 @@ def _train(cfg: TrainConfig, plan: RunPlan, run_dir: Path, ckpt: Checkpointer, t
                     sync, _ = hooks.start(state.sync, model_params(state.params))
                     state = dataclasses.replace(state, sync=sync)
                 if cfg.loss.kl_beta > 0:  # frozen here: the GRPO phase's starting weights
-                    programs = programs._replace(reference=Reference(_reference_params(
+                    programs = programs._replace(reference=Reference(reference_params(
                         cfg, plan, run_dir, merge_adapters(model_params(state.params))),
                         old_logp_fn))
                 progress = dataclasses.replace(progress,
