@@ -12,10 +12,9 @@ hybrid would replay the decode more often an iteration (`replays_per_iteration`)
 than the invariant sampler's extra cost is worth in replays
 (`invariant_threshold`); `hybrid` otherwise, with the reason. That cost grows
 with the padding of the decode's rows to the CPU's column tile
-(`numerics.invariant.column_tile`): 8 rows padded to 16 cost the sampler 1.2x
-on a Zen 3, padded to 64 2.7x on a Zen 4. The races behind the threshold are
-in docs/bench (`jaxrl-lp bench iteration`, 1, 2 and 4 minibatches;
-docs/design/invariant.md). A run resolves `auto` before anything is built
+(`numerics.invariant.column_tile`). The races behind the threshold, by CPU,
+are in docs/design/invariant.md (`jaxrl-lp bench iteration` at 1, 2 and 4
+minibatches). A run resolves `auto` before anything is built
 (`train.program.run_train`), says which method it took in one line, and
 records the resolved method in its `config.json`.
 """
@@ -33,9 +32,9 @@ __all__ = ["LogprobsChoice", "choose_logprobs", "invariant_threshold", "replays_
            "with_logprobs"]
 
 # `invariant_threshold`'s terms: a replay costs about one decode; the invariant sampler costs
-# a decode and part of one more, growing with the padded rows' share (fitted to the races:
-# 8 rows on a 16-column tile, 1.0 replay; on a 64-column tile, 2.5: the hybrid won at 2
-# minibatches, 1 replay, by 1.16x and lost at 4, 3 replays, by 1.35x).
+# a decode and part of one more, growing with the padded rows' share (fitted to the races in
+# docs/design/invariant.md: 8 rows on a 16-column tile give 1.0 replay, on a 64-column
+# tile 2.5).
 BASE_REPLAYS, PADDED_SHARE_REPLAYS = 0.5, 0.25
 
 
