@@ -4,8 +4,8 @@ Both exact methods give the learner the sampler's bits. `hybrid` samples with
 the plain decode and replays it for every update that cannot take the
 rollout's recorded log-probs (a later minibatch or epoch, the KL reference's
 log-probs, a verification step); `invariant` samples in the batch-invariant
-forms, which cost the decode about half as much again, and never replays: each
-of those values is one parallel forward (docs/design/invariant.md).
+forms, which cost the decode more, and never replays: each of those values is
+one parallel forward (docs/design/invariant.md).
 
 `choose_logprobs` takes `invariant` where its forms hold for the run and the
 hybrid would replay the decode more often an iteration (`replays_per_iteration`)
@@ -39,6 +39,8 @@ BASE_REPLAYS, PADDED_SHARE_REPLAYS = 0.5, 0.25
 
 
 class LogprobsChoice(NamedTuple):
+    """The learner log-prob method a run uses, and why `auto` took it."""
+
     method: str  # `dense`, `hybrid` or `invariant`
     why: str     # for `auto`: why this method (empty when the config named it)
 
