@@ -6,8 +6,9 @@ batch-invariant forms (`numerics.invariant`) cost.
 Three parts (`--parts`), one JSON object:
 
 - `ops`: each operation of a decode step, compiled alone, at a decode's rows against a
-  parallel forward's: the plain product `x @ W` (small-preset widths) and the decode
-  layout's `W @ x.T` by row count, against 8 and 1024 rows; reductions by row count
+  parallel forward's: the plain product `x @ W` (small-preset widths) by row count
+  against 8, 32 and 1024 rows, the same with the weight read `[out, in]` (`x @ W.T`, the
+  `transposed` layout's read), and the `W @ x.T` form by row count; reductions by row count
   against 2560 rows, with XLA's default YNNPACK fusions and with dots only
   (`invariant.COMPILER_OPTIONS`); attention, one query against all of a parallel
   forward's over the same cache slots, plain and invariant; fused multiply-add
@@ -18,9 +19,11 @@ Three parts (`--parts`), one JSON object:
   program (hidden 512, 2 layers, vocabulary 2048, 8 rows of up to 24 new tokens,
   temperature 0.8, EOS in play): the tokens whose log-prob differs, whole batch and 2-
   and 4-way slices, dense and looped deferred, f32 and bf16; then, dense f32, each form
-  reverted to the plain one in a process of its own (`--ablation`).
+  reverted to the plain one in a process of its own (`--ablation`): the learner's weight
+  products plain (`product`), every product of all its rows at once instead of by chunks
+  (`chunks`), XLA's default fusions (`options`), `apart`, `total`, the attention.
 - `cost`: the small preset (8 rows, 16 + 112 tokens, f32): the sampler in the
-  `transposed` layout (today's default on CPU) against `invariant`, and one learner
+  `transposed` layout (the default on CPU) against `invariant`, and one learner
   forward of a 2-row minibatch, `dense` (packed) against `invariant` (packed), alternating,
   the fastest of `--repeats`.
 """
@@ -44,7 +47,7 @@ from _xla_ops import emit  # noqa: E402
 
 OPTIONS = {"xla_cpu_experimental_ynn_fusion_type": "LIBRARY_FUSION_TYPE_INDIVIDUAL_DOT"}
 HIGHEST = jax.lax.Precision.HIGHEST
-ABLATIONS = ("none", "product", "padding", "options", "apart", "total", "attention")
+ABLATIONS = ("none", "product", "chunks", "options", "apart", "total", "attention")
 
 
 def _differ(a, b) -> int:
@@ -55,19 +58,26 @@ def _differ(a, b) -> int:
 def _ops(quick: bool) -> dict:
     rng = np.random.default_rng(0)
     out = {}
-    plain = jax.jit(lambda x, w: jnp.dot(x, w, precision=HIGHEST))
+    plain = jax.jit(lambda x, w: jnp.dot(x, w, precision=HIGHEST), compiler_options=OPTIONS)
+    out_in = jax.jit(lambda x, wt: jax.lax.dot_general(x, wt, (((1,), (1,)), ((), ())),
+                                                       precision=HIGHEST),
+                     compiler_options=OPTIONS)
     cols = jax.jit(lambda x, w: jax.lax.dot_general(w, x, (((1,), (1,)), ((), ())),
-                                                    precision=HIGHEST).T)
+                                                    precision=HIGHEST).T,
+                   compiler_options=OPTIONS)
     shapes = [(512, 1408)] if quick else [(512, 1408), (1408, 512), (512, 32000)]
     rows = [1, 2, 8, 16, 32, 33, 40, 64, 1024]
     for k, n in shapes:
         x = rng.standard_normal((1024, k)).astype(np.float32)
         w = (rng.standard_normal((k, n)) * 0.05).astype(np.float32)
-        at8, at1024 = np.asarray(plain(x[:8], w)), np.asarray(plain(x, w))
-        out[f"x@W K={k} N={n}: rows' bits vs 8 rows / vs 1024 rows"] = {
+        at8, at32, at1024 = (np.asarray(plain(x[:m], w)) for m in (8, 32, 1024))
+        out[f"x@W K={k} N={n}: rows' bits vs 8 rows / vs 32 rows / vs 1024 rows"] = {
             m: [_differ(plain(x[:m], w)[:min(m, 8)], at8[:min(m, 8)]),
+                _differ(plain(x[:m], w)[:min(m, 32)], at32[:min(m, 32)]),
                 _differ(plain(x[:m], w), at1024[:m])] for m in rows}
         wt = np.ascontiguousarray(w.T)
+        out[f"x@W.T ([out, in] read) K={k} N={n}: values differing from x@W, by rows"] = {
+            m: _differ(out_in(x[:m], wt), plain(x[:m], w)) for m in (1, 2, 8, 32, 33, 64)}
         ref = np.asarray(cols(x, wt))
         out[f"W@x.T K={k} N={n}: row counts whose rows differ from 1024 rows'"] = [
             c for c in [*range(1, 18), 24, 25, 32, 40, 48, 64, 200, 256]
@@ -96,7 +106,7 @@ def _ops(quick: bool) -> dict:
 
 def _attention(quick: bool) -> dict:
     from jaxrl_lp.models.attention import attention
-    from jaxrl_lp.numerics.invariant import invariant_forms, opaque_zero
+    from jaxrl_lp.numerics.invariant import form_for, invariant_forms, opaque_zero
     from jaxrl_lp.numerics.policy import Policy
 
     policy = Policy.parse("fp32")
@@ -110,7 +120,7 @@ def _attention(quick: bool) -> dict:
         for label, opts, inv in (("plain", {}, False), ("plain, dots only", OPTIONS, False),
                                  ("invariant", OPTIONS, True)):
             def run(q, p, inv=inv, k=k, v=v, pos=pos):
-                with invariant_forms(opaque_zero(jnp.int32(0)), inv):
+                with invariant_forms(opaque_zero(jnp.int32(0)), form_for(b) if inv else None):
                     return attention(q, k, v, p, pos, policy)
             f = jax.jit(run, compiler_options=opts)
             every = np.asarray(f(q, pos))
@@ -121,17 +131,18 @@ def _attention(quick: bool) -> dict:
 
 
 def _fused_norm() -> dict:
-    from jaxrl_lp.numerics.invariant import invariant_forms, opaque_zero, total, weights_major
+    from jaxrl_lp.numerics.invariant import (form_for, invariant_forms, opaque_zero, total,
+                                             weights_product)
 
     rng = np.random.default_rng(2)
     h = rng.standard_normal((8, 32, 32)).astype(np.float32)
     u = rng.standard_normal((8, 32, 64)).astype(np.float32)
-    w = (rng.standard_normal((32, 64)) * 0.1).astype(np.float32)
+    w = (rng.standard_normal((64, 32)) * 0.1).astype(np.float32)
     out = {}
     for label, tree in (("XLA's reduction", False), ("fixed tree (invariant.total)", True)):
         def norm(h, u, v, tree=tree):
-            with invariant_forms(opaque_zero(v)):
-                x = h + weights_major(u.reshape(-1, 64), w).reshape(*u.shape[:-1], 32)
+            with invariant_forms(opaque_zero(v), form_for(8)):
+                x = h + weights_product(u.reshape(-1, 64), w).reshape(*u.shape[:-1], 32)
                 ss = total(x * x) if tree else jnp.sum(x * x, -1, keepdims=True)
                 return x / jnp.sqrt(ss / 32 + 1e-6)
         f = jax.jit(norm, compiler_options=OPTIONS)
@@ -160,8 +171,8 @@ def _model_case(kind: str, policy_name: str, ablation: str) -> dict:
 
     if ablation == "product":  # the learner's weight products plain (`x @ W`)
         inv.invariant_dot = lambda x, w, policy: layers._f32_product(x, w, policy)
-    elif ablation == "padding":  # rows not padded to whole column tiles
-        inv.pad_rows.__defaults__ = (1,)
+    elif ablation == "chunks":  # every product of all its rows at once
+        inv._by_rows = lambda fn, x, chunk: fn(x)
     elif ablation == "apart":  # products and sums left to fuse into multiply-adds
         inv.apart = lambda x: x
     elif ablation == "total":  # XLA's reductions

@@ -74,9 +74,13 @@ def test_speculative_replay_is_exact_in_every_slice_and_timed():
 def test_batch_invariance_ops_hold_the_invariant_forms_on_this_cpu():
     # `docs/bench/batch-invariance-*.json`'s script, its `ops` part at the smallest sizes: on
     # whichever CPU runs it, the forms are what makes a row's bits independent of its batch
-    # (the column tile probed for this CPU: 16 on a Zen 3, 64 on a Zen 4), where the plain
-    # forms are not.
+    # (products of 2 to `row_chunk` rows give a row the bits it has among 32: 32 on the
+    # AMD EPYC CPUs measured), where the plain forms are not.
+    from jaxrl_lp.numerics.invariant import row_chunk
+
     res = _run("batch_invariance.py", "--parts", "ops", "--quick")["ops"]
+    rows = res["x@W K=512 N=1408: rows' bits vs 8 rows / vs 32 rows / vs 1024 rows"]
+    assert row_chunk() == 32 and all(rows[str(m)][1] == 0 for m in (2, 8, 16, 32)), rows
     attention = res["attention: values differing, one query vs all over the same cache"]
     assert [v for k, v in attention.items() if k.endswith("invariant")] == [0]
     assert all(v > 0 for k, v in attention.items() if "plain" in k), attention

@@ -5,10 +5,11 @@ tokens at once. On XLA:CPU the two give a row other bits wherever the
 library or the code generator picks its algorithm by size
 (docs/design/invariant.md; `benchmarks/batch_invariance.py` measures it):
 
-- a product's rows: `x @ W` runs one YNNPACK kernel at 2-32 rows and another
-  at more (and at 1), which sum the contraction in other orders; the decode
-  layout's `W @ x.T` (`models.layers.TransposedWeight`) takes its columns in
-  tiles of 16 and sums a last tile of 1-8 columns in another order;
+- a product's rows: YNNPACK runs `x @ W` at 1 row, at 2-32 rows and at more
+  in kernels that may sum the contraction in other orders (which of them
+  agree depends on the CPU, the contraction width and the dtype), and a
+  weight read `[out, in]` (the `transposed` decode layout) sums otherwise
+  than one read `[in, out]`;
 - the attention's two products (batched over sequences and kv heads) the
   same way, by their query rows;
 - reductions and the elementwise work beside them (norms, softmax,
@@ -17,25 +18,29 @@ library or the code generator picks its algorithm by size
 
 The invariant forms fix each of these:
 
-- `weights_major(x, w_NxK)`: the product as `W @ x.T` with the rows padded to
-  a multiple of the kernel's column tile (`column_tile`: 16 on an AVX2 CPU,
-  64 on an AVX-512 one, found by a probe), so every column is computed by the
-  full-tile kernel whatever the row count; the decode's weights are its
-  `[out, in]` copy (the `transposed` layout's), the learner transposes its
-  stored weights in its program (`invariant_dot`, whose backward is the plain
-  product's);
-- `attention_scores` / `attention_values`: the attention's products in the
-  same form per (sequence, kv head), the keys and values as the row operand
-  and the query rows as columns, padded;
+- products by row chunks (`InvariantForm`): every product runs over chunks
+  of 2 to `chunk` rows (`row_chunk`, found by a probe; docs/design/invariant.md
+  names it by CPU), in which a row's bits do not depend on how many rows are
+  beside it or where it stands; the decode's B rows are one chunk when
+  B <= `chunk`, and the learner's B x T rows are cut into chunks, each a
+  product of its own (`lax.map`). Whole products of more rows are no class:
+  their kernels change again with the row count and the widths. Weights are
+  read as stored, `[in, out]`, by the decode and the learner alike (the
+  `invariant` decode layout is `as_stored`'s copy: an `[out, in]` read sums
+  otherwise); the learner's forward value is the chunked product, its
+  gradient the plain product's (`invariant_dot`);
+- `attention_scores` / `attention_values`: the attention's products per
+  (sequence, kv head), the query rows in chunks of 2 to `chunk`;
 - `COMPILER_OPTIONS`: the programs that use the forms are compiled with
   YNNPACK fusions for dots only, so every reduction and elementwise op is
   XLA's own, whose per-row arithmetic does not depend on the row count.
 
-A program opts in by tracing inside `invariant_forms()` (the sampler's
-program in the `invariant` decode layout, the learner's `invariant`
-log-probs) and being jitted with `COMPILER_OPTIONS`. The forms are proven on
-XLA:CPU only (`unsupported` names why elsewhere); each run checks them at its
-own shapes before it writes anything (`train.probe`).
+A program opts in by tracing inside `invariant_forms(zero, form)` (the
+sampler's program in the `invariant` decode layout with `form_for(B)`, the
+learner's `invariant` log-probs with the form the rollout records) and being
+jitted with `COMPILER_OPTIONS`. The forms are proven on XLA:CPU only
+(`unsupported` names why elsewhere); each run checks them at its own shapes
+before it writes anything (`train.probe`).
 """
 
 from __future__ import annotations
@@ -43,7 +48,8 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import functools
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -52,33 +58,51 @@ import numpy as np
 from jaxrl_lp.numerics.policy import Policy
 from jaxrl_lp.numerics.products import precision_for, product
 
-__all__ = ["COLUMN_TILES", "COMPILER_OPTIONS", "active", "apart", "attention_scores",
-           "attention_values", "column_tile", "invariant_dot", "invariant_forms", "opaque_zero",
-           "pad_rows", "rsqrt", "total", "unsupported", "weights_major"]
+__all__ = ["COMPILER_OPTIONS", "ROW_CHUNKS", "InvariantForm", "active", "apart",
+           "attention_scores", "attention_values", "form_for", "form_holds", "invariant_dot",
+           "invariant_forms", "opaque_zero", "row_chunk", "rsqrt", "total", "unsupported",
+           "weights_product"]
 
-# The column tiles `column_tile` tries, smallest first: YNNPACK's f32 product kernel takes
-# the columns of `W @ x.T` in tiles of 16 on an AVX2 CPU (a last tile of 1-8 columns summed
-# in another order) and of 64 on an AVX-512 one (a last tile of 1-48 columns otherwise).
-COLUMN_TILES = (16, 32, 64, 128)
+# The row chunks `row_classes` tries, largest first: YNNPACK's product kernel for 2-32 rows
+# gives a row the same bits at any row count in that range, and another kernel runs at more.
+ROW_CHUNKS = (32, 16, 8, 4)
 # YNNPACK fusions for dots only: reductions and elementwise ops are XLA's own loops, whose
 # bits per row do not depend on the row count (with YNNPACK's reductions and `exp` they do).
 COMPILER_OPTIONS = {"xla_cpu_experimental_ynn_fusion_type": "LIBRARY_FUSION_TYPE_INDIVIDUAL_DOT"}
 
-# Inside `invariant_forms`: the trace's opaque int32 zero (`apart`); None outside.
-_ACTIVE: contextvars.ContextVar[jax.Array | None] = contextvars.ContextVar(
+
+class InvariantForm(NamedTuple):
+    """How the invariant forms run a product's rows (`form_for`; a rollout records it).
+
+    chunk: every product (weights' and the attention's, by query rows) runs over chunks of
+      2 to `chunk` rows, each a product of its own.
+    """
+    chunk: int
+
+
+class _State(NamedTuple):
+    zero: jax.Array  # the trace's opaque int32 zero (`apart`)
+    form: InvariantForm
+
+
+# Inside `invariant_forms`: the trace's state; None outside.
+_ACTIVE: contextvars.ContextVar[_State | None] = contextvars.ContextVar(
     "jaxrl_lp_invariant", default=None)
 
 
 @contextlib.contextmanager
-def invariant_forms(zero: jax.Array, on: bool = True) -> Iterator[None]:
-    """Within the block (while tracing), the model takes the invariant forms.
+def invariant_forms(zero: jax.Array, form: InvariantForm | None) -> Iterator[None]:
+    """Within the block (while tracing), the model takes the invariant forms in `form` (None:
+    the plain forms).
 
-    Enter it inside the function that is jitted, with `on` derived from that
-    function's static arguments, as `parallel.use_mesh` is. `zero` is
-    `opaque_zero` of one of that function's inputs: `apart` needs a zero the
-    compiler cannot see.
+    Enter it inside the function that is jitted, with `form` derived from that function's
+    static arguments (the decode's rows, `form_for`, or the rollout's record), as
+    `parallel.use_mesh` is. `zero` is `opaque_zero` of one of that function's inputs:
+    `apart` needs a zero the compiler cannot see.
     """
-    token = _ACTIVE.set(zero if on else None)
+    if form is not None and not isinstance(form, InvariantForm):
+        raise TypeError(f"invariant_forms: form is an InvariantForm or None, not {form!r}")
+    token = _ACTIVE.set(None if form is None else _State(zero, form))
     try:
         yield
     finally:
@@ -88,6 +112,13 @@ def invariant_forms(zero: jax.Array, on: bool = True) -> Iterator[None]:
 def active() -> bool:
     """Whether the enclosing trace takes the invariant forms (`invariant_forms`)."""
     return _ACTIVE.get() is not None
+
+
+def _form() -> InvariantForm:
+    state = _ACTIVE.get()
+    if state is None:
+        raise ValueError("the invariant products are traced inside invariant_forms(zero, form)")
+    return state.form
 
 
 def unsupported(platform: str | None = None, mesh=None) -> str | None:
@@ -102,34 +133,76 @@ def unsupported(platform: str | None = None, mesh=None) -> str | None:
         return f"the invariant forms are proven on XLA:CPU only, not {platform}"
     if mesh is not None:
         return "the invariant forms run on one device, not a mesh"
-    if platform == jax.default_backend() and column_tile() is None:
-        return (f"no column tile of {COLUMN_TILES} gives this CPU's product kernel a column's "
-                "bits whatever the column count")
+    if platform == jax.default_backend() and row_chunk() is None:
+        return (f"no row chunk of {ROW_CHUNKS} gives this CPU's product kernel a row's bits "
+                "whatever the rows beside it")
     return None
 
 
-@functools.cache
-def column_tile() -> int | None:
-    """The smallest tile of `COLUMN_TILES` whose multiples of columns give `W @ x.T` (f32,
-    XLA:CPU's product kernel under `COMPILER_OPTIONS`) every column's bits of a product over
-    1024 columns, or None when none does.
+def _probe_cases(rng) -> list[tuple[Callable, np.ndarray, np.ndarray]]:
+    """(product of rows, rows, other operand): weight products `[M, K] @ [K, N]` in f32 and
+    bf16 at contraction widths whose kernels differ, and the attention's batched products."""
+    def weights(dtype):
+        precision = jax.lax.Precision.HIGHEST if dtype == np.float32 else None
+        return lambda x, w: jax.lax.dot_general(x, w, (((1,), (0,)), ((), ())),
+                                                precision=precision,
+                                                preferred_element_type=jnp.float32)
+    scores = lambda q, k: jnp.einsum("bkmd,bksd->bkms", q, k, precision="highest")
+    values = lambda p, v: jnp.einsum("bkms,bksd->bkmd", p, v, precision="highest")
+    normal = lambda *shape: rng.standard_normal(shape).astype(np.float32)
+    cases = []
+    for k, n in ((512, 256), (1408, 128)):
+        x, w = normal(1024, k), normal(k, n) * 0.05
+        cases.append((weights(np.float32), x, w))
+        cases.append((weights(jnp.bfloat16), x.astype(jnp.bfloat16), w.astype(jnp.bfloat16)))
+    q, kv = normal(2, 2, 1024, 64), normal(2, 2, 96, 64)
+    cases += [(scores, q, kv), (values, normal(2, 2, 1024, 96), kv)]
+    return cases
 
-    Which kernel sums a column, and in which order, depends on the CPU's vector width, so
-    it is probed here (once a process: a few small programs) rather than assumed.
+
+@functools.cache
+def row_chunk() -> int | None:
+    """The largest chunk of `ROW_CHUNKS` in which products of 2 to `chunk` rows give every
+    row the bits it has among `chunk` rows, wherever it stands (XLA:CPU's product kernel under
+    `COMPILER_OPTIONS`, f32 and bf16 weight products and the attention's); None when none
+    holds.
+
+    Which kernel sums a row, and in which order, depends on the CPU, so it is probed here
+    (once a process: a few small programs) rather than assumed.
     """
-    rng = np.random.default_rng(0)
-    x = rng.standard_normal((1024, 128)).astype(np.float32)
-    w = (rng.standard_normal((64, 128)) * 0.05).astype(np.float32)
-    dims = (((1,), (1,)), ((), ()))
+    bits = lambda y: np.asarray(y, np.float32).view(np.uint32)
     with jax.ensure_compile_time_eval():
-        cols = jax.jit(lambda w, x: jax.lax.dot_general(w, x, dims,
-                                                        precision=jax.lax.Precision.HIGHEST),
-                       compiler_options=COMPILER_OPTIONS)
-        bits = lambda y: np.asarray(y).view(np.uint32)
-        wide = bits(cols(w, x))
-        for tile in COLUMN_TILES:
-            if all((bits(cols(w, x[:n])) == wide[:, :n]).all() for n in (tile, 2 * tile, 3 * tile)):
-                return tile
+        cases = [(jax.jit(f, compiler_options=COMPILER_OPTIONS), x, w)
+                 for f, x, w in _probe_cases(np.random.default_rng(0))]
+
+        def rows(f, x, w, m, shift=0):  # the first m rows, rolled by `shift` within them
+            return bits(f(np.roll(x[..., :m, :], shift, axis=-2), w))
+
+        for chunk in ROW_CHUNKS:
+            counts = sorted({2, 3, chunk // 2 + 1, chunk - 1})
+            if all((rows(f, x, w, chunk, 5) == np.roll(full, 5, -2)).all()
+                   and all((rows(f, x, w, m) == full[..., :m, :]).all() for m in counts)
+                   for f, x, w in cases for full in [rows(f, x, w, chunk)]):
+                return chunk
+    return None
+
+
+def form_for(rows: int) -> InvariantForm | None:
+    """The form of a decode of `rows` rows on this CPU (its rows one chunk where they fit in
+    one), or None where no chunk holds."""
+    del rows  # every row count runs in this CPU's chunks
+    chunk = row_chunk()
+    return None if chunk is None else InvariantForm(chunk)
+
+
+def form_holds(form: InvariantForm) -> str | None:
+    """Why a rollout sampled in `form` cannot be reproduced by this CPU's products, or None."""
+    chunk = row_chunk()
+    if chunk is None:
+        return unsupported()
+    if form.chunk != chunk:
+        return (f"it was sampled in chunks of {form.chunk} rows; this CPU's products hold in "
+                f"chunks of {chunk}")
     return None
 
 
@@ -148,7 +221,7 @@ def apart(x: jax.Array) -> jax.Array:
     if state is None:
         return x
     ints = {2: jnp.int16, 4: jnp.int32, 8: jnp.int64}[jnp.dtype(x.dtype).itemsize]
-    bits = jax.lax.bitcast_convert_type(x, ints) ^ state.astype(ints)
+    bits = jax.lax.bitcast_convert_type(x, ints) ^ state.zero.astype(ints)
     return jax.lax.bitcast_convert_type(bits, x.dtype)
 
 
@@ -187,51 +260,53 @@ def opaque_zero(count: jax.Array) -> jax.Array:
     return jnp.minimum(jnp.asarray(count, jnp.int32).reshape(()), 0)
 
 
-def pad_rows(x: jax.Array, axis: int, tile: int | None = None) -> jax.Array:
-    """`x` with zeros appended along `axis` to a multiple of `tile` entries (default: this
-    CPU's `column_tile`)."""
-    pad = -x.shape[axis] % (tile or column_tile() or 1)
-    if not pad:
+def _pad(x: jax.Array, rows: int) -> jax.Array:
+    """`x` with zero rows appended on axis -2 up to `rows`."""
+    if x.shape[-2] >= rows:
         return x
-    widths = [(0, 0)] * x.ndim
-    widths[axis] = (0, pad)
-    return jnp.pad(x, widths)
+    return jnp.pad(x, [(0, 0)] * (x.ndim - 2) + [(0, rows - x.shape[-2]), (0, 0)])
 
 
-def _columns_product(w_xNxK: jax.Array, x_xRxK: jax.Array, batch: int) -> jax.Array:
-    """`w @ x.T` over `batch` leading axes, the rows of `x` padded to whole column tiles:
-    `[*lead, N, R]` f32.
+def _by_rows(fn: Callable[[jax.Array], jax.Array], x_xMxK: jax.Array, chunk: int) -> jax.Array:
+    """`fn(x)` for a product `fn` of the rows (axis -2) of `x`, `[..., M, N]`, run in chunks
+    of 2 to `chunk` rows: one product where M <= chunk, else a product per chunk of `chunk`
+    rows.
 
-    The barrier keeps the `[N, Rp]` product in memory as computed (as the `transposed`
-    layout's product, `models.layers.TransposedWeight`).
+    Zero rows fill the last chunk (and a 1-row product, another kernel). The barriers keep
+    each product in memory as computed, so no fusion reaches into it.
     """
-    r = x_xRxK.shape[-2]
-    lead = tuple(range(batch))
-    dims = (((batch + 1,), (batch + 1,)), (lead, lead))
-    w_xNxK, x_xRpxK = jax.lax.optimization_barrier((w_xNxK, pad_rows(x_xRxK, batch)))
-    y = jax.lax.dot_general(w_xNxK, x_xRpxK, dims,
-                            precision=precision_for(w_xNxK, x_xRxK),
-                            preferred_element_type=jnp.float32)
-    return jax.lax.optimization_barrier(y)[..., :r]
+    m = x_xMxK.shape[-2]
+    if m <= chunk:
+        x = jax.lax.optimization_barrier(_pad(x_xMxK, 2))
+        return jax.lax.optimization_barrier(fn(x))[..., :m, :]
+    g = -(-m // chunk)
+    lead = x_xMxK.shape[:-2]
+    x = _pad(x_xMxK, g * chunk).reshape(*lead, g, chunk, x_xMxK.shape[-1])
+    x = jnp.moveaxis(x, -3, 0)  # [G, ..., chunk, K]: a product per chunk
+    y = jax.lax.map(lambda c: jax.lax.optimization_barrier(fn(jax.lax.optimization_barrier(c))),
+                    x)
+    y = jnp.moveaxis(y, 0, -3)
+    return y.reshape(*lead, g * chunk, y.shape[-1])[..., :m, :]
 
 
-def weights_major(x_RxK: jax.Array, w_NxK: jax.Array) -> jax.Array:
-    """`x @ w_NxK.T` in f32, `[R, N]`, each row's bits independent of R (module docstring)."""
-    with jax.named_scope("weights_major"):
-        y = _columns_product(w_NxK, x_RxK, 0)
-    return jax.lax.optimization_barrier(y.T)
+def weights_product(x_MxK: jax.Array, w_KxN: jax.Array) -> jax.Array:
+    """`x @ w` in f32, `[M, N]`, the rows in the active form's chunks (module docstring)."""
+    dot = lambda x: jax.lax.dot_general(x, w_KxN, (((1,), (0,)), ((), ())),
+                                        precision=precision_for(x_MxK, w_KxN),
+                                        preferred_element_type=jnp.float32)
+    with jax.named_scope("invariant_rows"):
+        return _by_rows(dot, x_MxK, _form().chunk)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
 def invariant_dot(x_xK: jax.Array, w_KxN: jax.Array, policy: Policy) -> jax.Array:
-    """`product("...k,kn->...n", x, w, policy)` by `weights_major`: the f32 accumulator.
+    """`product("...k,kn->...n", x, w, policy)` by `weights_product`: the f32 accumulator.
 
-    The stored `[in, out]` weight is transposed in the program, so the sums
-    are those of the decode's `[out, in]` copy. The gradient is the plain
-    product's (`numerics.products`): only the value has to be the decode's.
+    The gradient is the plain product's (`numerics.products`): only the value has to be the
+    decode's.
     """
     k, n = w_KxN.shape
-    return weights_major(x_xK.reshape(-1, k), w_KxN.T).reshape(*x_xK.shape[:-1], n)
+    return weights_product(x_xK.reshape(-1, k), w_KxN).reshape(*x_xK.shape[:-1], n)
 
 
 def _invariant_dot_fwd(x, w, policy):
@@ -248,15 +323,17 @@ invariant_dot.defvjp(_invariant_dot_fwd, _invariant_dot_bwd)
 
 
 def attention_scores(q_BxKxMxDh: jax.Array, k_BxKxSxDh: jax.Array) -> jax.Array:
-    """`q @ k.T` per (sequence, kv head), `[B, K, M, S]` f32, each query row's bits
-    independent of M: the keys are the row operand and the M query rows the columns."""
-    y = _columns_product(k_BxKxSxDh, q_BxKxMxDh, 2)  # [B, K, S, M]
-    return jax.lax.optimization_barrier(jnp.swapaxes(y, 2, 3))
+    """`q @ k.T` per (sequence, kv head), `[B, K, M, S]` f32, each query row's bits those of
+    its chunk class: the M query rows in chunks (`InvariantForm.chunk`)."""
+    dot = lambda q: jax.lax.dot_general(q, k_BxKxSxDh, (((3,), (3,)), ((0, 1), (0, 1))),
+                                        precision=precision_for(q_BxKxMxDh, k_BxKxSxDh),
+                                        preferred_element_type=jnp.float32)
+    return _by_rows(dot, q_BxKxMxDh, _form().chunk)
 
 
 def attention_values(p_BxKxMxS: jax.Array, v_BxKxSxDh: jax.Array) -> jax.Array:
-    """`p @ v` per (sequence, kv head), `[B, K, M, Dh]` f32, each query row's bits
-    independent of M: `v.T` (materialized) is the row operand, the weights the columns."""
-    v_t = jax.lax.optimization_barrier(jnp.swapaxes(v_BxKxSxDh, 2, 3))  # [B, K, Dh, S]
-    y = _columns_product(v_t, p_BxKxMxS, 2)  # [B, K, Dh, M]
-    return jax.lax.optimization_barrier(jnp.swapaxes(y, 2, 3))
+    """`p @ v` per (sequence, kv head), `[B, K, M, Dh]` f32, the M query rows in chunks."""
+    dot = lambda p: jax.lax.dot_general(p, v_BxKxSxDh, (((3,), (2,)), ((0, 1), (0, 1))),
+                                        precision=precision_for(p_BxKxMxS, v_BxKxSxDh),
+                                        preferred_element_type=jnp.float32)
+    return _by_rows(dot, p_BxKxMxS, _form().chunk)

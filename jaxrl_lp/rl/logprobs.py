@@ -53,7 +53,7 @@ from jaxrl_lp.models.model import forward
 from jaxrl_lp.models.packing import gather_rows, make_packing, unpack
 from jaxrl_lp.models.recorded import Products, with_products
 from jaxrl_lp.numerics.invariant import COMPILER_OPTIONS as INVARIANT_OPTIONS
-from jaxrl_lp.numerics.invariant import invariant_forms, opaque_zero
+from jaxrl_lp.numerics.invariant import form_holds, invariant_forms, opaque_zero
 from jaxrl_lp.numerics.invariant import unsupported as invariant_unsupported
 from jaxrl_lp.numerics.policy import Policy, require
 from jaxrl_lp.parallel.context import use_mesh
@@ -154,7 +154,7 @@ def dense_logprobs(params: dict, cfg: ModelConfig, policy: Policy, ro: Rollout, 
     loop = rollout_loop(ro, cfg, loop)
     if invariant:
         check_invariant_rollout(ro)
-        with invariant_forms(opaque_zero(ro.weights_version)):
+        with invariant_forms(opaque_zero(ro.weights_version), ro.invariant_form):
             return _dense_logprobs(params, cfg, policy, ro, loop, remat, packed_rows, True)
     return _dense_logprobs(params, cfg, policy, ro, loop, remat, packed_rows, False)
 
@@ -238,6 +238,13 @@ def check_invariant_rollout(ro: Rollout) -> None:
                          "(generate(..., decode_layout='invariant'))")
     if ro.verify_tokens:
         raise ValueError("invariant log-probs: a speculative rollout verifies chunks; replay it")
+    if ro.invariant_form is None:
+        raise ValueError("invariant log-probs: the rollout records no invariant_form (the form "
+                         "its decode's products ran in); sample it with generate(..., "
+                         "decode_layout='invariant')")
+    if (why := form_holds(ro.invariant_form)) is not None:
+        raise ValueError(f"invariant log-probs cannot reproduce this rollout here: {why}; "
+                         "replay it (grpo.logprobs=hybrid)")
 
 
 def recorded_logprobs(params: dict, cfg: ModelConfig, policy: Policy, ro: Rollout,

@@ -34,7 +34,7 @@ from jaxrl_lp.models.recorded import (
     empty_products,
 )
 from jaxrl_lp.numerics.fingerprint import tree_fingerprint
-from jaxrl_lp.numerics.invariant import COMPILER_OPTIONS, invariant_forms, opaque_zero
+from jaxrl_lp.numerics.invariant import COMPILER_OPTIONS, form_for, invariant_forms, opaque_zero
 from jaxrl_lp.numerics.policy import FP32, Policy, require
 from jaxrl_lp.parallel.context import use_mesh
 from jaxrl_lp.parallel.rules import DEFAULT_RULES, ShardingRules
@@ -120,13 +120,19 @@ def _program(params, prompt_BxP, positions_BxP, lengths_B, key, version,
     against. Called by `generate`, `rollout.replay` and `bench replay`.
 
     The `invariant` layout's program is `invariant_sampler_program`, the same
-    function jitted with `numerics.invariant.COMPILER_OPTIONS` (`program_for`).
+    function jitted with `numerics.invariant.COMPILER_OPTIONS` (`program_for`),
+    traced in the invariant forms of its B rows (`numerics.invariant.form_for`),
+    which the rollout records.
     """
-    with use_mesh(mesh, rules), invariant_forms(opaque_zero(version), layout == "invariant"):
+    form = form_for(prompt_BxP.shape[0]) if layout == "invariant" else None
+    if layout == "invariant" and form is None:
+        raise ValueError("decode_layout 'invariant': no row chunk holds on this CPU "
+                         "(numerics.invariant.row_classes); use decode_layout='transposed'")
+    with use_mesh(mesh, rules), invariant_forms(opaque_zero(version), form):
         return _sample(params, prompt_BxP, positions_BxP, lengths_B, key, version, forced,
                        cfg=cfg, policy=policy, loop=loop, sampling=sampling,
                        max_new_tokens=max_new_tokens, eos_id=eos_id, pad_id=pad_id,
-                       record=record, layout=layout)
+                       record=record, layout=layout, form=form)
 
 
 sampler_program = jax.jit(_program, static_argnames=_STATICS)
@@ -144,13 +150,14 @@ def program_for(layout: str):
 
 
 def _sample(params, prompt_BxP, positions_BxP, lengths_B, key, version, forced: Forced | None,
-            *, cfg, policy, loop, sampling, max_new_tokens, eos_id, pad_id, record, layout):
+            *, cfg, policy, loop, sampling, max_new_tokens, eos_id, pad_id, record, layout,
+            form):
     b, p = prompt_BxP.shape
     n = max_new_tokens
     # Sliced and rounded once, here: inside the loop a scan over stacked weights copies them
     # every step, a transpose there would be redone every step, and so would the rounding of
     # the f32 master to the matmul inputs (`decode_weights`).
-    params = unstack_layers(params, transpose=layout != "as_stored", policy=policy)
+    params = unstack_layers(params, transpose=layout == "transposed", policy=policy)
     cache = unstack_cache(init_cache(cfg, policy, b, p + n), cfg)
     # With the fused read-out the steps return the hidden state: the token is sampled from its
     # logits, and its log-prob is theirs (`token_logprobs`, what `step_logprobs` replays).
@@ -226,7 +233,7 @@ def _sample(params, prompt_BxP, positions_BxP, lengths_B, key, version, forced: 
         completion_mask=s.mask, logprobs=s.logprobs, exit_steps=s.exit_steps,
         loop_evals=s.loop_evals, weights_version=jnp.asarray(version, jnp.int32),
         policy=policy, loop=loop, temperature=sampling.temperature, products=s.products,
-        decode_layout=layout,
+        decode_layout=layout, invariant_form=form,
         call_rows=jnp.stack([jnp.zeros((b,), jnp.int32), jnp.arange(b, dtype=jnp.int32)], 1),
     )
 

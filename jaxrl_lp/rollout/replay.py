@@ -143,12 +143,12 @@ def traced_replay_logprobs(params: dict, cfg: ModelConfig, policy: Policy, ro: R
     b, p = ro.prompt_tokens.shape
     n = ro.completion_tokens.shape[1]
     # As the sampler (`generate`) decoded: the same copy of the weights, in its layout.
-    params = unstack_layers(params, transpose=ro.decode_layout != "as_stored", policy=policy)
+    params = unstack_layers(params, transpose=ro.decode_layout == "transposed", policy=policy)
     cache = unstack_cache(init_cache(cfg, policy, b, p + n), cfg)
     positions = prompt_positions(ro.prompt_tokens, ro.prompt_lengths)
     fused = fused_readout(policy)  # the steps return what the sampler's did
     with invariant_forms(opaque_zero(ro.weights_version),  # the sampler's forms
-                         ro.decode_layout == "invariant"):
+                         ro.invariant_form if ro.decode_layout == "invariant" else None):
         return _traced_steps(params, cfg, policy, loop, ro, cache, positions, fused)
 
 

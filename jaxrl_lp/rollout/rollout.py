@@ -22,6 +22,7 @@ from jax.sharding import Mesh
 
 from jaxrl_lp.models.config import ModelConfig
 from jaxrl_lp.models.recorded import Products, split_products, take_product_rows
+from jaxrl_lp.numerics.invariant import InvariantForm
 from jaxrl_lp.numerics.policy import FP32, Policy, require
 from jaxrl_lp.rollout.sampling import SamplingConfig
 from jaxrl_lp.rollout.spec_config import SpecConfig
@@ -124,6 +125,9 @@ class Rollout:
       decode_layout: how the sampler's decode copy of the weights was laid
         out (static; `rollout.step.decode_layout`): the replay unstacks the
         learner's weights the same way, so its sums are the sampler's.
+      invariant_form: the `numerics.invariant.InvariantForm` an `invariant` decode
+        ran its products in (static; the decode's rows chose it), or None: the
+        learner's `invariant` forward runs its products in the same form.
       calls: the sampler calls the rows came from (static; `SamplerCall`),
         one for a rollout of `generate` or `speculative_generate`, several
         for a concatenation; () for a rollout built otherwise.
@@ -153,6 +157,8 @@ class Rollout:
     weights_digest: jax.Array | None = None
     products: Products | None = None
     decode_layout: str = dataclasses.field(default="as_stored", metadata={"static": True})
+    invariant_form: InvariantForm | None = dataclasses.field(default=None,
+                                                             metadata={"static": True})
     calls: tuple[SamplerCall, ...] = dataclasses.field(default=(), metadata={"static": True})
     call_rows: jax.Array | None = None
     call_keys: jax.Array | None = None
@@ -230,7 +236,8 @@ def concat_rollouts(rollouts: Sequence[Rollout], pad_id: int) -> Rollout:
         raise ValueError("concat_rollouts: a multi-turn rollout (env_mask) and a single-turn one")
     multiturn = multiturn.pop()
     for ro in rollouts[1:]:
-        for f in ("policy", "loop", "temperature", "verify_tokens", "decode_layout"):
+        for f in ("policy", "loop", "temperature", "verify_tokens", "decode_layout",
+                  "invariant_form"):
             if getattr(ro, f) != getattr(head, f):
                 raise ValueError(f"concat_rollouts: rollouts with different {f} "
                                  f"({getattr(head, f)!r} and {getattr(ro, f)!r})")

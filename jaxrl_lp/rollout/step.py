@@ -39,9 +39,10 @@ __all__ = ["DECODE_LAYOUTS", "LoopSpec", "decode_layout", "decode_step", "fused_
 # How the sampler's decode copy of the weights is laid out (`Rollout.decode_layout`):
 # `as_stored` slices the stacked layers; `transposed` copies the plain matmul weights and
 # the lm head `[out, in]` (`models.blocks.unstack_layers(transpose=True)`); `invariant` is
-# `transposed` with the batch-invariant forms (`numerics.invariant`: the sampler's program
+# `as_stored` with the batch-invariant forms (`numerics.invariant`: the sampler's program
 # traced inside `invariant_forms`, compiled with its options), which the learner's parallel
-# forward reproduces bit for bit (`rl.logprobs`' `invariant` method).
+# forward, reading the same stored weights, reproduces bit for bit (`rl.logprobs`'
+# `invariant` method).
 DECODE_LAYOUTS = ("as_stored", "transposed", "invariant")
 
 
@@ -59,7 +60,7 @@ def decode_layout(params, policy: Policy, mesh=None, layout: str | None = None) 
     for; abstract or traced weights (`jax.ShapeDtypeStruct`, inside another
     jit) take `as_stored` unless `layout` says otherwise.
 
-    `invariant` (asked for, never picked) is `transposed` with the batch-invariant
+    `invariant` (asked for, never picked) is `as_stored` with the batch-invariant
     forms (`numerics.invariant`); it is refused where those are not proven
     (`invariant.unsupported`: another platform than CPU, a mesh).
 
@@ -71,7 +72,7 @@ def decode_layout(params, policy: Policy, mesh=None, layout: str | None = None) 
         leaves = jax.tree.leaves(params, is_leaf=lambda x: isinstance(x, TransposedWeight))
         found = ("transposed" if any(isinstance(x, TransposedWeight) for x in leaves)
                  else "as_stored")
-        if layout == "invariant" and found == "transposed":  # the same copy of the weights
+        if layout == "invariant" and found == "as_stored":  # the same copy of the weights
             return layout
         if layout is not None and layout != found:
             raise ValueError(f"decode_layout: params unstacked as {found!r}, asked for "

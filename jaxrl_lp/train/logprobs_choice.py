@@ -4,19 +4,19 @@ Both exact methods give the learner the sampler's bits. `hybrid` samples with
 the plain decode and replays it for every update that cannot take the
 rollout's recorded log-probs (a later minibatch or epoch, the KL reference's
 log-probs, a verification step); `invariant` samples in the batch-invariant
-forms, which cost the decode more, and never replays: each of those values is
-one parallel forward (docs/design/invariant.md).
+forms and never replays: each of those values is one parallel forward
+(docs/design/invariant.md).
 
-`choose_logprobs` takes `invariant` where its forms hold for the run and the
-hybrid would replay the decode more often an iteration (`replays_per_iteration`)
-than the invariant sampler's extra cost is worth in replays
-(`invariant_threshold`); `hybrid` otherwise, with the reason. That cost grows
-with the padding of the decode's rows to the CPU's column tile
-(`numerics.invariant.column_tile`). The races behind the threshold, by CPU,
-are in docs/design/invariant.md (`jaxrl-lp bench iteration` at 1, 2 and 4
-minibatches). A run resolves `auto` before anything is built
-(`train.program.run_train`), says which method it took in one line, and
-records the resolved method in its `config.json`.
+`choose_logprobs` takes `invariant` wherever its forms serve the run, and
+`hybrid` elsewhere, with the reason. The races behind the rule are in
+docs/design/invariant.md (`jaxrl-lp bench iteration` at 1, 2 and 4
+minibatches, 8 and 64 rows): with the row-chunk forms the invariant sampler
+costs about the plain one's time and the invariant iteration was the faster
+one at every minibatch count raced, one included, where the hybrid replays
+nothing. A run
+resolves `auto` before anything is built (`train.program.run_train`), says
+which method it took in one line, and records the resolved method in its
+`config.json`.
 """
 
 from __future__ import annotations
@@ -25,17 +25,10 @@ from typing import Any, NamedTuple
 
 import jax
 
-from jaxrl_lp.numerics.invariant import column_tile, unsupported
+from jaxrl_lp.numerics.invariant import unsupported
 from jaxrl_lp.train.behaviour import iteration_counts
 
-__all__ = ["LogprobsChoice", "choose_logprobs", "invariant_threshold", "replays_per_iteration",
-           "with_logprobs"]
-
-# `invariant_threshold`'s terms: a replay costs about one decode; the invariant sampler costs
-# a decode and part of one more, growing with the padded rows' share (fitted to the races in
-# docs/design/invariant.md: 8 rows on a 16-column tile give 1.0 replay, on a 64-column
-# tile 2.5).
-BASE_REPLAYS, PADDED_SHARE_REPLAYS = 0.5, 0.25
+__all__ = ["LogprobsChoice", "choose_logprobs", "replays_per_iteration", "with_logprobs"]
 
 
 class LogprobsChoice(NamedTuple):
@@ -52,16 +45,6 @@ def replays_per_iteration(cfg) -> float:
     steps' replay (one every `grpo.verify_every` steps)."""
     counts = iteration_counts(with_logprobs(cfg, LogprobsChoice("hybrid", "")))
     return counts["replaying"] + counts["behaviour"] + (1.0 if cfg.loss.kl_beta > 0 else 0.0)
-
-
-def invariant_threshold(cfg, tile: int | None = None) -> float:
-    """The hybrid's replays per iteration from which `invariant` costs a run of `cfg` less:
-    `BASE_REPLAYS` plus `PADDED_SHARE_REPLAYS` per padded decode row per row, the sampler's
-    `prompts_per_step x group_size` rows padded to `tile` (default: this CPU's column tile)."""
-    rows = cfg.grpo.prompts_per_step * cfg.grpo.group_size
-    tile = tile or column_tile() or 1
-    padded = -(-rows // tile) * tile
-    return BASE_REPLAYS + PADDED_SHARE_REPLAYS * padded / rows
 
 
 def _invariant_blocked(cfg, *, multiturn: bool, weights: Any, mesh: Any,
@@ -95,7 +78,7 @@ def _invariant_blocked(cfg, *, multiturn: bool, weights: Any, mesh: Any,
 def choose_logprobs(cfg, *, multiturn: bool = False, weights: Any = None, mesh: Any = None,
                     platform: str | None = None) -> LogprobsChoice:
     """The learner log-prob method a run of `cfg` uses: `grpo.logprobs` where it names one,
-    else (`auto`) `invariant` or `hybrid` by the rule of this module.
+    else (`auto`) `invariant` where its forms serve the run, `hybrid` elsewhere.
 
     Args:
       cfg: the run's `TrainConfig`.
@@ -110,14 +93,10 @@ def choose_logprobs(cfg, *, multiturn: bool = False, weights: Any = None, mesh: 
                                  platform=platform)
     if blocked is not None:
         return LogprobsChoice("hybrid", blocked)
-    replays, threshold = replays_per_iteration(cfg), invariant_threshold(cfg)
-    if replays < threshold:
-        return LogprobsChoice("hybrid", f"the hybrid replays the decode {replays:.2g} times an "
-                              f"iteration, fewer than the {threshold:.2g} the invariant "
-                              "sampler's extra cost is worth here")
-    return LogprobsChoice("invariant", f"the hybrid would replay the decode {replays:.2g} times "
-                          f"an iteration, at least the {threshold:.2g} the invariant sampler's "
-                          "extra cost is worth here; the invariant forward replaces each replay")
+    replays = replays_per_iteration(cfg)
+    return LogprobsChoice("invariant", f"its forms serve this run; the hybrid would replay the "
+                          f"decode {replays:.2g} times an iteration, each replaced by the "
+                          "invariant forward")
 
 
 def with_logprobs(cfg, choice: LogprobsChoice):
