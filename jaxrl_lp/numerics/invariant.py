@@ -152,11 +152,11 @@ def _probe_cases(rng) -> list[tuple[Callable, np.ndarray, np.ndarray]]:
     normal = lambda *shape: rng.standard_normal(shape).astype(np.float32)
     cases = []
     for k, n in ((512, 256), (1408, 128)):
-        x, w = normal(1024, k), normal(k, n) * 0.05
+        x, w = normal(ROW_CHUNKS[0], k), normal(k, n) * 0.05
         cases.append((weights(np.float32), x, w))
         cases.append((weights(jnp.bfloat16), x.astype(jnp.bfloat16), w.astype(jnp.bfloat16)))
-    q, kv = normal(2, 2, 1024, 64), normal(2, 2, 96, 64)
-    cases += [(scores, q, kv), (values, normal(2, 2, 1024, 96), kv)]
+    q, kv = normal(2, 2, ROW_CHUNKS[0], 64), normal(2, 2, 96, 64)
+    cases += [(scores, q, kv), (values, normal(2, 2, ROW_CHUNKS[0], 96), kv)]
     return cases
 
 

@@ -50,9 +50,8 @@ class GRPOConfig:
         same forms, the sampler's bits without replaying the decode
         (docs/design/invariant.md). XLA:CPU on one device with plain weights; elsewhere
         the updates replay as `hybrid`'s (a warning says so). Not with `speculative`.
-        `auto`: `invariant` where its forms hold and the hybrid would replay the decode
-        at least once an iteration (later minibatches, epochs, a KL reference,
-        verification), `hybrid` otherwise (`train.logprobs_choice`); the run says which.
+        `auto`: `invariant` wherever its forms serve the run, `hybrid` otherwise
+        (`train.logprobs_choice`); the run says which, and why.
       replay: `auto`: where an update computes with the weights the sampler ran, under
         its policy, the hybrid's value and the behaviour log-probs are the rollout's
         recorded ones and the replay is not run (`train.behaviour`); `always`: every
