@@ -137,6 +137,38 @@ def test_a_decode_of_more_rows_than_a_chunk_runs_in_chunks_too():
         program(params, other)
 
 
+@pytest.mark.parametrize("kind", ["dense", "looped_deferred"])
+def test_the_invariant_gradient_is_the_dense_learners(kind, monkeypatch):
+    """Only the value is the decode's: the gradient of a loss over the invariant log-probs is
+    the dense learner's (every parameter within 1e-4 of its norm, f32), the norms, the
+    rotary embedding and the read-out included, whose `apart` passes its value through
+    integers. The plant: `apart` without its identity derivative (the integers carry no
+    gradient) leaves every parameter but the lm head without one."""
+    import jaxrl_lp.numerics.invariant as inv
+
+    policy = Policy.parse("fp32")
+    cfg, params, loop = _model(kind)
+    ro = take_rows(_rollout(cfg, params, loop, policy), np.arange(4))
+
+    def grads(method):
+        def loss(p):
+            lp, ent = learner_logprobs(p, cfg, policy, ro, method, loop=loop)
+            return jnp.sum(lp * ro.completion_mask) + 0.01 * jnp.sum(ent * ro.completion_mask)
+        options = COMPILER_OPTIONS if method == "invariant" else None
+        return jax.jit(jax.grad(loss), compiler_options=options)(params)
+
+    def off(got, want):  # per parameter: |got - want| / |want|
+        return {jax.tree_util.keystr(k): float(jnp.linalg.norm(a - b) / jnp.linalg.norm(b))
+                for (k, a), b in zip(jax.tree_util.tree_flatten_with_path(got)[0],
+                                     jax.tree.leaves(want), strict=True)}
+
+    dense = grads("dense")
+    assert max(off(grads("invariant"), dense).values()) < 1e-4, off(grads("invariant"), dense)
+    monkeypatch.setattr(inv, "_xor_zero", inv._xor_zero.fun)  # the plant
+    planted = off(grads("invariant"), dense)
+    assert planted.pop("['lm_head']") < 1e-4 and min(planted.values()) == 1.0, planted
+
+
 def test_the_invariant_step_runs_at_ratio_one():
     """The GRPO step of `method='invariant'` (its own program, compiled with the forms'
     options) computes 2-row minibatches at the sampler's weights at ratio 1, and takes no

@@ -215,14 +215,27 @@ def apart(x: jax.Array) -> jax.Array:
     fuses its forward otherwise). Here the value's bits are XORed with the trace's
     opaque zero (`invariant_forms`' `zero`: computed from a program input, so neither
     XLA nor LLVM can fold it), and the sum that reads it adds the rounded value in
-    every program. Floating types of 2, 4 or 8 bytes.
+    every program. Its derivative is the identity's (`_xor_zero`): the bits pass
+    through integers, which carry no gradient. Floating types of 2, 4 or 8 bytes.
     """
     state = _ACTIVE.get()
     if state is None:
         return x
+    return _xor_zero(x, state.zero)
+
+
+@jax.custom_jvp
+def _xor_zero(x: jax.Array, zero: jax.Array) -> jax.Array:
+    """`x`'s bits XORed with the int `zero` (`apart`); differentiated as the identity."""
     ints = {2: jnp.int16, 4: jnp.int32, 8: jnp.int64}[jnp.dtype(x.dtype).itemsize]
-    bits = jax.lax.bitcast_convert_type(x, ints) ^ state.zero.astype(ints)
+    bits = jax.lax.bitcast_convert_type(x, ints) ^ zero.astype(ints)
     return jax.lax.bitcast_convert_type(bits, x.dtype)
+
+
+@_xor_zero.defjvp
+def _xor_zero_jvp(primals, tangents):
+    x, zero = primals
+    return _xor_zero(x, zero), tangents[0]
 
 
 def total(x: jax.Array, axis: int = -1) -> jax.Array:
