@@ -42,6 +42,7 @@ from typing import Literal
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import Mesh
 
 from jaxrl_lp.kernels.dispatch import per_shard
@@ -149,14 +150,47 @@ def dense_logprobs(params: dict, cfg: ModelConfig, policy: Policy, ro: Rollout, 
     `numerics.invariant.COMPILER_OPTIONS`, the rollout sampled in the
     `invariant` layout: `check_invariant_rollout`) the forward takes the
     batch-invariant forms and the read-out is `invariant_readout`: the values
-    are the sampler's computation bit for bit, packed or not.
+    are the sampler's computation bit for bit, packed or not, and inside a
+    gradient's program too (`_invariant_logprobs`: their derivative is the
+    plain forward's, recomputed in the backward pass).
     """
     loop = rollout_loop(ro, cfg, loop)
     if invariant:
         check_invariant_rollout(ro)
-        with invariant_forms(opaque_zero(ro.weights_version), ro.invariant_form):
-            return _dense_logprobs(params, cfg, policy, ro, loop, remat, packed_rows, True)
+        return _invariant_logprobs(params, ro, cfg, policy, loop, remat, packed_rows)
     return _dense_logprobs(params, cfg, policy, ro, loop, remat, packed_rows, False)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5, 6))
+def _invariant_logprobs(params, ro, cfg, policy, loop, remat, packed_rows):
+    """`dense_logprobs`' values in the invariant forms, differentiated as the plain forward.
+
+    Only the values have to be the decode's. Differentiated through, the forward's
+    intermediates would be the backward's too, and the compiler fuses a forward whose
+    intermediates it keeps otherwise than one whose it does not (values one ulp off the
+    sampler's were seen): so the forward here keeps nothing but its inputs, and the
+    backward pass recomputes the plain forward and takes its VJP, the dense learner's
+    gradient at the same weights.
+    """
+    with invariant_forms(opaque_zero(ro.weights_version), ro.invariant_form):
+        return _dense_logprobs(params, cfg, policy, ro, loop, remat, packed_rows, True)
+
+
+def _invariant_logprobs_fwd(params, ro, cfg, policy, loop, remat, packed_rows):
+    return _invariant_logprobs(params, ro, cfg, policy, loop, remat, packed_rows), (params, ro)
+
+
+def _invariant_logprobs_bwd(cfg, policy, loop, remat, packed_rows, res, g):
+    params, ro = res
+    with invariant_forms(opaque_zero(ro.weights_version), None):  # the plain forms
+        _, vjp = jax.vjp(lambda p: _dense_logprobs(p, cfg, policy, ro, loop, remat, packed_rows,
+                                                   False), params)
+    zero = lambda x: (np.zeros(x.shape, jax.dtypes.float0)
+                      if not jnp.issubdtype(x.dtype, jnp.inexact) else jnp.zeros_like(x))
+    return vjp(g)[0], jax.tree.map(zero, ro)
+
+
+_invariant_logprobs.defvjp(_invariant_logprobs_fwd, _invariant_logprobs_bwd)
 
 
 def _dense_logprobs(params, cfg, policy, ro, loop, remat, packed_rows, invariant):
