@@ -174,16 +174,20 @@ def test_the_invariant_gradient_is_the_dense_learners(kind, monkeypatch):
     assert planted.pop("['lm_head']") < 1e-4 and min(planted.values()) == 1.0, planted
 
 
-def test_the_invariant_step_runs_at_ratio_one():
-    """The GRPO step of `method='invariant'` (its own program, compiled with the forms'
-    options) computes 2-row minibatches at the sampler's weights at ratio 1, and takes no
-    replay value."""
+def test_the_invariant_step_runs_at_ratio_one(monkeypatch):
+    """The GRPO step of `method='invariant'` is the hybrid's update whose value, where none is
+    given, is the invariant forward of the minibatch (a forward-only program, the forms'
+    compiler options), never the replay: 2-row minibatches at the sampler's weights run at
+    ratio 1."""
+    import jaxrl_lp.rl.train_step as train_step
+
     policy = Policy.parse("fp32")
     cfg, params, loop = _model("dense")
     ro = _rollout(cfg, params, loop, policy)
     step = make_grpo_step(cfg, policy, LossConfig(), optax.sgd(0.0), loop=loop,
                           method="invariant", micro_batches=2)
-    assert step.prepare is None and step.compiler_options == COMPILER_OPTIONS
+    assert step.prepare is not None and step.compiler_options is None
+    monkeypatch.setattr(train_step, "replay_logprobs", None)  # a replay would fail
     for i in (0, 6):
         rows = take_rows(ro, np.arange(i, i + 2))
         copy = jax.tree.map(jnp.copy, params)
@@ -374,6 +378,6 @@ def test_jaxrl_lp_config_prints_auto_resolved(extra, method, capsys):
     assert main(["config", *[x for s in sets for x in ("--set", s)]]) == 0
     assert json.loads(capsys.readouterr().out)["grpo"]["logprobs"] == method
     counts = iteration_updates(apply_overrides(default_config(), sets))
-    want = ({"replaying": 0, "dense": minibatches} if method == "invariant" else
-            {"replaying": minibatches - 1, "recorded": 1})
+    want = ({"replaying": 0, "recorded": 1, "dense": minibatches - 1} if method == "invariant"
+            else {"replaying": minibatches - 1, "recorded": 1})
     assert {k: counts[k] for k in want} == want, counts

@@ -30,7 +30,6 @@ from jaxrl_lp.models.blocks import lm_head, lm_logits
 from jaxrl_lp.models.config import ModelConfig
 from jaxrl_lp.models.model import forward
 from jaxrl_lp.models.recorded import Products, split_products
-from jaxrl_lp.numerics.invariant import COMPILER_OPTIONS as INVARIANT_OPTIONS
 from jaxrl_lp.numerics.invariant import unsupported as invariant_unsupported
 from jaxrl_lp.numerics.policy import Policy, require
 from jaxrl_lp.parallel.context import constrain_params
@@ -164,12 +163,13 @@ def make_grpo_step(cfg: ModelConfig, policy: Policy, loss_cfg: LossConfig,
       loop: the loop spec the rollouts must have been sampled with (or None).
       sampler_policy: the policy the rollouts must have been sampled under.
       method: learner log-probs, `dense`, `hybrid` or `invariant` (`replay` has
-        no gradient in deferred mode). `invariant`: the value is the dense
-        forward's in the batch-invariant forms, the sampler's bits for a rollout
-        sampled in the `invariant` decode layout (`rl.logprobs`); the step is
-        jitted with `numerics.invariant.COMPILER_OPTIONS`. Where the forms are
-        not proven (`invariant_fallback`: another platform, a mesh, `weights`)
-        it warns and is the `hybrid` step, which replays.
+        no gradient in deferred mode). `invariant`: the `hybrid` step whose value,
+        where none is given, is the dense forward's in the batch-invariant forms
+        (`rl.logprobs`' `invariant` program, forward only, jitted with
+        `numerics.invariant.COMPILER_OPTIONS`), the sampler's bits for a rollout
+        sampled in the `invariant` decode layout, where the hybrid replays the
+        decode. Where the forms are not proven (`invariant_fallback`: another
+        platform, a mesh, `weights`) it warns and is the `hybrid` step.
       micro_batches: gradient-accumulation slices.
       remat: recompute layer activations in the backward pass.
       mesh: run sharded (`LearnerStep` on a mesh): params and optimizer
@@ -217,6 +217,14 @@ def make_grpo_step(cfg: ModelConfig, policy: Policy, loss_cfg: LossConfig,
         # The forms are not proven here: the step replays the decode, which is exact.
         warnings.warn(f"grpo.logprobs=invariant: {why}; the updates take the replay of the "
                       "sampler's decode as their value (hybrid)", stacklevel=2)
+        method = "hybrid"
+    # `invariant`: the hybrid's update, its value the invariant forward's (`prepare` below),
+    # a forward-only program of its own, where the hybrid's is the replay.
+    value_program = None
+    if method == "invariant":
+        from jaxrl_lp.rl.logprobs import jit_learner_logprobs
+
+        value_program = jit_learner_logprobs(cfg, policy, "invariant", loop=loop)
         method = "hybrid"
 
     def mb_loss(params, mb: MicroBatch, num_tokens, served, rows, frozen):
@@ -312,6 +320,12 @@ def make_grpo_step(cfg: ModelConfig, policy: Policy, loss_cfg: LossConfig,
         model_params = None if weights is None else jax.jit(weights.materialize)
         replay_policy = policy
 
+        def value_of(served, ro):
+            if value_program is not None:  # the invariant forward of the minibatch
+                return value_program(served, ro)
+            return replay_logprobs(served, cfg, replay_policy, ro, loop=loop, mesh=mesh,
+                                   rules=rules)
+
         def prepare(args):
             if (len(args) > 7 and args[7] is not None) or (len(args) > 8 and args[8] is not None):
                 return args  # a value given; products without one are refused by the step
@@ -319,13 +333,10 @@ def make_grpo_step(cfg: ModelConfig, policy: Policy, loss_cfg: LossConfig,
             params, ro, served = args[0], args[2], args[6]
             if served is None:
                 served = params if model_params is None else model_params(params)
-            value = replay_logprobs(served, cfg, replay_policy, ro, loop=loop, mesh=mesh,
-                                    rules=rules)
-            return (*args[:7], value, *args[8:])
+            return (*args[:7], value_of(served, ro), *args[8:])
 
     return LearnerStep(step, kinds, rows_of=rows_of if packs else None, mesh=mesh, cfg=cfg,
-                       rules=rules, prepare=prepare,
-                       compiler_options=INVARIANT_OPTIONS if method == "invariant" else None)
+                       rules=rules, prepare=prepare)
 
 
 def invariant_fallback(mesh: Mesh | None = None, weights=None) -> str | None:

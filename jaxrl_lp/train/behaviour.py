@@ -45,9 +45,9 @@ class ReplayRule:
       replay: `auto` (take the recorded values where they are the replay's) or
         `always` (replay every update, as before `grpo.replay` existed).
       method: the learner's `grpo.logprobs`; `hybrid` has a replay value, and
-        `invariant` log-probs are the replay's bits by their forms (the
-        behaviour log-probs may be the rollout's; each update computes its own
-        value in its forward).
+        `invariant` log-probs are the replay's bits by their forms: both take the
+        recorded values where they are the replay's, and the behaviour log-probs
+        may be the rollout's.
       matched: the learner's policy is the sampler's.
     """
 
@@ -141,8 +141,8 @@ def iteration_counts(cfg, stale: bool = False) -> dict:
     run (an exporter without `loss_on_served`) is never the rollout's. The
     others replay (`replaying`: the later minibatches and epochs). A dense
     learner has no replay (`dense`), nor has an invariant one, whose updates
-    each run one forward (`dense`) and whose behaviour log-probs are counted as
-    a hybrid's first update's. Behaviour log-probs (`behaviour`, per
+    take the recorded values as a hybrid's do and run the invariant forward
+    where a hybrid's replay (`dense`). Behaviour log-probs (`behaviour`, per
     iteration) are computed where the first update is not recorded, on the
     `grpo.verify_every` steps' verification otherwise (a share of one), and
     for the sync diagnostics' master log-probs under `loss_on_served`.
@@ -166,7 +166,7 @@ def iteration_counts(cfg, stale: bool = False) -> dict:
     exporter = cfg.sync.exporter != "none"
     on_served = exporter and cfg.sync.loss_on_served
     verify = 1.0 / g.verify_every if g.verify_every else 0.0
-    if g.logprobs != "hybrid":
+    if g.logprobs == "dense":
         counts = {"recorded": 0, "replaying": 0, "dense": updates}
     elif stale:
         given = g.replay == "auto"  # the behaviour replay handed to the step as its value
@@ -178,12 +178,10 @@ def iteration_counts(cfg, stale: bool = False) -> dict:
         counts = {"recorded": updates, "replaying": 0, "dense": 0}
     else:
         counts = {"recorded": 1, "replaying": updates - 1, "dense": 0}
+    if g.logprobs == "invariant":  # its forward stands where the hybrid replays
+        counts = {**counts, "replaying": 0, "dense": counts["replaying"]}
     if stale:
         counts["behaviour"] = 1.0 + verify + (1.0 if exporter else 0.0)
         return counts
-    # An invariant learner's updates compute their values; its behaviour log-probs are the
-    # rollout's where the hybrid's first update's would be (`ReplayRule`).
-    first_recorded = counts["recorded"] > 0 or (
-        g.logprobs == "invariant" and rule.can_reuse and (not exporter or on_served))
-    counts["behaviour"] = (verify if first_recorded else 1.0) + (1.0 if on_served else 0.0)
+    counts["behaviour"] = (verify if counts["recorded"] > 0 else 1.0) + (1.0 if on_served else 0.0)
     return counts

@@ -402,8 +402,8 @@ def grpo_iteration(state: RunState, step: int, cfg, plan, programs: IterationPro
                 # served copy, which the updates do not move).
                 first = epoch == 0 and i == 0
                 reuse = recorded if first or on_served else rule.recorded(ro, loss_weights())
-                value = (None if g.logprobs == "invariant" else  # its forward computes it
-                         ro.logprobs[idx] if reuse else
+                # None: the step computes it (the hybrid's replay, the invariant forward).
+                value = (ro.logprobs[idx] if reuse else
                          old_logp[idx] if behaviour_value and (first or on_served) else None)
                 replayed += int(g.logprobs == "hybrid" and value is None)
                 if value is None and episodes is not None and g.logprobs == "hybrid":
