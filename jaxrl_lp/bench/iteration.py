@@ -29,10 +29,11 @@ Ours, per method (`--methods`):
   minibatch is what the mechanism costs an iteration.
 - `invariant`: `grpo.logprobs=invariant`: the sampler decodes in the
   batch-invariant forms (the decode layout `invariant`, `numerics.invariant`)
-  and every update's value is its own parallel forward in the same forms, the
-  sampler's bits without a replay; the behaviour log-probs are the rollout's
-  (the same digest rule as `hybrid`), and its verification is that forward of
-  the whole batch (`verify_replay_s`).
+  and the update is the hybrid's, its value the rollout's own where the
+  hybrid's is and, where the hybrid replays, the minibatch's parallel forward
+  in the same forms (the sampler's bits, a forward-only program); the
+  behaviour log-probs are the rollout's (the same digest rule as `hybrid`),
+  and its verification is that forward of the whole batch (`verify_replay_s`).
 - `products`: `hybrid` with `grpo.reuse_products=true`: the rollout also
   keeps the sampler's weight products and logits (`models.recorded`), and an
   update at the sampler's weights (the first) reads them instead of
@@ -229,7 +230,9 @@ class _Iteration:
         """The GRPO step's arguments for the update of rows `idx` (`train.grpo_iteration`'s);
         `run` False: for lowering (a replaying update's value left to the step to trace)."""
         rows = take_rows(ro, idx)
-        value = ro.logprobs[idx] if reuse and self.method != "invariant" else None
+        # `invariant` without a recorded value: the step computes it by the invariant forward,
+        # a program of its own; lowered, the update's program reads a value of that shape.
+        value = ro.logprobs[idx] if reuse or (self.method == "invariant" and not run) else None
         if value is None and self.traced is not None and run:
             value = self.traced(self.params, self.cfg, self.policy, rows)
         return (self.params, self.opt, rows, jnp.asarray(adv[idx]), old_logp[idx], None, None,
