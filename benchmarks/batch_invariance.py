@@ -119,7 +119,7 @@ def _attention(quick: bool) -> dict:
         pos = np.broadcast_to(np.arange(s, dtype=np.int32)[None], (b, s))
         for label, opts, inv in (("plain", {}, False), ("plain, dots only", OPTIONS, False),
                                  ("invariant", OPTIONS, True)):
-            def run(q, p, inv=inv, k=k, v=v, pos=pos):
+            def run(q, p, inv=inv, b=b, k=k, v=v, pos=pos):
                 with invariant_forms(opaque_zero(jnp.int32(0)), form_for(b) if inv else None):
                     return attention(q, k, v, p, pos, policy)
             f = jax.jit(run, compiler_options=opts)
@@ -131,8 +131,7 @@ def _attention(quick: bool) -> dict:
 
 
 def _fused_norm() -> dict:
-    from jaxrl_lp.numerics.invariant import (form_for, invariant_forms, opaque_zero, total,
-                                             weights_product)
+    from jaxrl_lp.numerics.invariant import form_for, invariant_forms, opaque_zero, total, weights_product
 
     rng = np.random.default_rng(2)
     h = rng.standard_normal((8, 32, 32)).astype(np.float32)
