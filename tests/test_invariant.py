@@ -324,12 +324,12 @@ def test_the_start_probe_stops_a_run_whose_learner_products_sum_otherwise(tmp_pa
     assert not out.exists()
 
 
-def test_auto_takes_invariant_wherever_its_forms_serve_the_run():
-    """`grpo.logprobs=auto` (`train.logprobs_choice`): `invariant` wherever the forms serve
-    the run (the races: with row chunks the invariant iteration was the faster at every
-    minibatch count, one included), saying how often the hybrid would replay (later
-    minibatches, epochs, a KL reference's log-probs, every verification); `hybrid` wherever
-    they do not, each with its reason; a named method is kept."""
+def test_auto_takes_invariant_from_half_a_replay_an_iteration_where_its_forms_serve():
+    """`grpo.logprobs=auto` (`train.logprobs_choice`): `invariant` from half a hybrid replay an
+    iteration on average (later minibatches, epochs, a KL reference's log-probs, every
+    verification; the races: the hybrid won at one minibatch, the invariant from two),
+    `hybrid` below it (the recorded log-probs serve the updates) and wherever the forms do
+    not serve the run, each with its reason; a named method is kept."""
     import dataclasses
 
     from jaxrl_lp.train import apply_overrides, default_config
@@ -338,7 +338,10 @@ def test_auto_takes_invariant_wherever_its_forms_serve_the_run():
     def cfg(*sets):
         return apply_overrides(default_config(), ["grpo.logprobs=auto", *sets])
 
-    for sets, replays in (([], 0.1), (["grpo.minibatches=2"], 1.1), (["grpo.minibatches=4"], 3.1),
+    base = cfg()  # one minibatch, one epoch, verification every 10th step, no KL
+    assert replays_per_iteration(base) == pytest.approx(0.1)
+    assert choose_logprobs(base).method == "hybrid" and "0.1 times" in choose_logprobs(base).why
+    for sets, replays in ((["grpo.minibatches=2"], 1.1), (["grpo.minibatches=4"], 3.1),
                           (["grpo.mu=2"], 1.1), (["loss.kl_beta=0.05"], 1.1),
                           (["grpo.verify_every=1"], 1.0)):
         assert replays_per_iteration(cfg(*sets)) == pytest.approx(replays), sets
@@ -365,7 +368,8 @@ def test_auto_takes_invariant_wherever_its_forms_serve_the_run():
         assert choose_logprobs(named_cfg) == (named, "")
 
 
-@pytest.mark.parametrize("extra, method", [("lora.rank=4", "hybrid"), ("", "invariant")])
+@pytest.mark.parametrize("extra, method", [("grpo.minibatches=1", "hybrid"),
+                                           ("lora.rank=4", "hybrid"), ("", "invariant")])
 def test_jaxrl_lp_config_prints_auto_resolved(extra, method, capsys):
     """`jaxrl-lp config` prints the config a run would use: `grpo.logprobs=auto` resolved, and
     the plan's iteration counts follow the resolved method."""
@@ -373,7 +377,7 @@ def test_jaxrl_lp_config_prints_auto_resolved(extra, method, capsys):
     from jaxrl_lp.plan import iteration_updates
     from jaxrl_lp.train import apply_overrides, default_config
 
-    minibatches = 4
+    minibatches = 1 if extra == "grpo.minibatches=1" else 4
     sets = ["grpo.logprobs=auto", f"grpo.minibatches={minibatches}", *([extra] if extra else [])]
     assert main(["config", *[x for s in sets for x in ("--set", s)]]) == 0
     assert json.loads(capsys.readouterr().out)["grpo"]["logprobs"] == method

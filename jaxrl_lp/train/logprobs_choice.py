@@ -7,13 +7,15 @@ log-probs, a verification step); `invariant` samples in the batch-invariant
 forms and never replays: each of those values is one parallel forward
 (docs/design/invariant.md).
 
-`choose_logprobs` takes `invariant` wherever its forms serve the run, and
-`hybrid` elsewhere, with the reason. The races behind the rule are in
-docs/design/invariant.md (`jaxrl-lp bench iteration` at 1, 2 and 4
-minibatches, 8 and 64 rows): with the row-chunk forms the invariant sampler
-costs about the plain one's time and the invariant iteration was the faster
-one at every minibatch count raced, one included, where the hybrid replays
-nothing. A run
+`choose_logprobs` takes `invariant` where its forms serve the run and the
+hybrid would replay the decode at least `INVARIANT_REPLAYS` times an
+iteration (`replays_per_iteration`): each replay is then one invariant
+forward. Below it the two cost about the same (the first update reads the
+recorded log-probs under both, and the invariant sampler costs a little
+more), and the run keeps `hybrid`, the plain sampler; `hybrid` also wherever
+the forms do not serve the run, with the reason. The races behind the rule
+are in docs/design/invariant.md (`jaxrl-lp bench iteration` at 1, 2 and 4
+minibatches). A run
 resolves `auto` before anything is built (`train.program.run_train`), says
 which method it took in one line, and records the resolved method in its
 `config.json`.
@@ -28,7 +30,14 @@ import jax
 from jaxrl_lp.numerics.invariant import unsupported
 from jaxrl_lp.train.behaviour import iteration_counts
 
-__all__ = ["LogprobsChoice", "choose_logprobs", "replays_per_iteration", "with_logprobs"]
+__all__ = ["INVARIANT_REPLAYS", "LogprobsChoice", "choose_logprobs", "replays_per_iteration",
+           "with_logprobs"]
+
+
+# The hybrid's replays an iteration from which `auto` takes `invariant`: between the 0.1 of
+# one minibatch (a verification every 10th step), where the hybrid won its race, and the 1.1
+# of two, where the invariant won (docs/design/invariant.md).
+INVARIANT_REPLAYS = 0.5
 
 
 class LogprobsChoice(NamedTuple):
@@ -78,7 +87,7 @@ def _invariant_blocked(cfg, *, multiturn: bool, weights: Any, mesh: Any,
 def choose_logprobs(cfg, *, multiturn: bool = False, weights: Any = None, mesh: Any = None,
                     platform: str | None = None) -> LogprobsChoice:
     """The learner log-prob method a run of `cfg` uses: `grpo.logprobs` where it names one,
-    else (`auto`) `invariant` where its forms serve the run, `hybrid` elsewhere.
+    else (`auto`) `invariant` or `hybrid` by the rule of this module.
 
     Args:
       cfg: the run's `TrainConfig`.
@@ -94,9 +103,12 @@ def choose_logprobs(cfg, *, multiturn: bool = False, weights: Any = None, mesh: 
     if blocked is not None:
         return LogprobsChoice("hybrid", blocked)
     replays = replays_per_iteration(cfg)
-    return LogprobsChoice("invariant", f"its forms serve this run; the hybrid would replay the "
-                          f"decode {replays:.2g} times an iteration, each replaced by the "
-                          "invariant forward")
+    if replays < INVARIANT_REPLAYS:
+        return LogprobsChoice("hybrid", f"the hybrid replays the decode {replays:.2g} times an "
+                              f"iteration, fewer than {INVARIANT_REPLAYS}: its recorded "
+                              "log-probs serve the updates")
+    return LogprobsChoice("invariant", f"the hybrid would replay the decode {replays:.2g} times "
+                          "an iteration; the invariant forward replaces each replay")
 
 
 def with_logprobs(cfg, choice: LogprobsChoice):
