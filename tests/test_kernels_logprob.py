@@ -23,10 +23,17 @@ from helpers import exactness_grads
 
 from jaxrl_lp.bench.exactness import KINDS, exactness_model, exactness_rollout, masked_max_abs_diff
 from jaxrl_lp.kernels.dispatch import KernelUnavailableError
-from jaxrl_lp.kernels.logprob import fused_logprobs, fused_readout
+from jaxrl_lp.kernels.logprob import (
+    fused_logprobs,
+    fused_readout,
+    readout_block_v,
+    readout_logprobs,
+    tiled_readout,
+)
 from jaxrl_lp.kernels.logprob_gpu import GpuTiles, check_gpu_tiles
 from jaxrl_lp.kernels.lowering import kernel_calls, lower_for, trace_for
 from jaxrl_lp.numerics.policy import Policy
+from jaxrl_lp.numerics.products import product
 from jaxrl_lp.rl.logprobs import learner_logprobs
 
 TAU = 0.7
@@ -134,6 +141,52 @@ def test_one_traced_program_carries_each_platforms_kernels():
     assert kernel_calls(lower_for(traced, "cuda"), "cuda") == []
     assert sorted(kernel_calls(lower_for(traced, "tpu", "tpu-v5p"), "tpu")) == [
         "logprob_dh_tpu", "logprob_dw_tpu", "logprob_fwd_tpu"]
+
+
+def test_the_readout_holds_no_vocabulary_wide_array_off_the_cpu():
+    """`readout_logprobs` where no kernel runs: the caller's plain path on cpu (a `[T, V]`
+    array), the tiled scan on cuda (no `[T, V]` array, forward or backward), at Qwen3-0.6B's
+    read-out shape; and the same scan on this CPU within the tolerances of the plain path, its
+    tiles `readout_block_v` wide."""
+    t, d, v = 4096, 1024, 151936
+
+    def loss(h, w, tokens):
+        z = lambda: (h @ w).astype(jnp.float32)
+        plain = lambda: (jnp.take_along_axis(jax.nn.log_softmax(z()), tokens[:, None], 1)[:, 0],
+                         jnp.zeros(tokens.shape))
+        lp, ent = readout_logprobs(h, w, tokens, 1.0, Policy.parse("bf16"), plain=plain)
+        return jnp.sum(lp) + jnp.sum(ent)
+
+    traced = trace_for(jax.grad(loss, (0, 1)), _abstract(t, d, v, jnp.bfloat16))
+    # A product writing [T, V] logits (under grad the cond of the platforms also carries the
+    # plain branch's residual as zeros, which the compiler drops with the branch).
+    wide = lambda text: [line for line in text.splitlines()
+                         if "dot_general" in line and f"-> tensor<{t}x{v}x" in line]
+    assert wide(lower_for(traced, "cpu"))
+    assert not wide(lower_for(traced, "cuda"))
+    assert f"{t}x{v}x" not in lower_for(trace_for(loss, _abstract(t, d, v, jnp.bfloat16)), "cuda")
+    assert readout_block_v(t, v) == 32768 and readout_block_v(12288, v) == 8192
+    assert readout_block_v(13, 100) == 100 and readout_block_v(13, 1100) == 1024
+
+    h, w, tokens, mask, g = _inputs(13, 32, 1100)  # a full tile of 1024 and a ragged one
+    for spec, tol in (("fp32", "f32"), ("bf16", "bf16")):
+        policy = Policy.parse(spec)
+        hc, wc = policy.round(h), policy.round_params(w)
+
+        def plain(h, w, policy=policy):  # the model's path: `models.layers.dot`'s product
+            z = policy.round_logits(product("td,dv->tv", h, w, policy))
+            lp = jax.nn.log_softmax(z / TAU, axis=-1)
+            chosen = jnp.take_along_axis(lp, tokens[:, None], axis=-1)[:, 0]
+            ent = -jnp.sum(jnp.exp(lp) * lp, axis=-1)
+            return jnp.where(mask, chosen, 0.0), jnp.where(mask, ent, 0.0)
+
+        (lp, ent), (dh, dw) = _value_and_grads(
+            lambda h, w, policy=policy: tiled_readout(h, w, tokens, mask, TAU, policy), hc, wc, g)
+        (lp0, ent0), (dh0, dw0) = _value_and_grads(plain, hc, wc, g)
+        for got, want, (atol, rtol) in ((lp, lp0, VALUE_TOL[tol]), (ent, ent0, VALUE_TOL[tol]),
+                                        (dh, dh0, GRAD_TOL[tol]), (dw, dw0, GRAD_TOL[tol])):
+            np.testing.assert_allclose(got, want, atol=atol, rtol=rtol, err_msg=spec)
+        assert float(jnp.abs(lp).max()) > 1.0 and not np.any(np.asarray(dh)[~np.asarray(mask)])
 
 
 # ---------------------------------------------------------------- bad input: one clear error each

@@ -41,7 +41,9 @@ Two entry points: `fused_logprobs` (this algorithm everywhere: the reference
 scan where no kernel runs) and `readout_logprobs` (what the models' read-out
 calls: the kernel where one runs, else the caller's plain path, logits then
 `log_softmax`, so a CPU program computes exactly what it did before kernels
-existed).
+existed; on a GPU or TPU where no kernel runs, `tiled_readout`, the reference
+scan over tiles of up to `READOUT_TILE_BYTES` of f32, so no `[T, V]` logits
+exist there either).
 """
 
 from __future__ import annotations
@@ -63,11 +65,15 @@ from jaxrl_lp.kernels.logprob_tiles import (  # the tile maths, shared with the 
     tile_dlogits,
 )
 from jaxrl_lp.numerics.policy import Policy, require
+from jaxrl_lp.numerics.products import precision_for
 
-__all__ = ["BLOCK_V", "LogprobPlan", "fused_logprobs", "fused_readout", "readout_logprobs",
-           "reference_backward", "reference_forward"]
+__all__ = ["BLOCK_V", "READOUT_TILE_BYTES", "LogprobPlan", "fused_logprobs", "fused_readout",
+           "readout_block_v", "readout_logprobs", "reference_backward", "reference_forward",
+           "tiled_readout"]
 
 BLOCK_V = 512  # vocabulary columns per tile of the reference scan
+# The largest [T, block_v] f32 tile of the read-out's scan off the CPU (`tiled_readout`).
+READOUT_TILE_BYTES = 1 << 29
 
 
 def fused_readout(policy: Policy) -> bool:
@@ -284,11 +290,13 @@ def readout_logprobs(h_TxD: jax.Array, w_DxV: jax.Array, tokens_T: jax.Array,
     """A model's read-out of the chosen tokens' log-probs (and entropies) from its hidden state.
 
     The fused kernel of the platform the program is lowered for where one runs
-    (`fused_logprobs`' dispatch), else `plain()`: the caller's plain path
-    (logits, then `log_softmax`), which is what a CPU program under
-    `kernels=auto` runs, bit for bit what it ran before the kernels existed.
-    The sampler and the replay call this with the same arguments, so on each
-    platform both take the same branch. Not jitted itself.
+    (`fused_logprobs`' dispatch); where none does, on `cpu` `plain()`, the
+    caller's plain path (logits, then `log_softmax`: what a CPU program under
+    `kernels=auto` runs, bit for bit what it ran before the kernels existed),
+    and on any other platform `tiled_readout`, XLA's scan over vocabulary tiles
+    with no `[T, V]` array (on a GPU, whose kernels are retired, that is every
+    program). The learner's forward and the SFT loss call this; the sampler and
+    the replay read `token_logprobs` of the step's logits. Not jitted itself.
 
     Args:
       h_TxD, w_DxV, tokens_T, temperature, policy, mask_T: as `fused_logprobs`.
@@ -307,6 +315,96 @@ def readout_logprobs(h_TxD: jax.Array, w_DxV: jax.Array, tokens_T: jax.Array,
     w = policy.round_params(w_DxV)
     tokens = tokens_T.astype(jnp.int32)
     mask = jnp.ones(tokens_T.shape, bool) if mask_T is None else jnp.asarray(mask_T) > 0
-    out = _by_platform(h_TxD, w, tokens, mask, temperature, policy,
-                       lambda: plain() if entropy else (plain(), jnp.zeros(tokens.shape)), {})
+    plain_out = lambda: plain() if entropy else (plain(), jnp.zeros(tokens.shape))
+    tiled = lambda: tiled_readout(h_TxD, w, tokens, mask, temperature, policy)
+    # Where no kernel runs: the caller's plain path on `cpu`, the tiled scan elsewhere.
+    reference = lambda: jax.lax.platform_dependent(cpu=plain_out, default=tiled)
+    out = _by_platform(h_TxD, w, tokens, mask, temperature, policy, reference, {})
     return out if entropy else out[0]
+
+
+def readout_block_v(t: int, v: int) -> int:
+    """The vocabulary columns per tile of `tiled_readout` for `t` rows and `v` columns: the
+    largest power of two whose `[t, block_v]` f32 tile fits `READOUT_TILE_BYTES`, at least
+    `BLOCK_V`, at most `v`."""
+    block = BLOCK_V
+    while block * 2 * t * 4 <= READOUT_TILE_BYTES and block * 2 <= v:
+        block *= 2
+    return min(block, v)
+
+
+def _tile_product(spec: str, a: jax.Array, b: jax.Array) -> jax.Array:
+    # As `numerics.products`: HIGHEST where an operand is f32, the platform's default on bf16.
+    return jnp.einsum(spec, a, b, preferred_element_type=jnp.float32, precision=precision_for(a, b))
+
+
+def _tiled_forward(h, w, tokens, mask, plan: LogprobPlan):
+    def tile(run, v0, width):
+        w_tile = jax.lax.dynamic_slice_in_dim(w, v0, width, 1)
+        return running_update(run, tempered(_tile_product("td,dv->tv", h, w_tile), plan), v0,
+                              tokens)
+
+    return running_finish(_over_tiles(tile, running_init(h.shape[0]), w.shape[1], plan.block_v),
+                          mask)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
+def _tiled(h, w, tokens, mask, plan: LogprobPlan, policy: Policy):
+    return _tiled_forward(h, w, tokens, mask, plan)[:2]
+
+
+def _tiled_fwd(h, w, tokens, mask, plan, policy):
+    lp, ent, lse, mean = _tiled_forward(h, w, tokens, mask, plan)
+    return (lp, ent), (h, w, tokens, mask, lse, mean)
+
+
+def _tiled_bwd(plan, policy, res, g):
+    h, w, tokens, mask, lse, mean = res
+    g_lp, g_ent = (jnp.where(mask, x, 0.0) for x in g)
+
+    def tile(carry, v0, width):
+        dh, dw = carry
+        w_tile = jax.lax.dynamic_slice_in_dim(w, v0, width, 1)
+        s = tempered(_tile_product("td,dv->tv", h, w_tile), plan)
+        # The cotangent in the compute dtype, as `numerics.products` rounds the plain path's.
+        dz = policy.round(tile_dlogits(s, v0, tokens, lse, mean, g_lp, g_ent, plan))
+        dw = jax.lax.dynamic_update_slice_in_dim(
+            dw, _tile_product("td,tv->dv", h, dz).astype(dw.dtype), v0, 1)
+        return dh + _tile_product("tv,dv->td", dz, w_tile), dw
+
+    zeros = (jnp.zeros(h.shape, jnp.float32), jnp.zeros(w.shape, w.dtype))
+    dh, dw = _over_tiles(tile, zeros, w.shape[1], plan.block_v)
+    return dh.astype(h.dtype), dw, None, None
+
+
+_tiled.defvjp(_tiled_fwd, _tiled_bwd)
+
+
+def tiled_readout(h_TxD: jax.Array, w_DxV: jax.Array, tokens_T: jax.Array, mask_T: jax.Array,
+                  temperature: float, policy: Policy):
+    """`(logp [T], entropy [T])` read out by XLA over vocabulary tiles of `readout_block_v`
+    columns, with no `[T, V]` array: what `readout_logprobs` runs off the CPU where no kernel
+    does (every GPU program, whose kernels are retired).
+
+    The online logsumexp of the module docstring, its backward recomputing each tile. The
+    products are the plain path's (`models.layers.dot` by `numerics.products`): operands as
+    stored (bf16 x bf16 at the platform's default precision on a GPU, f32 accumulation), the
+    tile's cotangent rounded to the compute dtype (`policy.round`) before the backward
+    products; the weight's gradient is written per tile in its dtype, the hidden state's
+    summed over the tiles in f32. Under a mesh each device reads out its rows (`per_shard`).
+
+    Args:
+      h_TxD: the final normed hidden state, compute precision.
+      w_DxV: the lm head, already rounded to the policy's matmul input (`round_params`).
+      tokens_T: int32 chosen tokens; mask_T: bool, rows read out (others give 0).
+      temperature: > 0; policy: its logits dtype rounds each tile.
+    """
+    t = h_TxD.shape[0]
+    shards = shard_count("batch")
+    t = t // shards if t % shards == 0 else t
+    plan = LogprobPlan(float(temperature), np.dtype(policy.logits_dtype), 1,
+                       readout_block_v(t, w_DxV.shape[1]), 1, "reference")
+    rows = ("batch",)
+    run = per_shard(lambda *a: _tiled(*a, plan, policy), (rows + (None,), None, rows, rows),
+                    (rows, rows))
+    return run(h_TxD, w_DxV, tokens_T, mask_T)
