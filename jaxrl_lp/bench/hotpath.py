@@ -1,6 +1,6 @@
 """The hot path a platform's compiler is handed: the decode loop's weight reads, the learner's products.
 
-Nothing is compiled or run: each program is traced on abstract inputs at the
+Nothing is run: each program is traced on abstract inputs at the
 preset's real size with low precision stored natively, as on a GPU or TPU
 (`plan.programs.native`), and read for `--platform` (`plan.hotpath`):
 
@@ -17,8 +17,17 @@ preset's real size with low precision stored natively, as on a GPU or TPU
   logits (at most `F32_SHARE` of the FLOPs), and none at `HIGHEST` on
   low-precision operands (`numerics.products`).
 
+With the CUDA PJRT plugin (`--cuda-plugin` or `$JAXRL_LP_CUDA_PLUGIN`, as
+`jaxrl-lp bench decode`), each cell's `grpo_step_dense` is also compiled for
+`--target` with no GPU (`plan.cuda_aot`, `compiled`): the temporary bytes XLA:GPU
+plans beside the arguments and every array of 1 GiB or more in its optimized
+program, with the read-out from the hidden state (`readout`: the tiled read-out
+a GPU program runs, `kernels.logprob.tiled_readout`) and with `kernels=off`
+(`plain_readout`: logits, then `log_softmax`) side by side.
+
     jaxrl-lp bench hotpath                  # qwen3-0.6b and ouro-1.4b, bf16 and fp32, cuda
     jaxrl-lp bench hotpath --presets tiny-qwen3 --policies bf16-engine,mxfp8
+    JAXRL_LP_CUDA_PLUGIN=DIR jaxrl-lp bench hotpath --presets qwen3-0.6b --policies bf16
 
 Exit status 1 when a low-precision cell's decode loop converts a weight or
 reads f32 weights, or its learner shows what the list above excludes. What it
@@ -29,7 +38,9 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import math
 import os
+import re
 import subprocess
 import sys
 import time
@@ -40,7 +51,8 @@ import jax.numpy as jnp
 from jaxrl_lp.bench import emit
 from jaxrl_lp.numerics.policy import policy_list_arg, require
 
-__all__ = ["F32_SHARE", "LEARNER_PROGRAMS", "add_arguments", "learner_cell", "main", "report", "sampler_cell"]
+__all__ = ["F32_SHARE", "LARGE_ARRAY_BYTES", "LEARNER_PROGRAMS", "add_arguments", "compiled_update",
+           "learner_cell", "learner_traced", "main", "report", "sampler_cell"]
 
 LEARNER_PROGRAMS = ("grpo_step_dense", "grpo_step_hybrid", "sft_step")
 # The f32 x f32 products a low-precision learner keeps are the f32 maths of its logits (a
@@ -59,6 +71,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rows", type=int, default=32, help="B (default: %(default)s)")
     parser.add_argument("--prompt-len", type=int, default=128, help="(default: %(default)s)")
     parser.add_argument("--new-tokens", type=int, default=256, help="(default: %(default)s)")
+    parser.add_argument("--cuda-plugin", default=None,
+                        help="folder holding the CUDA PJRT plugin (plan.cuda_aot); default "
+                             "$JAXRL_LP_CUDA_PLUGIN; with one, each cell's GRPO update is also "
+                             "compiled for --target and its buffers read (cuda only)")
+    parser.add_argument("--target", default="h200", help="the GPU compiled for: h100, h200")
     parser.add_argument("--out", default=None, help="also write the JSON here")
 
 
@@ -104,6 +121,59 @@ def learner_cell(name: str, cfg, policy, platform: str, rows: int, prompt_len: i
     return dot_summary(dots(fn.trace(*args).jaxpr.jaxpr, platform))
 
 
+def learner_traced(spec: dict, sharding=None):
+    """Learner program `spec["program"]` (`plan.programs`) of `spec["preset"]` under
+    `spec["policy"]` at `spec`'s sizes, traced on abstract inputs carrying `sharding` (what
+    `plan.cuda_aot` compiles)."""
+    from jaxrl_lp.models.config import get_preset
+    from jaxrl_lp.plan.programs import ProgramShapes, build_program
+
+    fn, args = build_program(spec["program"], get_preset(spec["preset"]), spec["policy"],
+                             ProgramShapes(spec["rows"], spec["prompt_len"], spec["new_tokens"]))
+    args = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), args)
+    return fn.trace(*args)
+
+
+# An array of at least this many bytes in a compiled update is listed (`large_arrays`): the
+# [T, V] f32 logits of Qwen3-0.6B at 32 x 384 tokens are 7.5 GB, its largest weight 0.3 GB.
+LARGE_ARRAY_BYTES = 1 << 30
+_ARRAY = re.compile(r"\b(f32|bf16|f16|s32|pred)\[([\d,]+)\]")
+_ITEM = {"f32": 4, "bf16": 2, "f16": 2, "s32": 4, "pred": 1}
+
+
+def _compiled_buffers(preset: str, policy, target: str, plugin: str, rows: int,
+                      prompt_len: int, new_tokens: int) -> dict:
+    from jaxrl_lp.plan.cuda_aot import compiled_memory
+
+    t0 = time.perf_counter()
+    spec = {"program": "grpo_step_dense", "preset": preset, "policy": policy.name, "rows": rows,
+            "prompt_len": prompt_len, "new_tokens": new_tokens}
+    mem = compiled_memory("jaxrl_lp.bench.hotpath:learner_traced", spec, target, plugin)
+    large = set()
+    for dtype, dims in _ARRAY.findall(mem.pop("text")):
+        if _ITEM[dtype] * math.prod(int(d) for d in dims.split(",")) >= LARGE_ARRAY_BYTES:
+            large.add(f"{dtype}[{dims}]")
+    return {**mem, "large_arrays": sorted(large), "compile_s": round(time.perf_counter() - t0, 1)}
+
+
+def compiled_update(preset: str, policy, target: str, plugin: str, rows: int, prompt_len: int,
+                    new_tokens: int) -> dict:
+    """XLA:GPU's buffers for `grpo_step_dense` compiled for `target` (`plan.cuda_aot`): the
+    temporary bytes beside the arguments and every array type of `LARGE_ARRAY_BYTES` or more
+    in its optimized program, under `policy` (`readout`) and, where `policy` reads out from
+    the hidden state, under it with `kernels=off` (`plain_readout`: the logits, then
+    `log_softmax`, what every GPU program ran before the tiled read-out)."""
+    from jaxrl_lp.kernels.logprob import fused_readout
+
+    out = {"program": "grpo_step_dense", "target": target,
+           "readout": _compiled_buffers(preset, policy, target, plugin, rows, prompt_len,
+                                        new_tokens)}
+    if fused_readout(policy):
+        out["plain_readout"] = _compiled_buffers(preset, policy.replace(kernels="off"), target,
+                                                 plugin, rows, prompt_len, new_tokens)
+    return out
+
+
 def _problems(cell: dict, policy) -> list[str]:
     """What a low-precision cell without a matmul format should not show."""
     if not policy.is_low_precision or policy.matmul_format is not None:
@@ -129,8 +199,9 @@ def _problems(cell: dict, policy) -> list[str]:
 
 
 def report(presets, policies, platform: str = "cuda", rows: int = 32, prompt_len: int = 128,
-           new_tokens: int = 256) -> dict:
-    """Every (preset, policy) cell (module docstring), with its `problems`."""
+           new_tokens: int = 256, plugin: str | None = None, target: str = "h200") -> dict:
+    """Every (preset, policy) cell (module docstring), with its `problems`; with `plugin`
+    (cuda only) each cell's `compiled` update too."""
     from jaxrl_lp.models.config import get_preset
     from jaxrl_lp.plan.programs import native
 
@@ -146,6 +217,9 @@ def report(presets, policies, platform: str = "cuda", rows: int = 32, prompt_len
             for name in LEARNER_PROGRAMS:
                 cell[name] = learner_cell(name, cfg, policy, platform, rows, prompt_len,
                                           new_tokens)
+            if plugin is not None:
+                cell["compiled"] = compiled_update(preset, policy, target, plugin, rows,
+                                                   prompt_len, new_tokens)
             cell["problems"] = _problems(cell, policy)
             cell["trace_s"] = round(time.perf_counter() - t0, 1)
             cells.append(cell)
@@ -178,6 +252,22 @@ def main(args: argparse.Namespace) -> int:
         if v < 1:
             print(f"jaxrl-lp bench hotpath: {n} must be >= 1, got {v}", file=sys.stderr)
             return 2
-    out = report(presets, policies, args.platform, args.rows, args.prompt_len, args.new_tokens)
+    from jaxrl_lp.plan.cuda_aot import GPU_TARGETS, plugin_from_env
+
+    try:
+        plugin = plugin_from_env(args.cuda_plugin)
+    except ValueError as e:
+        print(f"jaxrl-lp bench hotpath: {e}", file=sys.stderr)
+        return 2
+    if plugin is not None and args.platform != "cuda":
+        print(f"jaxrl-lp bench hotpath: --cuda-plugin compiles for a GPU; drop it or use "
+              f"--platform cuda (got {args.platform})", file=sys.stderr)
+        return 2
+    if args.target not in GPU_TARGETS:
+        print(f"jaxrl-lp bench hotpath: --target must be one of {', '.join(GPU_TARGETS)}; got "
+              f"{args.target!r}", file=sys.stderr)
+        return 2
+    out = report(presets, policies, args.platform, args.rows, args.prompt_len, args.new_tokens,
+                 plugin, args.target)
     emit(out, args.out)
     return 0 if out["ok"] else 1

@@ -35,7 +35,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-__all__ = ["GPU_TARGETS", "PLUGIN_ENV", "compiled_text", "plugin_from_env", "target_config"]
+__all__ = ["GPU_TARGETS", "PLUGIN_ENV", "compiled_memory", "compiled_text", "plugin_from_env",
+           "target_config"]
 
 PLUGIN_ENV = "JAXRL_LP_CUDA_PLUGIN"
 
@@ -100,6 +101,16 @@ def compiled_text(build: str, spec: dict, target: str, plugin_dir: str,
     return proc.stdout
 
 
+def compiled_memory(build: str, spec: dict, target: str, plugin_dir: str,
+                    xla_flags: str = "", timeout: float = 1200) -> dict:
+    """XLA:GPU's buffer plan of `build(spec, sharding)` for `target` (as `compiled_text`):
+    `{"temp_bytes", "argument_bytes", "output_bytes", "alias_bytes", "text"}`, the bytes
+    from the compiled executable's memory analysis (what the device would allocate beside
+    the arguments, no device asked) and `text` its optimized HLO."""
+    return json.loads(compiled_text(build, dict(spec, _memory=True), target, plugin_dir,
+                                    xla_flags, timeout))
+
+
 def _child(job: dict) -> None:
     sys.path.insert(0, job["plugin_dir"])  # its `jax_plugins` namespace: found by jax
     from jax.experimental import topologies
@@ -108,9 +119,18 @@ def _child(job: dict) -> None:
     topo = topologies.get_topology_desc("aot", "cuda", topology="1x1x1",
                                         target_config=target_config(job["target"]))
     module, name = job["build"].split(":")
+    memory = job["spec"].pop("_memory", False)
     traced = getattr(importlib.import_module(module), name)(
         job["spec"], SingleDeviceSharding(topo.devices[0]))
-    sys.stdout.write(traced.lower().compile().as_text())
+    compiled = traced.lower().compile()
+    if not memory:
+        sys.stdout.write(compiled.as_text())
+        return
+    stats = compiled.memory_analysis()
+    json.dump({"temp_bytes": stats.temp_size_in_bytes,
+               "argument_bytes": stats.argument_size_in_bytes,
+               "output_bytes": stats.output_size_in_bytes,
+               "alias_bytes": stats.alias_size_in_bytes, "text": compiled.as_text()}, sys.stdout)
 
 
 if __name__ == "__main__":
