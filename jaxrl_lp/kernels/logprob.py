@@ -104,11 +104,13 @@ def _over_tiles(tile, carry, v: int, bv: int):
     return tile(carry, nfull * bv, r) if r else carry
 
 
-def reference_forward(h_TxD, w_DxV, tokens_T, mask_T, plan: LogprobPlan):
-    """(logp, entropy, lse, E_p s), each [T] f32, by a scan over vocabulary tiles."""
+def reference_forward(h_TxD, w_DxV, tokens_T, mask_T, plan: LogprobPlan, mm=None):
+    """(logp, entropy, lse, E_p s), each [T] f32, by a scan over vocabulary tiles; `mm(a, b,
+    spec)` the products (default f32 at `HIGHEST`)."""
+    mm = mm or _mm
 
     def tile(run, v0, width):
-        s = tempered(_mm(h_TxD, jax.lax.dynamic_slice_in_dim(w_DxV, v0, width, 1), "td,dv->tv"),
+        s = tempered(mm(h_TxD, jax.lax.dynamic_slice_in_dim(w_DxV, v0, width, 1), "td,dv->tv"),
                      plan)
         return running_update(run, s, v0, tokens_T)
 
@@ -117,20 +119,25 @@ def reference_forward(h_TxD, w_DxV, tokens_T, mask_T, plan: LogprobPlan):
 
 
 def reference_backward(h_TxD, w_DxV, tokens_T, lse_T, mean_T, g_lp_T, g_ent_T,
-                       plan: LogprobPlan):
-    """(dh [T, D], dW [D, V]) in the dtypes of h and W; the g's are already masked."""
+                       plan: LogprobPlan, mm=None, round_dz=None):
+    """(dh [T, D], dW [D, V]) in the dtypes of h and W; the g's are already masked. `mm` as
+    `reference_forward`'s; `round_dz` rounds each tile's cotangent before its products
+    (default: none). dW is written per tile in W's dtype, dh summed over the tiles in f32."""
+    mm = mm or _mm
 
     def tile(carry, v0, width):
         dh, dw = carry
         w_tile = jax.lax.dynamic_slice_in_dim(w_DxV, v0, width, 1)
-        s = tempered(_mm(h_TxD, w_tile, "td,dv->tv"), plan)
+        s = tempered(mm(h_TxD, w_tile, "td,dv->tv"), plan)
         dz = tile_dlogits(s, v0, tokens_T, lse_T, mean_T, g_lp_T, g_ent_T, plan)
-        dw = jax.lax.dynamic_update_slice_in_dim(dw, _mm(h_TxD, dz, "td,tv->dv"), v0, 1)
-        return dh + _mm(dz, w_tile, "tv,dv->td"), dw
+        dz = dz if round_dz is None else round_dz(dz)
+        dw = jax.lax.dynamic_update_slice_in_dim(
+            dw, mm(h_TxD, dz, "td,tv->dv").astype(dw.dtype), v0, 1)
+        return dh + mm(dz, w_tile, "tv,dv->td"), dw
 
-    zeros = (jnp.zeros(h_TxD.shape, jnp.float32), jnp.zeros(w_DxV.shape, jnp.float32))
+    zeros = (jnp.zeros(h_TxD.shape, jnp.float32), jnp.zeros(w_DxV.shape, w_DxV.dtype))
     dh, dw = _over_tiles(tile, zeros, w_DxV.shape[1], plan.block_v)
-    return dh.astype(h_TxD.dtype), dw.astype(w_DxV.dtype)
+    return dh.astype(h_TxD.dtype), dw
 
 
 # ----------------------------------------------------------------- custom_vjp and the entry points
@@ -333,48 +340,28 @@ def readout_block_v(t: int, v: int) -> int:
     return min(block, v)
 
 
-def _tile_product(spec: str, a: jax.Array, b: jax.Array) -> jax.Array:
-    # As `numerics.products`: HIGHEST where an operand is f32, the platform's default on bf16.
+def _stored_mm(a, b, spec):
+    # `numerics.products`' precision: HIGHEST where an operand is f32, the default on bf16.
     return jnp.einsum(spec, a, b, preferred_element_type=jnp.float32, precision=precision_for(a, b))
-
-
-def _tiled_forward(h, w, tokens, mask, plan: LogprobPlan):
-    def tile(run, v0, width):
-        w_tile = jax.lax.dynamic_slice_in_dim(w, v0, width, 1)
-        return running_update(run, tempered(_tile_product("td,dv->tv", h, w_tile), plan), v0,
-                              tokens)
-
-    return running_finish(_over_tiles(tile, running_init(h.shape[0]), w.shape[1], plan.block_v),
-                          mask)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
 def _tiled(h, w, tokens, mask, plan: LogprobPlan, policy: Policy):
-    return _tiled_forward(h, w, tokens, mask, plan)[:2]
+    return reference_forward(h, w, tokens, mask, plan, _stored_mm)[:2]
 
 
 def _tiled_fwd(h, w, tokens, mask, plan, policy):
-    lp, ent, lse, mean = _tiled_forward(h, w, tokens, mask, plan)
+    lp, ent, lse, mean = reference_forward(h, w, tokens, mask, plan, _stored_mm)
     return (lp, ent), (h, w, tokens, mask, lse, mean)
 
 
 def _tiled_bwd(plan, policy, res, g):
     h, w, tokens, mask, lse, mean = res
     g_lp, g_ent = (jnp.where(mask, x, 0.0) for x in g)
-
-    def tile(carry, v0, width):
-        dh, dw = carry
-        w_tile = jax.lax.dynamic_slice_in_dim(w, v0, width, 1)
-        s = tempered(_tile_product("td,dv->tv", h, w_tile), plan)
-        # The cotangent in the compute dtype, as `numerics.products` rounds the plain path's.
-        dz = policy.round(tile_dlogits(s, v0, tokens, lse, mean, g_lp, g_ent, plan))
-        dw = jax.lax.dynamic_update_slice_in_dim(
-            dw, _tile_product("td,tv->dv", h, dz).astype(dw.dtype), v0, 1)
-        return dh + _tile_product("tv,dv->td", dz, w_tile), dw
-
-    zeros = (jnp.zeros(h.shape, jnp.float32), jnp.zeros(w.shape, w.dtype))
-    dh, dw = _over_tiles(tile, zeros, w.shape[1], plan.block_v)
-    return dh.astype(h.dtype), dw, None, None
+    # The cotangent in the compute dtype, as `numerics.products` rounds the plain path's.
+    dh, dw = reference_backward(h, w, tokens, lse, mean, g_lp, g_ent, plan, _stored_mm,
+                                policy.round)
+    return dh, dw, None, None
 
 
 _tiled.defvjp(_tiled_fwd, _tiled_bwd)
