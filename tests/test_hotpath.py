@@ -72,6 +72,21 @@ def test_bench_hotpath_finds_bf16_reads_and_bf16_products(tmp_path, capsys):
     assert "--rows must be >= 1" in capsys.readouterr().err
 
 
+def test_bench_hotpath_refuses_a_bad_plugin_target_or_platform(tmp_path, capsys, monkeypatch):
+    """The compiled cells' options: each bad value one line and exit 2, before anything runs."""
+    monkeypatch.delenv("JAXRL_LP_CUDA_PLUGIN", raising=False)
+    base = ["bench", "hotpath", "--presets", "tiny-qwen3", "--policies", "bf16"]
+    assert main([*base, "--cuda-plugin", str(tmp_path)]) == 2
+    assert "no jax_plugins/xla_cuda*/xla_cuda_plugin.so there" in capsys.readouterr().err
+    plugin = tmp_path / "jax_plugins" / "xla_cuda12"
+    plugin.mkdir(parents=True)
+    (plugin / "xla_cuda_plugin.so").write_bytes(b"")
+    assert main([*base, "--cuda-plugin", str(tmp_path), "--platform", "cpu"]) == 2
+    assert "--cuda-plugin compiles for a GPU" in capsys.readouterr().err
+    assert main([*base, "--target", "a100"]) == 2
+    assert "--target must be one of h100, h200; got 'a100'" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("preset", ["tiny-qwen3", "tiny-ouro"])
 def test_decode_weights_are_bf16_and_the_forward_is_the_same_bits(preset):
     cfg = get_preset(preset)
