@@ -51,6 +51,39 @@ def test_the_reader_finds_a_loop_that_converts_its_weight_and_a_mixed_product():
     assert [(d.lhs, d.rhs) for d in dots(jaxpr, "cpu")] == [("float32", "float32")]
 
 
+def test_a_product_in_a_scan_counts_once_a_trip():
+    """A layer scan's product runs once a layer: its FLOPs are the scan's length times one's,
+    nested scans multiplying (a `while` body counts once, for one iteration)."""
+    x, ws = jnp.ones((2, 8)), jnp.ones((3, 5, 8, 8))
+    one = 2 * 2 * 8 * 8
+
+    def layers(x, ws):
+        inner = lambda h, w: (h @ w, None)
+        return jax.lax.scan(lambda h, w5: (jax.lax.scan(inner, h, w5)[0], None), x, ws)[0]
+
+    (d,) = dots(jax.make_jaxpr(layers)(x, ws).jaxpr, "cuda")
+    assert d.flops == 3 * 5 * one and not d.in_loop
+    body = lambda s: (s[0] + 1, s[1] @ s[2], s[2])
+    loop = jax.make_jaxpr(lambda x, w: jax.lax.while_loop(lambda s: s[0] < 7, body, (0, x, w)))
+    (d,) = dots(loop(x, ws[0, 0]).jaxpr, "cuda")
+    assert d.flops == one and d.in_loop
+
+
+def test_the_platform_branch_is_taken_where_its_index_comes_from_outside_the_scan():
+    """Differentiated, a scanned `platform_dependent` reads an index computed outside the
+    scans (the loop-invariant `platform_index`, hoisted): still cuda's branch only."""
+    def f(x, ws):
+        body = lambda h, w: (jax.lax.platform_dependent(
+            h, w, cpu=lambda h, w: h @ w,
+            default=lambda h, w: jnp.dot(h.astype(jnp.bfloat16), w.astype(jnp.bfloat16),
+                                         preferred_element_type=jnp.float32)), None)
+        return jax.lax.scan(body, x, ws)[0].sum()
+
+    jaxpr = jax.make_jaxpr(jax.grad(f, argnums=1))(jnp.ones((2, 8)), jnp.ones((3, 8, 8))).jaxpr
+    found = [(d.lhs, d.rhs) for d in dots(jaxpr, "cuda")]
+    assert len(found) == 3 and ("float32", "float32") not in found, found  # cpu's: f32 x f32
+
+
 def test_bench_hotpath_finds_bf16_reads_and_bf16_products(tmp_path, capsys):
     out = tmp_path / "hotpath.json"
     assert main(["bench", "hotpath", "--presets", "tiny-qwen3,tiny-ouro", "--policies",

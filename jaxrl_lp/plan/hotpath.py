@@ -49,33 +49,66 @@ def _branch_for(platform: str, platforms) -> int:
     return len(platforms) - 1
 
 
-def walk(jaxpr, platform: str, *, in_loop: bool = False) -> Iterator[tuple[Any, bool]]:
-    """Every equation `platform` runs, with whether it is inside a `while` body.
+def _known(outer, inner, chosen: dict) -> dict:
+    """`chosen`'s platform indices passed from `outer` operands to a sub-jaxpr's `inner`
+    inputs (positionally): an index computed outside a scan or a call is read inside it."""
+    out = {}
+    for o, i in zip(outer, inner, strict=False):
+        try:
+            if o in chosen:
+                out[i] = chosen[o]
+        except TypeError:  # a literal operand: no index
+            pass
+    return out
 
-    Kernels (`pallas_call`) are yielded, not entered.
+
+def _inputs(eqn, sub) -> list:
+    """The operands of `eqn` that `sub` (one of its sub-jaxprs) takes as its inputs."""
+    ins = list(eqn.invars)
+    if eqn.primitive.name == "while":
+        nc, nb = eqn.params["cond_nconsts"], eqn.params["body_nconsts"]
+        return ins[:nc] + ins[nc + nb:] if sub is eqn.params["cond_jaxpr"].jaxpr else ins[nc:]
+    if eqn.primitive.name == "cond":
+        return ins[1:]
+    return ins if len(ins) == len(sub.invars) else []
+
+
+def walk(jaxpr, platform: str, *, in_loop: bool = False, times: int = 1,
+         chosen: dict | None = None) -> Iterator[tuple[Any, bool, int]]:
+    """Every equation `platform` runs, with whether it is inside a `while` body and how many
+    times it runs (the product of its enclosing `scan`s' lengths; a `while` body counts once,
+    for one iteration).
+
+    A `cond` on a `platform_index` (`lax.platform_dependent`) is entered at `platform`'s
+    branch only, also where the index was computed outside the scan, loop or call that
+    holds the `cond` (`chosen`: the indices known at entry). Kernels (`pallas_call`) are
+    yielded, not entered.
     """
-    chosen: dict[Any, int] = {}
+    chosen = dict(chosen or {})
     for eqn in jaxpr.eqns:
         name = eqn.primitive.name
         if name == "platform_index":
             chosen[eqn.outvars[0]] = _branch_for(platform, eqn.params["platforms"])
-        yield eqn, in_loop
+        yield eqn, in_loop, times
         if name in _KERNELS:
             continue
         if name == "cond" and eqn.invars and eqn.invars[0] in chosen:
-            branch = eqn.params["branches"][chosen[eqn.invars[0]]]
-            yield from walk(branch.jaxpr, platform, in_loop=in_loop)
-        elif name == "while":
-            yield from walk(eqn.params["cond_jaxpr"].jaxpr, platform, in_loop=True)
-            yield from walk(eqn.params["body_jaxpr"].jaxpr, platform, in_loop=True)
-        else:
-            for sub in _subjaxprs(eqn):
-                yield from walk(sub, platform, in_loop=in_loop)
+            branch = eqn.params["branches"][chosen[eqn.invars[0]]].jaxpr
+            yield from walk(branch, platform, in_loop=in_loop, times=times,
+                            chosen=_known(_inputs(eqn, branch), branch.invars, chosen))
+            continue
+        loop = in_loop or name == "while"
+        inner = times * eqn.params["length"] if name == "scan" else times
+        for sub in _subjaxprs(eqn):
+            yield from walk(sub, platform, in_loop=loop, times=inner,
+                            chosen=_known(_inputs(eqn, sub), sub.invars, chosen))
 
 
 @dataclasses.dataclass(frozen=True)
 class Dot:
-    """One matrix product: operand dtypes, precision, output dtype, FLOPs, inside a loop."""
+    """One matrix product: operand dtypes, precision, output dtype, inside a `while` loop;
+    `flops` as it runs (times its enclosing `scan`s' lengths: a layer scan's product counts
+    once a layer; in a `while` body, once an iteration)."""
 
     lhs: str
     rhs: str
@@ -98,19 +131,20 @@ class Dot:
         return "HIGHEST" in self.precision
 
 
-def _dot(eqn, in_loop: bool) -> Dot:
+def _dot(eqn, in_loop: bool, times: int) -> Dot:
     a, b = (v.aval for v in eqn.invars[:2])
     (lc, _), (lb, _) = eqn.params["dimension_numbers"]
     contracted = int(np.prod([a.shape[i] for i in lc], dtype=np.int64))
     out = eqn.outvars[0].aval
     prec = eqn.params.get("precision")
     return Dot(str(a.dtype), str(b.dtype), str(prec[0] if isinstance(prec, tuple) else prec),
-               str(out.dtype), int(2 * contracted * np.prod(out.shape, dtype=np.int64)), in_loop)
+               str(out.dtype), times * int(2 * contracted * np.prod(out.shape, dtype=np.int64)),
+               in_loop)
 
 
 def dots(jaxpr, platform: str) -> list[Dot]:
     """The products `platform` runs outside kernels, in program order."""
-    return [_dot(e, loop) for e, loop in walk(jaxpr, platform)
+    return [_dot(e, loop, times) for e, loop, times in walk(jaxpr, platform)
             if e.primitive.name == "dot_general"]
 
 
@@ -153,7 +187,7 @@ def loop_weight_reads(jaxpr, platform: str, weight_shapes: set[tuple[int, ...]])
     shapes = set(weight_shapes) | {tuple(reversed(s)) for s in weight_shapes}
     read: Counter = Counter()
     converts = []
-    for eqn, in_loop in walk(jaxpr, platform):
+    for eqn, in_loop, _ in walk(jaxpr, platform):
         if eqn.primitive.name == "while":
             for v in eqn.invars[eqn.params["cond_nconsts"]:][:eqn.params["body_nconsts"]]:
                 a = v.aval
