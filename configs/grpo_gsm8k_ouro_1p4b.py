@@ -24,7 +24,7 @@ Scale: `run.mesh=fsdp=8` is one 8-GPU node (docs/scale.md). Plan it first:
 A step samples 64 prompts x 8 (512 sequences). Ouro keeps a KV cache per loop
 step, so its sampler cache and the learner's activations take about 4x those
 of a dense model of its width: the learner recomputes layer activations in the
-backward pass (`grpo.remat=true`) and takes the step in 32 micro-batches (two
+backward pass (`grpo.remat=layers`) and takes the step in 32 micro-batches (two
 sequences a GPU at a time), and the behaviour log-probs go one micro-batch at
 a time, which keeps the learner within 19 GB a device (the sampler's cache of
 the 512 sequences needs 47 GB). On 64 devices (eight 8-GPU nodes) a
@@ -43,7 +43,7 @@ CONFIG = TrainConfig(
     sft=SFTConfig(steps=0),  # start from the pretrained checkpoint
     grpo=GRPOConfig(
         steps=200, prompts_per_step=64, group_size=8, max_new_tokens=512, lr=1e-6,
-        micro_batches=32, remat=True, learner_policy="bf16", sampler_policy="bf16",
+        micro_batches=32, remat="layers", learner_policy="bf16", sampler_policy="bf16",
         exit_rule="model", compute_mode="dense", temperature=1.0),
     run=RunConfig(out_dir="runs/grpo_gsm8k_ouro_1p4b", eval_every=20, eval_size=256,
                   checkpoint_every=20, mesh="fsdp=8"),

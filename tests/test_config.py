@@ -146,7 +146,7 @@ BAD = {
     "run.checkpoint_every": ["0"],
     "run.keep_checkpoints": ["0"],
     "run.progress": ["abc"],
-    "grpo.remat": ["abc"],
+    "grpo.remat": ["abc", "true"],  # a name, not the flag it was
     # not a bool; on the default (looped) model; with every update replayed
     "grpo.reuse_products": ["abc", "true", ("true", ["model.family=qwen3", "model.loop_steps=1",
                                                      "grpo.replay=always"])],

@@ -92,11 +92,12 @@ RUNS = {
     "low_bit": ["sft.optimizer=error_diffusion:binary:k=4", "sync.exporter=fmt:binary",
                 "grpo.start_probe=false"],
     # Dynamic sampling with overlong shaping, mu=2 passes over 2 minibatches of 2 micro-
-    # batches, rematerialized; no save on a signal.
+    # batches, recomputing the attention in the backward (`grpo.remat=dots`); no save on a
+    # signal.
     "dynamic": [
         "grpo.dynamic_sampling=true", "grpo.max_refill_rounds=1", "grpo.max_new_tokens=6",
         "grpo.overlong_buffer=2", "grpo.overlong_penalty=0.5", "grpo.mu=2",
-        "grpo.minibatches=2", "grpo.micro_batches=2", "grpo.remat=true",
+        "grpo.minibatches=2", "grpo.micro_batches=2", "grpo.remat=dots",
         "grpo.max_nonfinite_in_row=2", "run.save_on_signal=false",
         "distributed.timeout_s=60",
     ],

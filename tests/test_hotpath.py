@@ -105,7 +105,8 @@ def test_bench_hotpath_finds_bf16_reads_and_bf16_products(tmp_path, capsys):
     assert "--rows must be >= 1" in capsys.readouterr().err
 
 
-def test_bench_hotpath_refuses_a_bad_plugin_target_or_platform(tmp_path, capsys, monkeypatch):
+def test_bench_hotpath_refuses_a_bad_plugin_target_remat_or_platform(tmp_path, capsys,
+                                                                      monkeypatch):
     """The compiled cells' options: each bad value one line and exit 2, before anything runs."""
     monkeypatch.delenv("JAXRL_LP_CUDA_PLUGIN", raising=False)
     base = ["bench", "hotpath", "--presets", "tiny-qwen3", "--policies", "bf16"]
@@ -118,6 +119,8 @@ def test_bench_hotpath_refuses_a_bad_plugin_target_or_platform(tmp_path, capsys,
     assert "--cuda-plugin compiles for a GPU" in capsys.readouterr().err
     assert main([*base, "--target", "a100"]) == 2
     assert "--target must be one of h100, h200; got 'a100'" in capsys.readouterr().err
+    assert main([*base, "--remat", "dots,attention"]) == 2
+    assert "--remat: remat must be one of ['none', 'layers', 'dots']" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("preset", ["tiny-qwen3", "tiny-ouro"])

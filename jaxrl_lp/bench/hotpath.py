@@ -23,7 +23,10 @@ With the CUDA PJRT plugin (`--cuda-plugin` or `$JAXRL_LP_CUDA_PLUGIN`, as
 plans beside the arguments and every array of 1 GiB or more in its optimized
 program, with the read-out from the hidden state (`readout`: the tiled read-out
 a GPU program runs, `kernels.logprob.tiled_readout`) and with `kernels=off`
-(`plain_readout`: logits, then `log_softmax`) side by side.
+(`plain_readout`: logits, then `log_softmax`) side by side, and with the layers
+recomputing in the backward under each `--remat` choice (`grpo.remat`, `models.remat`:
+`dots` saves the weight products and recomputes the attention, `layers` saves the
+layers' inputs), with the product FLOPs that adds.
 
     jaxrl-lp bench hotpath                  # qwen3-0.6b and ouro-1.4b, bf16 and fp32, cuda
     jaxrl-lp bench hotpath --presets tiny-qwen3 --policies bf16-engine,mxfp8
@@ -49,6 +52,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxrl_lp.bench import emit
+from jaxrl_lp.models.remat import Remat
 from jaxrl_lp.numerics.policy import policy_list_arg, require
 
 __all__ = ["F32_SHARE", "LARGE_ARRAY_BYTES", "LEARNER_PROGRAMS", "add_arguments", "compiled_update",
@@ -56,7 +60,7 @@ __all__ = ["F32_SHARE", "LARGE_ARRAY_BYTES", "LEARNER_PROGRAMS", "add_arguments"
 
 LEARNER_PROGRAMS = ("grpo_step_dense", "grpo_step_hybrid", "sft_step")
 # The f32 x f32 products a low-precision learner keeps are the f32 maths of its logits (a
-# looped model's expected read-out mixes its steps' f32 logits: 0.5% of tiny-ouro's SFT).
+# looped model's expected read-out mixes its steps' f32 logits).
 F32_SHARE = 0.02
 
 
@@ -76,6 +80,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "$JAXRL_LP_CUDA_PLUGIN; with one, each cell's GRPO update is also "
                              "compiled for --target and its buffers read (cuda only)")
     parser.add_argument("--target", default="h200", help="the GPU compiled for: h100, h200")
+    parser.add_argument("--remat", default="dots,layers",
+                        help="with the CUDA plugin, the update also compiled under each of these "
+                             "(grpo.remat: dots, layers; '' for none; default: %(default)s)")
     parser.add_argument("--out", default=None, help="also write the JSON here")
 
 
@@ -112,13 +119,19 @@ def sampler_cell(cfg, policy, platform: str, rows: int, prompt_len: int, new_tok
 
 
 def learner_cell(name: str, cfg, policy, platform: str, rows: int, prompt_len: int,
-                 new_tokens: int) -> dict:
-    """The products of learner program `name` (`plan.programs`) by operands and precision."""
+                 new_tokens: int, remat: Remat = Remat.NONE) -> dict:
+    """The products of learner program `name` (`plan.programs`, its layers recomputing as
+    `remat` says) by operands and precision."""
     from jaxrl_lp.plan.hotpath import dot_summary, dots
     from jaxrl_lp.plan.programs import ProgramShapes, build_program
 
-    fn, args = build_program(name, cfg, policy, ProgramShapes(rows, prompt_len, new_tokens))
+    fn, args = build_program(name, cfg, policy, ProgramShapes(rows, prompt_len, new_tokens),
+                             remat=remat)
     return dot_summary(dots(fn.trace(*args).jaxpr.jaxpr, platform))
+
+
+def _flops(cell: dict) -> int:
+    return sum(d["flops"] for d in cell["products"].values())
 
 
 def learner_traced(spec: dict, sharding=None):
@@ -129,7 +142,8 @@ def learner_traced(spec: dict, sharding=None):
     from jaxrl_lp.plan.programs import ProgramShapes, build_program
 
     fn, args = build_program(spec["program"], get_preset(spec["preset"]), spec["policy"],
-                             ProgramShapes(spec["rows"], spec["prompt_len"], spec["new_tokens"]))
+                             ProgramShapes(spec["rows"], spec["prompt_len"], spec["new_tokens"]),
+                             remat=Remat(spec.get("remat", "none")))
     args = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), args)
     return fn.trace(*args)
 
@@ -142,12 +156,12 @@ _ITEM = {"f32": 4, "bf16": 2, "f16": 2, "s32": 4, "pred": 1}
 
 
 def _compiled_buffers(preset: str, policy, target: str, plugin: str, rows: int,
-                      prompt_len: int, new_tokens: int) -> dict:
+                      prompt_len: int, new_tokens: int, remat: Remat = Remat.NONE) -> dict:
     from jaxrl_lp.plan.cuda_aot import compiled_memory
 
     t0 = time.perf_counter()
     spec = {"program": "grpo_step_dense", "preset": preset, "policy": policy.name, "rows": rows,
-            "prompt_len": prompt_len, "new_tokens": new_tokens}
+            "prompt_len": prompt_len, "new_tokens": new_tokens, "remat": remat.value}
     mem = compiled_memory("jaxrl_lp.bench.hotpath:learner_traced", spec, target, plugin)
     large = set()
     for dtype, dims in _ARRAY.findall(mem.pop("text")):
@@ -157,13 +171,17 @@ def _compiled_buffers(preset: str, policy, target: str, plugin: str, rows: int,
 
 
 def compiled_update(preset: str, policy, target: str, plugin: str, rows: int, prompt_len: int,
-                    new_tokens: int) -> dict:
+                    new_tokens: int, remats: tuple[Remat, ...] = ()) -> dict:
     """XLA:GPU's buffers for `grpo_step_dense` compiled for `target` (`plan.cuda_aot`): the
     temporary bytes beside the arguments and every array type of `LARGE_ARRAY_BYTES` or more
     in its optimized program, under `policy` (`readout`) and, where `policy` reads out from
     the hidden state, under it with `kernels=off` (`plain_readout`: the logits, then
-    `log_softmax`, what every GPU program ran before the tiled read-out)."""
+    `log_softmax`, what every GPU program ran before the tiled read-out); and under each of
+    `remats` (`remat`, by its name: the layers recomputing in the backward, `models.remat`,
+    with the tiled read-out), with the update's product FLOPs against `readout`'s
+    (`flops_vs_none`: what the recomputation adds)."""
     from jaxrl_lp.kernels.logprob import fused_readout
+    from jaxrl_lp.models.config import get_preset
 
     out = {"program": "grpo_step_dense", "target": target,
            "readout": _compiled_buffers(preset, policy, target, plugin, rows, prompt_len,
@@ -171,6 +189,18 @@ def compiled_update(preset: str, policy, target: str, plugin: str, rows: int, pr
     if fused_readout(policy):
         out["plain_readout"] = _compiled_buffers(preset, policy.replace(kernels="off"), target,
                                                  plugin, rows, prompt_len, new_tokens)
+    if remats:
+        cfg = get_preset(preset)
+        base = _flops(learner_cell("grpo_step_dense", cfg, policy, "cuda", rows, prompt_len,
+                                   new_tokens))
+        out["remat"] = {}
+        for r in remats:
+            flops = _flops(learner_cell("grpo_step_dense", cfg, policy, "cuda", rows, prompt_len,
+                                        new_tokens, r))
+            out["remat"][r.value] = {
+                **_compiled_buffers(preset, policy, target, plugin, rows, prompt_len,
+                                    new_tokens, r),
+                "flops": flops, "flops_vs_none": round(flops / base, 4)}
     return out
 
 
@@ -199,9 +229,10 @@ def _problems(cell: dict, policy) -> list[str]:
 
 
 def report(presets, policies, platform: str = "cuda", rows: int = 32, prompt_len: int = 128,
-           new_tokens: int = 256, plugin: str | None = None, target: str = "h200") -> dict:
+           new_tokens: int = 256, plugin: str | None = None, target: str = "h200",
+           remats: tuple[Remat, ...] = ()) -> dict:
     """Every (preset, policy) cell (module docstring), with its `problems`; with `plugin`
-    (cuda only) each cell's `compiled` update too."""
+    (cuda only) each cell's `compiled` update too, and under each of `remats`."""
     from jaxrl_lp.models.config import get_preset
     from jaxrl_lp.plan.programs import native
 
@@ -219,7 +250,7 @@ def report(presets, policies, platform: str = "cuda", rows: int = 32, prompt_len
                                           new_tokens)
             if plugin is not None:
                 cell["compiled"] = compiled_update(preset, policy, target, plugin, rows,
-                                                   prompt_len, new_tokens)
+                                                   prompt_len, new_tokens, remats)
             cell["problems"] = _problems(cell, policy)
             cell["trace_s"] = round(time.perf_counter() - t0, 1)
             cells.append(cell)
@@ -267,7 +298,12 @@ def main(args: argparse.Namespace) -> int:
         print(f"jaxrl-lp bench hotpath: --target must be one of {', '.join(GPU_TARGETS)}; got "
               f"{args.target!r}", file=sys.stderr)
         return 2
+    try:
+        remats = tuple(Remat.of(r) for r in args.remat.split(",") if r)
+    except ValueError as e:
+        print(f"jaxrl-lp bench hotpath: --remat: {e}", file=sys.stderr)
+        return 2
     out = report(presets, policies, args.platform, args.rows, args.prompt_len, args.new_tokens,
-                 plugin, args.target)
+                 plugin, args.target, remats)
     emit(out, args.out)
     return 0 if out["ok"] else 1

@@ -14,6 +14,7 @@ _WHERE = {
     "forward": "model", "init_params": "model", "param_shapes": "model",
     "Packing": "packing", "make_packing": "packing", "pack": "packing", "unpack": "packing",
     "LoraWeight": "lora", "Products": "recorded", "RecordedWeight": "recorded",
+    "Remat": "remat",
 }
 
 
@@ -39,6 +40,7 @@ __all__ = [
     "Packing",
     "Products",
     "RecordedWeight",
+    "Remat",
     "dense_forward",
     "exit_distribution",
     "forward",

@@ -19,6 +19,7 @@ from jaxrl_lp.models.cache import write_positions
 from jaxrl_lp.models.config import ModelConfig
 from jaxrl_lp.models.layers import rms_norm
 from jaxrl_lp.models.packing import Packing, pack
+from jaxrl_lp.models.remat import Remat, remat_layer
 from jaxrl_lp.numerics.policy import Policy
 
 __all__ = ["dense_forward", "default_positions"]
@@ -39,7 +40,7 @@ def dense_forward(
     cache: dict | None = None,
     cache_index: jax.Array | int = 0,
     *,
-    remat: bool = False,
+    remat: Remat | bool = False,
     hidden: bool = False,
     packing: Packing | None = None,
     tape: dict | None = None,
@@ -61,7 +62,8 @@ def dense_forward(
         Default `cache_index + arange(T)`.
       cache: from `models.init_cache`, or None for a cache-free forward.
       cache_index: slot at which this chunk is written.
-      remat: recompute each layer's activations in the backward pass.
+      remat: what each layer's backward recomputes (`models.remat.Remat`; `True` is
+        `layers`).
       hidden: return the final normed hidden state [B, T, D] (compute
         precision, what the lm head reads) instead of the logits, for the
         fused log-prob (`kernels.logprob`).
@@ -82,7 +84,7 @@ def dense_forward(
     cache_index = jnp.asarray(cache_index, jnp.int32)
     if positions_BxT is None:
         positions_BxT = default_positions(tokens_BxT, cache_index)
-    if tape is not None and (packing is not None or remat):
+    if tape is not None and (packing is not None or Remat.of(remat) is not Remat.NONE):
         raise ValueError("dense_forward: tape records an unpacked forward without remat")
     if packing is not None:
         if cache is not None:
@@ -108,8 +110,7 @@ def dense_forward(
                                 taped), policy)
         return (h, ck, cv), taped
 
-    if remat:
-        layer = jax.checkpoint(layer)
+    layer = remat_layer(layer, remat)
     ck = None if cache is None else cache["k"]
     cv = None if cache is None else cache["v"]
     (h, ck, cv), taped = over_layers(layer, (h, ck, cv), params["layers"])
@@ -122,7 +123,7 @@ def dense_forward(
 
 
 def _packed_forward(params, cfg: ModelConfig, policy: Policy, tokens_BxT, positions_BxT,
-                    packing: Packing, *, remat: bool, hidden: bool) -> jax.Array:
+                    packing: Packing, *, remat: Remat | bool, hidden: bool) -> jax.Array:
     """`dense_forward` on the packed rows only (its `packing` argument): [S, M, V] or [S, M, D]."""
     pos_SxM = pack(positions_BxT, packing)
     h = embed(params, pack(tokens_BxT, packing), policy)  # [S, M, D]
@@ -137,8 +138,7 @@ def _packed_forward(params, cfg: ModelConfig, policy: Policy, tokens_BxT, positi
                          policy)
         return h, None
 
-    if remat:
-        layer = jax.checkpoint(layer)
+    layer = remat_layer(layer, remat)
     h, _ = over_layers(layer, h, params["layers"])
     h = rms_norm(h, params["final_norm"], cfg.rms_eps, policy)
     return h if hidden else lm_logits(params, h, cfg, policy)

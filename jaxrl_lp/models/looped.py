@@ -52,6 +52,7 @@ from jaxrl_lp.models.dense import default_positions
 from jaxrl_lp.models.layers import dot, rms_norm
 from jaxrl_lp.models.loop import ExitSchedule, LoopSpec
 from jaxrl_lp.models.packing import Packing, pack
+from jaxrl_lp.models.remat import Remat, remat_layer
 from jaxrl_lp.numerics.policy import Policy
 
 __all__ = ["LoopedOutput", "looped_forward"]
@@ -115,7 +116,7 @@ def looped_forward(
     schedule: ExitSchedule | None = None,
     readout: Literal["exit", "expected"] = "exit",
     early_stop: bool = False,
-    remat: bool = False,
+    remat: Remat | bool = False,
     hidden: bool = False,
     packing: Packing | None = None,
 ) -> LoopedOutput:
@@ -138,7 +139,8 @@ def looped_forward(
       readout: `exit` or `expected`.
       early_stop: in deferred mode, stop looping once every token has exited
         (a `lax.while_loop`: for sampling and replay, not differentiable).
-      remat: recompute each layer's activations in the backward pass.
+      remat: what each layer's backward recomputes (`models.remat.Remat`; `True` is
+        `layers`).
       hidden: with the `exit` read-out, `logits` holds the normed hidden state
         read out [B, T, D] (compute precision) instead, for the fused log-prob.
       packing: compute only these slots (`models.packing`; no cache, the
@@ -219,8 +221,7 @@ def looped_forward(
             h_l = residual_add(h_l, rms_norm(m, lp["mlp_norm_out"], cfg.rms_eps, policy), policy)
             return (h_l, ck, cv), (k, v)
 
-        if remat:
-            layer = jax.checkpoint(layer)
+        layer = remat_layer(layer, remat)
         ck = None if c.cache is None else c.cache["k"]
         cv = None if c.cache is None else c.cache["v"]
         (h_out, ck, cv), (k_all, v_all) = over_layers(layer, (c.h, ck, cv), params["layers"],

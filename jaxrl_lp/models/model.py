@@ -24,6 +24,7 @@ from jaxrl_lp.models.dense import dense_forward
 from jaxrl_lp.models.loop import MODEL_DEFAULT, ExitRule, ExitSchedule, LoopSpec
 from jaxrl_lp.models.looped import LoopedOutput, looped_forward
 from jaxrl_lp.models.packing import Packing
+from jaxrl_lp.models.remat import Remat
 from jaxrl_lp.numerics.policy import FP32, Policy, require
 
 __all__ = ["CausalLM", "forward", "init_params", "param_shapes"]
@@ -75,7 +76,7 @@ def forward(params: dict, cfg: ModelConfig, policy: Policy, tokens_BxT: jax.Arra
             positions_BxT: jax.Array | None = None, cache: dict | None = None,
             cache_index: jax.Array | int = 0, *, loop: LoopSpec | None = None,
             schedule: ExitSchedule | None = None, readout: str = "exit",
-            early_stop: bool = False, remat: bool = False, hidden: bool = False,
+            early_stop: bool = False, remat: Remat | bool = False, hidden: bool = False,
             packing: Packing | None = None, tape: dict | None = None):
     """Dispatches to `dense_forward` or `looped_forward`; returns (logits, cache, LoopedOutput|None).
 

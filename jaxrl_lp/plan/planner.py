@@ -66,6 +66,7 @@ from jax.sharding import NamedSharding
 from jaxrl_lp.kernels.targets import for_target
 from jaxrl_lp.models.blocks import unstack_layers
 from jaxrl_lp.models.config import ModelConfig
+from jaxrl_lp.models.remat import Remat
 from jaxrl_lp.parallel import MeshSpec, make_mesh, param_shardings, spec_for, use_mesh
 from jaxrl_lp.parallel.shard import replicated
 from jaxrl_lp.plan.inputs import (
@@ -135,7 +136,7 @@ def _lower_for_target(traced, name: str, tgt: Target) -> dict:
 
 
 def plan(cfg: TrainConfig, mesh: str, devices: int, target: str = "h100", *,
-         prompt_len: int | None = None, remat: bool | None = None) -> dict:
+         prompt_len: int | None = None, remat: Remat | bool | str | None = None) -> dict:
     """Compiles `cfg`'s GRPO step and decode step on `devices` devices; per-device figures.
 
     Args:
@@ -145,9 +146,9 @@ def plan(cfg: TrainConfig, mesh: str, devices: int, target: str = "h100", *,
         used (`plan.devices.use_simulated_devices` makes them).
       target: a key of `plan.targets.TARGETS` for the roofline and `fits`.
       prompt_len: padded prompt slots (default: the task's bucket).
-      remat: recompute layer activations in the learner's backward pass
-        (`make_grpo_step(remat=...)`; default: the config's `grpo.remat` if
-        it has one, else off, as the training program runs).
+      remat: what the learner's backward recomputes (`models.remat.Remat`, as
+        `make_grpo_step(remat=...)`; default: the config's `grpo.remat`, as the
+        training program runs).
 
     Returns:
       A JSON-ready dict (module docstring; bytes, FLOPs and seconds per device).
@@ -198,7 +199,7 @@ def plan(cfg: TrainConfig, mesh: str, devices: int, target: str = "h100", *,
         args = (train, opt, ro, abstract_rows((shp.rows,), jnp.float32, m), logp_N, None, served)
         step = make_grpo_step(mcfg, lpol, cfg.loss, grpo_opt, loop=loop, sampler_policy=spol,
                               method=g.logprobs, micro_batches=g.micro_batches, mesh=m,
-                              remat=getattr(g, "remat", False) if remat is None else remat,
+                              remat=Remat.of(g.remat if remat is None else remat),
                               weights=None if lora is None else lora.weights)
         if step.packs:  # its largest bucket: every slot of a packing group real
             per = shp.micro_rows // pack_groups(shp.micro_rows, m)

@@ -12,6 +12,7 @@ policy forces the f32 carrier (`native`: a policy's `storage=auto` becomes
   (`make_grpo_step`, clipped AdamW) with dense or hybrid learner log-probs; a
   dense model's step packed at the full grid (its largest bucket).
 - `sft_step`: one supervised update (`make_sft_step`).
+  The updates (`UPDATES`) are built with `remat` (`models.remat`; default none).
 - `behaviour_logprobs`: the learner's log-probs of a whole batch before the
   updates (`jit_learner_logprobs`, hybrid: the replay alone), where the
   training program does not take the rollout's (`grpo.replay`).
@@ -43,10 +44,12 @@ from jaxrl_lp.models.blocks import unstack_layers
 from jaxrl_lp.models.cache import init_cache, unstack_cache
 from jaxrl_lp.models.config import ModelConfig
 from jaxrl_lp.models.model import init_params
+from jaxrl_lp.models.remat import Remat
 from jaxrl_lp.numerics.policy import Policy, require
 
-__all__ = ["PROGRAMS", "ProgramShapes", "build_program", "native"]
+__all__ = ["PROGRAMS", "UPDATES", "ProgramShapes", "build_program", "native"]
 
+UPDATES = ("grpo_step_dense", "grpo_step_hybrid", "sft_step")
 PROGRAMS = ("grpo_step_dense", "grpo_step_hybrid", "sft_step", "behaviour_logprobs",
             "sampler_prefill", "sampler_decode", "replay", "speculative_verify", "exporter",
             "sync_checks")
@@ -99,13 +102,14 @@ def _loop(cfg: ModelConfig):
 
 
 def _grpo(method: str):
-    def build(cfg: ModelConfig, policy: Policy, shp: ProgramShapes):
+    def build(cfg: ModelConfig, policy: Policy, shp: ProgramShapes, remat: Remat = Remat.NONE):
         from jaxrl_lp.rl.loss import LossConfig
         from jaxrl_lp.rl.train_step import make_grpo_step
 
         opt = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-6))
         loop = _loop(cfg)
-        step = make_grpo_step(cfg, policy, LossConfig(), opt, loop=loop, method=method)
+        step = make_grpo_step(cfg, policy, LossConfig(), opt, loop=loop, method=method,
+                              remat=remat)
         params = _params(cfg)
         b, n = shp.rows, shp.max_new
         args = (params, _abstract(jax.eval_shape(opt.init, params)),
@@ -116,11 +120,11 @@ def _grpo(method: str):
     return build
 
 
-def _sft(cfg: ModelConfig, policy: Policy, shp: ProgramShapes):
+def _sft(cfg: ModelConfig, policy: Policy, shp: ProgramShapes, remat: Remat = Remat.NONE):
     from jaxrl_lp.rl.train_step import make_sft_step
 
     opt = optax.adamw(1e-5)
-    step = make_sft_step(cfg, policy, opt)
+    step = make_sft_step(cfg, policy, opt, remat=remat)
     params = _params(cfg)
     b, l = shp.rows, shp.prompt_len + shp.max_new
     args = (params, _abstract(jax.eval_shape(opt.init, params)), _s((b, l), jnp.int32),
@@ -259,14 +263,21 @@ _BUILDERS: dict[str, Callable] = {
 
 
 def build_program(name: str, cfg: ModelConfig, policy: Policy,
-                  shapes: ProgramShapes | None = None):
+                  shapes: ProgramShapes | None = None, *, remat: Remat = Remat.NONE):
     """`(jitted, abstract args)` of program `name` (module table) for `cfg` under
-    `native(policy)`.
+    `native(policy)`; a learner update's layers recompute as `remat` says
+    (`models.remat`).
 
     Raises:
-      ValueError: an unknown program (the message lists them).
+      ValueError: an unknown program (the message lists them), or `remat` for a
+        program with no backward.
     """
     if name not in _BUILDERS:
         raise ValueError(f"unknown program {name!r}; choose from {list(PROGRAMS)}")
     policy = native(require(policy, "build_program"))
+    if name in UPDATES:
+        return _BUILDERS[name](cfg, policy, shapes or ProgramShapes(), remat=Remat.of(remat))
+    if Remat.of(remat) is not Remat.NONE:
+        raise ValueError(f"build_program: {name} has no backward to recompute in; remat applies "
+                         f"to {list(UPDATES)}")
     return _BUILDERS[name](cfg, policy, shapes or ProgramShapes())

@@ -53,6 +53,7 @@ from jaxrl_lp.models.loop import ExitSchedule
 from jaxrl_lp.models.model import forward
 from jaxrl_lp.models.packing import gather_rows, make_packing, unpack
 from jaxrl_lp.models.recorded import Products, with_products
+from jaxrl_lp.models.remat import Remat
 from jaxrl_lp.numerics.invariant import COMPILER_OPTIONS as INVARIANT_OPTIONS
 from jaxrl_lp.numerics.invariant import form_holds, invariant_forms, opaque_zero
 from jaxrl_lp.numerics.invariant import unsupported as invariant_unsupported
@@ -124,7 +125,7 @@ logprob_entropy.defvjp(_logprob_entropy_fwd, _logprob_entropy_bwd)
 
 
 def dense_logprobs(params: dict, cfg: ModelConfig, policy: Policy, ro: Rollout, *,
-                   loop: LoopSpec | None = None, remat: bool = False,
+                   loop: LoopSpec | None = None, remat: Remat | bool = False,
                    packed_rows: tuple[int, int] | None = None, invariant: bool = False):
     """Teacher-forced log-probs and entropies [B, N] from one parallel forward (differentiable).
 
@@ -330,7 +331,7 @@ def _fed_back(ro: Rollout) -> tuple[jax.Array, jax.Array]:
 def packed_logprobs(params: dict, cfg: ModelConfig, policy: Policy, tokens_BxT: jax.Array,
                     positions_BxT: jax.Array, lead_real_BxP: jax.Array, mask_BxN: jax.Array,
                     packed_rows: tuple[int, int], temperature: float = 1.0, *,
-                    remat: bool = False, loop: LoopSpec | None = None,
+                    remat: Remat | bool = False, loop: LoopSpec | None = None,
                     schedule: ExitSchedule | None = None, invariant: bool = False):
     """Log-probs and entropies [B, N] of a model's targets from a packed forward.
 
@@ -396,7 +397,7 @@ def packed_logprobs(params: dict, cfg: ModelConfig, policy: Policy, tokens_BxT: 
 
 def learner_logprobs(params: dict, cfg: ModelConfig, policy: Policy, ro: Rollout,
                      method: LogprobMethod = "hybrid", *, loop: LoopSpec | None = None,
-                     remat: bool = False, packed_rows: tuple[int, int] | None = None,
+                     remat: Remat | bool = False, packed_rows: tuple[int, int] | None = None,
                      replay_BxN: jax.Array | None = None, products: Products | None = None):
     """Log-probs [B, N] (and entropies [B, N], from the dense forward; zeros for replay).
 
@@ -408,7 +409,7 @@ def learner_logprobs(params: dict, cfg: ModelConfig, policy: Policy, ro: Rollout
       method: `dense`, `replay`, `hybrid` or `invariant` (module docstring).
       loop: the loop spec the caller expects the rollout to have (checked), or
         None to take the rollout's.
-      remat: recompute layer activations in the dense backward.
+      remat: what the dense backward recomputes (`models.remat.Remat`).
       packed_rows: the dense forward without the padding (`dense_logprobs`).
       replay_BxN: `hybrid` only: the replay's values where the caller already
         has them, and the replay is not run. The training program passes the

@@ -30,6 +30,7 @@ from jaxrl_lp.models.blocks import lm_head, lm_logits
 from jaxrl_lp.models.config import ModelConfig
 from jaxrl_lp.models.model import forward
 from jaxrl_lp.models.recorded import Products, split_products
+from jaxrl_lp.models.remat import Remat
 from jaxrl_lp.numerics.invariant import unsupported as invariant_unsupported
 from jaxrl_lp.numerics.policy import Policy, require
 from jaxrl_lp.parallel.context import constrain_params
@@ -130,7 +131,7 @@ def _apply_if_finite(optimizer, grads, opt_state, params, loss):
 def make_grpo_step(cfg: ModelConfig, policy: Policy, loss_cfg: LossConfig,
                    optimizer: optax.GradientTransformation, *, loop: LoopSpec | None = None,
                    sampler_policy: Policy | None = None, method: str = "hybrid",
-                   micro_batches: int = 1, remat: bool = False, mesh: Mesh | None = None,
+                   micro_batches: int = 1, remat: Remat | bool = False, mesh: Mesh | None = None,
                    rules: ShardingRules = DEFAULT_RULES, weights=None,
                    pack_buckets: int = PACK_BUCKETS):
     """Builds `step(params, opt_state, rollout, advantages_B, old_logp_BxN, ref_logp_BxN, served,
@@ -171,7 +172,8 @@ def make_grpo_step(cfg: ModelConfig, policy: Policy, loss_cfg: LossConfig,
         decode. Where the forms are not proven (`invariant_fallback`: another
         platform, a mesh, `weights`) it warns and is the `hybrid` step.
       micro_batches: gradient-accumulation slices.
-      remat: recompute layer activations in the backward pass.
+      remat: what each layer's backward recomputes (`models.remat.Remat`: `none`,
+        `layers`, `dots`; `True` is `layers`).
       mesh: run sharded (`LearnerStep` on a mesh): params and optimizer
         state by the rules, rollout rows over the data shards, activations
         constrained.
@@ -210,6 +212,7 @@ def make_grpo_step(cfg: ModelConfig, policy: Policy, loss_cfg: LossConfig,
         dict of f32 scalars; `step.lower(...)` and `step.trace(...)` take the
         same arguments.
     """
+    remat = Remat.of(remat)
     if weights is not None and mesh is not None and not weights.shardable:
         raise ValueError("make_grpo_step: this weight representation (weights=) runs on one "
                          "device; drop mesh")
@@ -349,7 +352,7 @@ def invariant_fallback(mesh: Mesh | None = None, weights=None) -> str | None:
 
 
 def make_sft_step(cfg: ModelConfig, policy: Policy, optimizer: optax.GradientTransformation,
-                  *, remat: bool = False, mesh: Mesh | None = None,
+                  *, remat: Remat | bool = False, mesh: Mesh | None = None,
                   rules: ShardingRules = DEFAULT_RULES, weights=None,
                   pack_buckets: int = PACK_BUCKETS):
     """Builds the jitted supervised step `step(params, opt_state, tokens_BxL, mask_BxL)`.
@@ -379,6 +382,7 @@ def make_sft_step(cfg: ModelConfig, policy: Policy, optimizer: optax.GradientTra
     (the expected read-out) and computes every slot.
     """
     policy = require(policy, "make_sft_step")
+    remat = Remat.of(remat)
     fused = fused_readout(policy) and not cfg.is_looped
     packs = pack_buckets > 0 and not cfg.is_looped
 

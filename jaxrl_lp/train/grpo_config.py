@@ -110,7 +110,10 @@ class GRPOConfig:
         Metrics `overlong_penalty_mean` (the batch's mean penalty, <= 0; 0 when off)
         and `overlong_frac` (completions penalized); `reward_mean` stays the task's.
       overlong_penalty: the penalty at the full budget (>= 0), with overlong_buffer.
-      remat: recompute layer activations in the backward pass (less memory, more time).
+      remat: what each layer's backward recomputes instead of saving (`models.remat`):
+        `none`, `layers` (each layer's input saved, one more forward of FLOPs) or `dots`
+        (the weight products' outputs saved, the attention and element-wise maths
+        recomputed). `true`/`false` from older configs read as `layers`/`none`.
       max_nonfinite_in_row: stop the run after this many skipped steps in a row.
       speculative: speculative rollouts (`rollout.SpecConfig`): '' (off), `self:loops=1,k=4`
         (the looped model drafts for itself at fewer loop steps) or
@@ -158,7 +161,7 @@ class GRPOConfig:
     overlong_buffer: int = 0
     overlong_penalty: float = 1.0
     max_nonfinite_in_row: int = 5
-    remat: bool = False
+    remat: Literal["none", "layers", "dots"] = "none"
     speculative: str = ""
     max_staleness: int = 0
     turn_credit: Literal["episode", "reward_to_go"] = "episode"
@@ -232,7 +235,9 @@ class GRPOConfig:
                 f"{self.max_new_tokens} (0: no overlong shaping)")
         check_number("grpo.overlong_penalty", self.overlong_penalty, ge=0,
                      why=" (the reward taken off a completion that uses the whole budget)")
-        check_bool("grpo.remat", self.remat)
+        if isinstance(self.remat, bool):  # the flag it was
+            object.__setattr__(self, "remat", "layers" if self.remat else "none")
+        check_choice("grpo.remat", self.remat, ("none", "layers", "dots"))
         check_int("grpo.max_staleness", self.max_staleness, minimum=0,
                   why=" (how many weight versions the sampler may run behind the learner; 0: "
                       "synchronous)")

@@ -25,6 +25,7 @@ from jaxrl_lp.envs import EnvRunner
 from jaxrl_lp.lora import LoraParams
 from jaxrl_lp.models.lora import merge_adapters
 from jaxrl_lp.models.model import init_params
+from jaxrl_lp.models.remat import Remat
 from jaxrl_lp.parallel import param_shardings
 from jaxrl_lp.parallel.data import ShardedLoader
 from jaxrl_lp.parallel.distributed import initialize
@@ -348,10 +349,11 @@ def _train(cfg: TrainConfig, plan: RunPlan, run_dir: Path, ckpt: Checkpointer, t
     weights = plan.weights  # None: the params are the model's (the default run)
     # LoRA on the run's own warm-start: full warm-start steps, then LoRA GRPO steps.
     grpo_weights = weights if lora is None else lora.weights
-    sft_step = make_sft_step(mcfg, lpol, sft_opt, mesh=mesh, remat=g.remat, weights=weights)
+    remat = Remat.of(g.remat)
+    sft_step = make_sft_step(mcfg, lpol, sft_opt, mesh=mesh, remat=remat, weights=weights)
     grpo_step = make_grpo_step(mcfg, lpol, cfg.loss, grpo_opt, loop=loop, sampler_policy=spol,
                                method=g.logprobs, micro_batches=g.micro_batches, mesh=mesh,
-                               remat=g.remat, weights=grpo_weights)
+                               remat=remat, weights=grpo_weights)
     # What the sampler, evaluation and export read: the model's params. LoRA composes the
     # base and its adapters without a copy (a full tree before its phase passes as it is).
     if grpo_weights is None:
