@@ -163,7 +163,7 @@ def _model_case(kind: str, policy_name: str, ablation: str) -> dict:
     from jaxrl_lp.models.config import get_preset
     from jaxrl_lp.models.model import init_params
     from jaxrl_lp.numerics.policy import Policy
-    from jaxrl_lp.rl.logprobs import jit_learner_logprobs
+    from jaxrl_lp.rl.logprob_programs import jit_learner_logprobs
     from jaxrl_lp.rollout.generate import generate, take_rows
     from jaxrl_lp.rollout.sampling import SamplingConfig
     from jaxrl_lp.rollout.step import LoopSpec
@@ -226,7 +226,7 @@ def _cost(repeats: int, quick: bool) -> dict:
     from jaxrl_lp.models.config import get_preset
     from jaxrl_lp.models.model import init_params
     from jaxrl_lp.numerics.policy import Policy
-    from jaxrl_lp.rl.logprobs import jit_learner_logprobs
+    from jaxrl_lp.rl.logprob_programs import jit_learner_logprobs
     from jaxrl_lp.rollout.generate import generate, take_rows
     from jaxrl_lp.rollout.sampling import SamplingConfig
 

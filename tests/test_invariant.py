@@ -24,7 +24,8 @@ from jaxrl_lp.models.config import get_preset
 from jaxrl_lp.models.model import init_params
 from jaxrl_lp.numerics.invariant import COMPILER_OPTIONS, unsupported
 from jaxrl_lp.numerics.policy import Policy
-from jaxrl_lp.rl.logprobs import jit_learner_logprobs, learner_logprobs, packed_rows_of
+from jaxrl_lp.rl.logprob_programs import jit_learner_logprobs
+from jaxrl_lp.rl.logprobs import learner_logprobs, packed_rows_of
 from jaxrl_lp.rl.loss import LossConfig
 from jaxrl_lp.rl.train_step import make_grpo_step
 from jaxrl_lp.rollout.generate import generate, take_rows

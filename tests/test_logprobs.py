@@ -265,7 +265,7 @@ def test_hybrid_value_is_replay_and_gradient_is_dense_exactly(pol, kind, program
 def test_behaviour_logprobs_of_row_slices_equal_the_whole_batch(pol, kind):
     """The behaviour program (hybrid: the replay) of any rows, in slices of 1 to 6 rows, is
     the sampler's bits: each row replays in its place in the sampler's call."""
-    from jaxrl_lp.rl.logprobs import jit_learner_logprobs
+    from jaxrl_lp.rl.logprob_programs import jit_learner_logprobs
     from jaxrl_lp.rollout.generate import take_rows
 
     cfg, params, policy, loop, ro, _, _ = case(pol, kind)

@@ -15,7 +15,7 @@ import pytest
 from helpers import FAIR_CAST, FINISHED, GRPO_MOVES
 
 from jaxrl_lp.numerics.fingerprint import fingerprint_equal, tree_fingerprint
-from jaxrl_lp.rl.logprobs import jit_learner_logprobs
+from jaxrl_lp.rl.logprob_programs import jit_learner_logprobs
 from jaxrl_lp.train import apply_overrides, default_config, run_train
 from jaxrl_lp.train.logger import without_wall_clock
 from jaxrl_lp.train.rollout_queue import Held, RolloutQueue, weights_key

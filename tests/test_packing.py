@@ -243,7 +243,8 @@ def test_packed_step_on_a_mesh_equals_the_unpacked_step_on_one_device(kind, mesh
         pytest.skip("needs 8 (simulated) devices")
     from jaxrl_lp.parallel import make_mesh, param_shardings
     from jaxrl_lp.parallel.shard import put_tree, state_shardings
-    from jaxrl_lp.rl.logprobs import jit_learner_logprobs, pack_groups
+    from jaxrl_lp.rl.logprob_programs import jit_learner_logprobs
+    from jaxrl_lp.rl.logprobs import pack_groups
 
     cfg, params, loop = exactness_model(kind)
     policy = Policy.parse("fp32")

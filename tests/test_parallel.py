@@ -27,7 +27,7 @@ from jaxrl_lp.parallel import MeshSpec, make_mesh, param_shardings
 from jaxrl_lp.parallel.rules import DEFAULT_RULES
 from jaxrl_lp.parallel.shard import put_tree, state_shardings
 from jaxrl_lp.rl import LossConfig, make_grpo_step
-from jaxrl_lp.rl.logprobs import jit_learner_logprobs
+from jaxrl_lp.rl.logprob_programs import jit_learner_logprobs
 from jaxrl_lp.rollout import SamplingConfig, generate
 
 # The three-axis mesh runs by default; fsdp=8 (every parameter split 8 ways) in CI's slow

@@ -251,7 +251,7 @@ def test_a_step_on_the_behaviour_replay_is_the_replaying_step_bit_for_bit():
     behaviour log-probs are the replay under the update's weights, taken micro-batch by
     micro-batch (`jit_learner_logprobs`); given as the first update's hybrid value, the update
     is the one that replays inside the step, bit for bit, micro-batched the same way."""
-    from jaxrl_lp.rl.logprobs import jit_learner_logprobs
+    from jaxrl_lp.rl.logprob_programs import jit_learner_logprobs
 
     cfg, params, loop = _model("looped_dense")
     ro = _rollout("looped_dense")

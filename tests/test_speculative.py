@@ -17,7 +17,7 @@ from scipy import stats
 from jaxrl_lp.models import forward, init_params
 from jaxrl_lp.models.config import ModelConfig
 from jaxrl_lp.numerics.policy import Policy
-from jaxrl_lp.rl.logprobs import jit_learner_logprobs
+from jaxrl_lp.rl.logprob_programs import jit_learner_logprobs
 from jaxrl_lp.rollout import LoopSpec, SamplingConfig, generate
 from jaxrl_lp.rollout.drafter import sampling_probs, self_drafter_config
 from jaxrl_lp.rollout.generate import call_inputs, take_rows

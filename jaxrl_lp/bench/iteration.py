@@ -124,7 +124,7 @@ from jaxrl_lp.models.recorded import take_product_rows
 from jaxrl_lp.numerics.policy import policy_arg
 from jaxrl_lp.plan.hlo_cost import hlo_cost
 from jaxrl_lp.rl.advantages import group_advantages
-from jaxrl_lp.rl.logprobs import jit_learner_logprobs
+from jaxrl_lp.rl.logprob_programs import jit_learner_logprobs
 from jaxrl_lp.rl.train_step import make_grpo_step
 from jaxrl_lp.rollout import LoopSpec, SamplingConfig, generate
 from jaxrl_lp.rollout.generate import take_rows

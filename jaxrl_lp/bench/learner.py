@@ -68,7 +68,8 @@ from jaxrl_lp.numerics.policy import Policy, policy_arg
 from jaxrl_lp.plan.hlo_cost import hlo_cost
 from jaxrl_lp.plan.roofline import memory_figures
 from jaxrl_lp.rl.advantages import group_advantages
-from jaxrl_lp.rl.logprobs import jit_learner_logprobs, packed_rows_of
+from jaxrl_lp.rl.logprob_programs import jit_learner_logprobs
+from jaxrl_lp.rl.logprobs import packed_rows_of
 from jaxrl_lp.rl.loss import LossConfig
 from jaxrl_lp.rl.train_step import make_grpo_step
 from jaxrl_lp.rollout.generate import Rollout

@@ -84,7 +84,8 @@ from jaxrl_lp.plan.programs import native
 from jaxrl_lp.plan.request import check_request
 from jaxrl_lp.plan.roofline import cost_figures, memory_figures, roofline
 from jaxrl_lp.plan.targets import Target
-from jaxrl_lp.rl.logprobs import jit_learner_logprobs, pack_groups
+from jaxrl_lp.rl.logprob_programs import jit_learner_logprobs
+from jaxrl_lp.rl.logprobs import pack_groups
 from jaxrl_lp.rl.train_step import make_grpo_step
 from jaxrl_lp.rollout.step import LoopSpec, decode_step, fused_readout, step_logits
 from jaxrl_lp.train.behaviour import iteration_counts

@@ -136,7 +136,7 @@ def _sft(cfg: ModelConfig, policy: Policy, shp: ProgramShapes, remat: Remat = Re
 
 def _learner_logprobs(method: str):
     def build(cfg: ModelConfig, policy: Policy, shp: ProgramShapes):
-        from jaxrl_lp.rl.logprobs import jit_learner_logprobs
+        from jaxrl_lp.rl.logprob_programs import jit_learner_logprobs
 
         loop = _loop(cfg)
         fn = jit_learner_logprobs(cfg, policy, method, loop=loop)

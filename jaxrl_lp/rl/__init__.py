@@ -9,6 +9,7 @@ from jaxrl_lp.rl.advantages import (
 from jaxrl_lp.rl.corrections import correction_weights
 from jaxrl_lp.rl.dynamic_sampling import RefilledBatch, refill_groups
 from jaxrl_lp.rl.learner_step import LearnerStep
+from jaxrl_lp.rl.logprob_programs import LogprobProgram, jit_learner_logprobs
 from jaxrl_lp.rl.logprobs import (
     dense_logprobs,
     forward_products,
@@ -24,12 +25,14 @@ from jaxrl_lp.rl.train_step import make_grpo_step, make_sft_step
 
 __all__ = [
     "LearnerStep",
+    "LogprobProgram",
     "LossConfig",
     "RefilledBatch",
     "correction_weights",
     "dense_logprobs",
     "forward_products",
     "group_advantages",
+    "jit_learner_logprobs",
     "kl_penalty",
     "learner_logprobs",
     "loss_denominator",

@@ -39,7 +39,6 @@ from jaxrl_lp.parallel.shard import to_host
 from jaxrl_lp.rl.corrections import correction_weights
 from jaxrl_lp.rl.learner_step import LearnerStep
 from jaxrl_lp.rl.logprobs import (
-    PACK_BUCKETS,
     learner_logprobs,
     pack_groups,
     packed_logprobs,
@@ -49,6 +48,7 @@ from jaxrl_lp.rl.logprobs import (
     rollout_loop,
 )
 from jaxrl_lp.rl.loss import LossConfig, loss_denominator, policy_loss, select_anchor
+from jaxrl_lp.rl.packed_rows import PACK_BUCKETS
 from jaxrl_lp.rollout.generate import Rollout, split_rows, take_rows
 from jaxrl_lp.rollout.step import LoopSpec
 from jaxrl_lp.sync.export import straight_through_served
@@ -225,7 +225,7 @@ def make_grpo_step(cfg: ModelConfig, policy: Policy, loss_cfg: LossConfig,
     # a forward-only program of its own, where the hybrid's is the replay.
     value_program = None
     if method == "invariant":
-        from jaxrl_lp.rl.logprobs import jit_learner_logprobs
+        from jaxrl_lp.rl.logprob_programs import jit_learner_logprobs
 
         value_program = jit_learner_logprobs(cfg, policy, "invariant", loop=loop)
         method = "hybrid"

@@ -301,7 +301,7 @@ def replay_logprobs(params: dict, cfg: ModelConfig, policy: Policy, ro: Rollout,
 class ReplayProgram:
     """`fn(params, rollout) -> log-probs [B, N]`: `replay_logprobs` with fixed model and numerics.
 
-    What `rl.logprobs.jit_learner_logprobs` returns for `replay` and `hybrid`
+    What `rl.logprob_programs.jit_learner_logprobs` returns for `replay` and `hybrid`
     (the hybrid's value is the replay's). Not jitted itself: each call runs
     the sampler's compiled program (`replay_logprobs`). `trace` and `lower`
     give the traced replay of the same steps at the rollout's shape (abstract

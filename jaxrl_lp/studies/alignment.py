@@ -122,7 +122,7 @@ def measure_mismatch(params: dict, mcfg, task, loop, arms, *, num_prompts: int, 
     import jax
     import jax.numpy as jnp
 
-    from jaxrl_lp.rl.logprobs import jit_learner_logprobs
+    from jaxrl_lp.rl.logprob_programs import jit_learner_logprobs
     from jaxrl_lp.rl.metrics import masked_mean, mismatch_metrics
     from jaxrl_lp.rollout.generate import generate
     from jaxrl_lp.rollout.sampling import SamplingConfig

@@ -30,7 +30,7 @@ from jaxrl_lp.envs import EnvRunner
 from jaxrl_lp.models.model import init_params
 from jaxrl_lp.parallel.rules import param_shardings
 from jaxrl_lp.parallel.shard import put_tree, to_host
-from jaxrl_lp.rl.logprobs import jit_learner_logprobs
+from jaxrl_lp.rl.logprob_programs import jit_learner_logprobs
 from jaxrl_lp.rollout.generate import take_rows
 from jaxrl_lp.rollout.multiturn import replay_multiturn
 from jaxrl_lp.rollout.replay import replay_logprobs

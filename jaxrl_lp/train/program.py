@@ -30,7 +30,7 @@ from jaxrl_lp.parallel import param_shardings
 from jaxrl_lp.parallel.data import ShardedLoader
 from jaxrl_lp.parallel.distributed import initialize
 from jaxrl_lp.parallel.shard import batch_shardings, put_tree, state_shardings
-from jaxrl_lp.rl.logprobs import jit_learner_logprobs
+from jaxrl_lp.rl.logprob_programs import jit_learner_logprobs
 from jaxrl_lp.rl.train_step import make_grpo_step, make_sft_step
 from jaxrl_lp.train.behaviour import ReplayRule
 from jaxrl_lp.train.checkpoint import Checkpointer
