@@ -26,22 +26,17 @@ it falls back.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import json
 import os
 import sys
 from collections.abc import Callable, Mapping, Sequence
-from datetime import datetime
 from types import MappingProxyType
 from typing import Any
 
 import jinja2
-import jinja2.ext
-import jinja2.nodes
-import jinja2.utils
-from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from jaxrl_lp.models.tokenizer import Tokenizer
+from jaxrl_lp.tasks.jinja_env import compile_template
 
 __all__ = ["ChatFormat", "ChatTemplate", "PlainFormat", "as_messages", "load_chat_format",
            "parse_template_options"]
@@ -56,80 +51,6 @@ _ENDED_BY = ("eos", "stop", "length")
 
 def _one_line(text: object) -> str:
     return " ".join(str(text).split())
-
-
-# --- the Jinja environment ---------------------------------------------------------------
-
-
-class _GenerationBlock(jinja2.ext.Extension):
-    """`{% generation %}...{% endgeneration %}`: marks an assistant's text in training
-    templates; rendered as its body, as `transformers` does when it tracks nothing."""
-
-    tags = {"generation"}
-
-    def parse(self, parser: Any) -> jinja2.nodes.Node:
-        lineno = next(parser.stream).lineno
-        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
-        return jinja2.nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(lineno)
-
-    def _body(self, caller: Callable[[], str]) -> str:
-        return caller()
-
-
-def _raise_exception(message: str) -> None:
-    raise jinja2.exceptions.TemplateError(message)
-
-
-def _tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None,
-            separators: tuple[str, str] | None = None, sort_keys: bool = False) -> str:
-    # Jinja's own filter escapes <, >, & and ' for HTML; chat templates expect plain JSON.
-    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
-                      sort_keys=sort_keys)
-
-
-def _strftime_now(format: str) -> str:
-    return datetime.now().strftime(format)
-
-
-class _TemplateDict:
-    """`dict(...)` in a template, without the attributes of the type itself."""
-
-    def __call__(self, *args: Any, **kwargs: Any) -> dict:
-        return dict(*args, **kwargs)
-
-    def fromkeys(self, *args: Any, **kwargs: Any) -> dict:
-        return dict.fromkeys(*args, **kwargs)
-
-
-class _TemplateNamespace(jinja2.utils.Namespace):
-    """`namespace(...)` refusing underscore-prefixed names (no reach into Python internals)."""
-
-    def __init__(*args: Any, **kwargs: Any):  # noqa: N805 - Jinja's own signature trick
-        self, args = args[0], args[1:]
-        attrs = dict(*args, **kwargs)
-        for name in attrs:
-            _TemplateNamespace._check(name)
-        jinja2.utils.Namespace.__init__(self, attrs)
-
-    def __setitem__(self, name: str, value: Any) -> None:
-        _TemplateNamespace._check(name)
-        jinja2.utils.Namespace.__setitem__(self, name, value)
-
-    @staticmethod
-    def _check(name: Any) -> None:
-        if isinstance(name, str) and name.startswith("_"):
-            raise jinja2.exceptions.SecurityError(
-                f"a chat template cannot set the underscore-prefixed name {name!r} on a namespace")
-
-
-@functools.lru_cache(maxsize=32)
-def _compile(source: str) -> jinja2.Template:
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                        extensions=[_GenerationBlock, jinja2.ext.loopcontrols])
-    env.filters["tojson"] = _tojson
-    env.globals.update(raise_exception=_raise_exception, strftime_now=_strftime_now,
-                       dict=_TemplateDict(), namespace=_TemplateNamespace)
-    return env.from_string(source)
 
 
 # --- messages ------------------------------------------------------------------------------
@@ -250,7 +171,7 @@ class ChatTemplate:
                 raise ValueError(f"{self.origin}: a chat template is Jinja source text, got "
                                  f"{type(source).__name__}")
             try:
-                _compile(source)
+                compile_template(source)
             except jinja2.TemplateSyntaxError as e:
                 raise ValueError(f"{self.origin}: the chat template does not parse (line "
                                  f"{e.lineno}: {_one_line(e.message)})") from e
@@ -354,7 +275,7 @@ class ChatTemplate:
         source = self.tool_use_source if tools is not None and self.tool_use_source else self.source
         variables = {**self.variables(), **_plain(options)}
         try:
-            return _compile(source).render(messages=messages, tools=tools, documents=None,
+            return compile_template(source).render(messages=messages, tools=tools, documents=None,
                                            add_generation_prompt=add_generation_prompt, **variables)
         except jinja2.TemplateError as e:
             raise ValueError(f"{self.origin}: the chat template refused the conversation: "
