@@ -1,4 +1,4 @@
-"""A user's own task learns through `jaxrl-lp train`, as a new user runs it (CI's slow tier).
+"""A user's own task learns through `jaxrl-lp train`, as a new user runs it (the slow tier).
 
 In a temporary directory outside the repository the test writes what a user brings: a
 JSONL of two-digit sums (`{"question": "07+45=", "solution": "25"}`: operands padded and
@@ -70,8 +70,10 @@ def test_a_users_task_learns_through_the_command_line(tmp_path):
     assert all(r["mismatch_max_abs_dlogp"] == 0.0 for r in verified)
 
 
+# By hand (`pytest -m slow`), not in CI's tier: about 7 minutes on 2 shared cores, and the
+# default suite trains the same chat path exactly (tests/test_own_task_chat.py) while the test
+# above learns through the same command on CI's every submission.
 @pytest.mark.slow
-@pytest.mark.ci
 def test_a_users_task_learns_from_a_chat_checkpoint(tmp_path):
     """The same file and reward module through a checkpoint of the default model's shape
     (random weights, Hugging Face layout) whose tokenizer carries the Qwen3 chat template:
