@@ -116,8 +116,9 @@ RUNS = {
     # probe replays their 4-row slices by the speculative sampler's program), verified.
     "speculative": ["grpo.speculative=self:loops=1,k=2", "grpo.minibatches=2",
                     "grpo.verify_every=1"],
-    # Sharded over the 8 CPU devices the tests have (conftest's XLA_FLAGS).
-    "mesh": ["run.mesh=fsdp=8", "grpo.prompts_per_step=8"],
+    # Sharded over the 8 CPU devices the tests have (conftest's XLA_FLAGS), its layers recomputed
+    # in the backward (as the scale configs run).
+    "mesh": ["run.mesh=fsdp=8", "grpo.prompts_per_step=8", "grpo.remat=layers"],
     # Off-policy: the sampler two versions behind, on 2 replicas of its own beside a learner
     # sharded over 2 devices.
     "offpolicy": ["grpo.max_staleness=2", "run.learner_mesh=fsdp=2", "run.sampler_mesh=data=2"],

@@ -1,9 +1,8 @@
 """What the learner's backward pass recomputes instead of reading it saved (`grpo.remat`).
 
 A layer's backward reads what its forward computed. Saving all of it is the
-fastest backward and the largest memory: at Qwen3-0.6B and 32 x 384 tokens
-each layer keeps its attention probabilities, 32 x 16 x 384 x 384 f32 values
-(0.3 GB a layer), next to the products' outputs. The choices
+fastest backward and the largest memory: each layer keeps its attention
+probabilities, rows x heads x T x T values, next to the products' outputs. The choices
 (`jax.checkpoint` with a policy, per layer application):
 
 - `none`: save everything the backward reads.
