@@ -54,11 +54,12 @@ import jax.numpy as jnp
 from jaxrl_lp.bench import emit
 from jaxrl_lp.models.remat import Remat
 from jaxrl_lp.numerics.policy import policy_list_arg, require
+from jaxrl_lp.plan.programs import UPDATES
 
 __all__ = ["F32_SHARE", "LARGE_ARRAY_BYTES", "LEARNER_PROGRAMS", "add_arguments", "compiled_update",
            "learner_cell", "learner_traced", "main", "report", "sampler_cell"]
 
-LEARNER_PROGRAMS = ("grpo_step_dense", "grpo_step_hybrid", "sft_step")
+LEARNER_PROGRAMS = UPDATES
 # The f32 x f32 products a low-precision learner keeps are the f32 maths of its logits (a
 # looped model's expected read-out mixes its steps' f32 logits).
 F32_SHARE = 0.02
@@ -171,7 +172,8 @@ def _compiled_buffers(preset: str, policy, target: str, plugin: str, rows: int,
 
 
 def compiled_update(preset: str, policy, target: str, plugin: str, rows: int, prompt_len: int,
-                    new_tokens: int, remats: tuple[Remat, ...] = ()) -> dict:
+                    new_tokens: int, remats: tuple[Remat, ...] = (),
+                    dense_flops: int | None = None) -> dict:
     """XLA:GPU's buffers for `grpo_step_dense` compiled for `target` (`plan.cuda_aot`): the
     temporary bytes beside the arguments and every array type of `LARGE_ARRAY_BYTES` or more
     in its optimized program, under `policy` (`readout`) and, where `policy` reads out from
@@ -179,7 +181,8 @@ def compiled_update(preset: str, policy, target: str, plugin: str, rows: int, pr
     `log_softmax`, what every GPU program ran before the tiled read-out); and under each of
     `remats` (`remat`, by its name: the layers recomputing in the backward, `models.remat`,
     with the tiled read-out), with the update's product FLOPs against `readout`'s
-    (`flops_vs_none`: what the recomputation adds)."""
+    (`flops_vs_none`: what the recomputation adds; `dense_flops`, the update's own product
+    FLOPs on cuda where the caller has them, else traced here)."""
     from jaxrl_lp.kernels.logprob import fused_readout
     from jaxrl_lp.models.config import get_preset
 
@@ -191,8 +194,8 @@ def compiled_update(preset: str, policy, target: str, plugin: str, rows: int, pr
                                                  plugin, rows, prompt_len, new_tokens)
     if remats:
         cfg = get_preset(preset)
-        base = _flops(learner_cell("grpo_step_dense", cfg, policy, "cuda", rows, prompt_len,
-                                   new_tokens))
+        base = dense_flops or _flops(learner_cell("grpo_step_dense", cfg, policy, "cuda", rows,
+                                                  prompt_len, new_tokens))
         out["remat"] = {}
         for r in remats:
             flops = _flops(learner_cell("grpo_step_dense", cfg, policy, "cuda", rows, prompt_len,
@@ -249,8 +252,9 @@ def report(presets, policies, platform: str = "cuda", rows: int = 32, prompt_len
                 cell[name] = learner_cell(name, cfg, policy, platform, rows, prompt_len,
                                           new_tokens)
             if plugin is not None:
-                cell["compiled"] = compiled_update(preset, policy, target, plugin, rows,
-                                                   prompt_len, new_tokens, remats)
+                cell["compiled"] = compiled_update(  # the cell's products were read for cuda
+                    preset, policy, target, plugin, rows, prompt_len, new_tokens, remats,
+                    _flops(cell["grpo_step_dense"]))
             cell["problems"] = _problems(cell, policy)
             cell["trace_s"] = round(time.perf_counter() - t0, 1)
             cells.append(cell)
