@@ -170,3 +170,11 @@ def test_product_backward_multiplies_bf16_and_rounds_the_cotangent():
     np.testing.assert_array_equal(np.asarray(dx, np.float32), np.asarray(want, np.float32))
     exact = jnp.dot(c, w.astype(jnp.float32).T, precision="highest").astype(jnp.bfloat16)
     assert not np.array_equal(np.asarray(dx, np.float32), np.asarray(exact, np.float32))
+
+
+def test_the_low_precision_backward_traces_no_forward_product_again():
+    """Two products in the backward, none more: a backward through `jax.vjp` traced the
+    forward product again (dead, but counted by `plan.hotpath`)."""
+    a, b = jnp.ones((4, 8), jnp.bfloat16), jnp.ones((8, 2), jnp.bfloat16)
+    grad = jax.grad(lambda a, b: product("ij,jk->ik", a, b, BF16).sum(), argnums=(0, 1))
+    assert len(dots(jax.make_jaxpr(grad)(a, b).jaxpr, "cuda")) == 3  # forward, da, db
