@@ -30,6 +30,7 @@ import re
 import shutil
 import sys
 import threading
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -206,8 +207,12 @@ class Checkpointer:
 
     def _fail_write(self, step: int, why: str) -> None:
         # Orbax's tasks for the failed write may be collected later (under load, after the
-        # write returned), each logging "Task exception was never retrieved": dropped.
+        # write returned, or at exit), each logging "Task exception was never retrieved",
+        # and its fragment writes that never started each warning "coroutine ... was never
+        # awaited": both dropped, the failure is the one line raised here.
         logging.getLogger("asyncio").addFilter(_DropFailedWrite(self.dir / f"{step}.orbax"))
+        warnings.filterwarnings("ignore", category=RuntimeWarning,
+                                message=r"coroutine '.*write_fragment' was never awaited")
         for tmp in self.dir.glob(f"{step}.orbax-checkpoint-tmp*"):
             shutil.rmtree(tmp, ignore_errors=True)
         if (self.dir / str(step)).is_dir() and step not in self._finalized():
