@@ -1,6 +1,9 @@
-"""`jaxrl-lp bench replay` and `jaxrl-lp bench exactness` end to end, at tiny sizes."""
+"""`jaxrl-lp bench replay`, `bench exactness` and `bench speculative` end to end, at tiny sizes
+(`bench speculative` compiles two drafters' programs: CI's slow tier)."""
 
 import json
+
+import pytest
 
 from jaxrl_lp.cli.main import main
 
@@ -34,6 +37,8 @@ def test_bench_exactness_replay_and_hybrid_are_the_samplers_bits(tmp_path):
         assert r["max_abs_diff_dense"] > 0.0, kind  # the dense forward rounds otherwise
 
 
+@pytest.mark.slow
+@pytest.mark.ci
 def test_bench_speculative_runs_both_drafters(tmp_path):
     """`jaxrl-lp bench speculative` end to end (it once stopped at a missing argument): both
     drafters race plain decoding and commit at least one token per target forward."""

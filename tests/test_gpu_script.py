@@ -41,8 +41,8 @@ def test_the_gpu_script_runs_each_suite_on_cpu(tmp_path, suite):
     out = {t: json.loads((tmp_path / f"{t}-cpu-dry-run.json").read_text()) for t in targets}
     if suite == "exactness":  # every GRPO verification of the default run passed
         assert out["train"]["replay_verified_steps"] >= 1
-        tier = steps["tier"]["last_line"]
-        assert "passed" in tier and "failed" not in tier and "error" not in tier, tier
+        tier = steps["tier"]["last_line"]  # QUICK collects the tier's tests (CI runs them)
+        assert " collected" in tier and "error" not in tier, tier
     elif suite == "iteration":  # the mechanism's A/B is raced
         assert {"hybrid_mb4", "traced_mb4"} <= set(out["iteration"]["tiny-qwen3"])
     elif suite == "profile":  # the ops were found in the trace

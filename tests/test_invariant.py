@@ -271,6 +271,8 @@ WIDE = ["model.family=qwen3", "model.loop_steps=1", "model.hidden_size=256",
         "run.progress=false"]
 
 
+@pytest.mark.slow
+@pytest.mark.ci
 def test_a_run_with_auto_logprobs_takes_invariant_replays_no_update_and_verifies_exact(
         tmp_path, capsys):
     """`jaxrl-lp train --set grpo.logprobs=auto` at four minibatches takes `invariant` (its

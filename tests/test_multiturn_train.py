@@ -85,6 +85,8 @@ def test_an_environment_that_raises_or_hangs_ends_its_episode_and_nothing_else()
                                       np.asarray(clean.rollout.completion_tokens[r, :n]))
 
 
+@pytest.mark.slow
+@pytest.mark.ci
 def test_a_training_run_goes_on_past_failing_environments(tmp_path, monkeypatch):
     """A calculator run whose environment raises on some training problems (odd first
     operand; never on the held-out ones): the run takes all its steps, each GRPO record's

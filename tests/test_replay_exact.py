@@ -91,6 +91,8 @@ def _speculative_case(params, cfg, loop, prompts=PROMPTS, seed=1):
                                 key=jax.random.PRNGKey(seed))
 
 
+@pytest.mark.slow
+@pytest.mark.ci
 def test_a_speculative_rollout_replays_by_its_samplers_program():
     """The speculative sampler's program replays with the recorded tokens, verification counts
     and exit steps forced in place of the drafts: nothing compiles, and the whole batch, 2-
