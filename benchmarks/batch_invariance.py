@@ -151,34 +151,16 @@ def _fused_norm() -> dict:
     return out
 
 
-def _model_case(kind: str, policy_name: str, ablation: str) -> dict:
-    """Sampler (invariant layout) against the learner's invariant program, with `ablation`
-    (one form reverted to the plain one) applied in this process."""
-    import jaxrl_lp.numerics.invariant as inv
-
-    if ablation == "options":
-        inv.COMPILER_OPTIONS.clear()  # before the programs below are jitted
-    import jaxrl_lp.models.attention as att
-    import jaxrl_lp.models.layers as layers
+def _sampled(kind: str, policy_name: str):
+    """The model part's model and its rollout in the `invariant` decode layout:
+    `(cfg, policy, params, rollout, loop)`."""
     from jaxrl_lp.models.config import get_preset
     from jaxrl_lp.models.model import init_params
     from jaxrl_lp.numerics.policy import Policy
-    from jaxrl_lp.rl.logprob_programs import jit_learner_logprobs
-    from jaxrl_lp.rollout.generate import generate, take_rows
+    from jaxrl_lp.rollout.generate import generate
     from jaxrl_lp.rollout.sampling import SamplingConfig
     from jaxrl_lp.rollout.step import LoopSpec
 
-    if ablation == "product":  # the learner's weight products plain (`x @ W`)
-        inv.invariant_dot = lambda x, w, policy: layers._f32_product(x, w, policy)
-    elif ablation == "chunks":  # every product of all its rows at once
-        inv._by_rows = lambda fn, x, chunk: fn(x)
-    elif ablation == "apart":  # products and sums left to fuse into multiply-adds
-        inv.apart = lambda x: x
-    elif ablation == "total":  # XLA's reductions
-        inv.total = lambda x, axis=-1: jnp.sum(x, axis=axis, keepdims=True)
-    elif ablation == "attention":  # the attention's plain products
-        att._invariant_attention = lambda q, k, v, qp, kp, p: att._attention(q, k, v, qp, kp,
-                                                                              p, False)
     policy = Policy.parse(policy_name)
     cfg = get_preset("small-qwen3").replace(num_layers=2, vocab_size=2048)
     loop = LoopSpec()
@@ -194,6 +176,33 @@ def _model_case(kind: str, policy_name: str, ablation: str) -> dict:
                   policy=policy, sampling=SamplingConfig(temperature=0.8), max_new_tokens=24,
                   num_samples=2, eos_id=3, loop=loop, key=jax.random.PRNGKey(1),
                   decode_layout="invariant")
+    return cfg, policy, params, ro, loop
+
+
+def _model_case(kind: str, policy_name: str, ablation: str) -> dict:
+    """Sampler (invariant layout) against the learner's invariant program, with `ablation`
+    (one form reverted to the plain one) applied in this process."""
+    import jaxrl_lp.numerics.invariant as inv
+
+    if ablation == "options":
+        inv.COMPILER_OPTIONS.clear()  # before the programs below are jitted
+    import jaxrl_lp.models.attention as att
+    import jaxrl_lp.models.layers as layers
+    from jaxrl_lp.rl.logprob_programs import jit_learner_logprobs
+    from jaxrl_lp.rollout.generate import take_rows
+
+    if ablation == "product":  # the learner's weight products plain (`x @ W`)
+        inv.invariant_dot = lambda x, w, policy: layers._f32_product(x, w, policy)
+    elif ablation == "chunks":  # every product of all its rows at once
+        inv._by_rows = lambda fn, x, chunk: fn(x)
+    elif ablation == "apart":  # products and sums left to fuse into multiply-adds
+        inv.apart = lambda x: x
+    elif ablation == "total":  # XLA's reductions
+        inv.total = lambda x, axis=-1: jnp.sum(x, axis=axis, keepdims=True)
+    elif ablation == "attention":  # the attention's plain products
+        att._invariant_attention = lambda q, k, v, qp, kp, p: att._attention(q, k, v, qp, kp,
+                                                                              p, False)
+    cfg, policy, params, ro, _ = _sampled(kind, policy_name)
     program = jit_learner_logprobs(cfg, policy, "invariant")
     mask = np.asarray(ro.completion_mask) > 0
     out = {"tokens": int(mask.sum())}

@@ -71,6 +71,17 @@ def test_speculative_replay_is_exact_in_every_slice_and_timed():
 
 @pytest.mark.slow
 @pytest.mark.ci
+def test_invariant_residuals_counts_both_programs_against_the_sampler():
+    # `docs/bench/invariant-residuals-*.json`'s script, dense f32: the forward-only program
+    # the invariant step runs gives the sampler's bits; the same forward with its backward's
+    # residuals kept is counted beside it (docs/design/invariant.md, "The forms").
+    res = _run("invariant_residuals.py", "--quick")["cases"]["dense fp32"]
+    assert res["tokens"] > 0 and res["differing_forward_only"] == 0, res
+    assert res["residual_arrays"] > 0 and 0 <= res["differing_with_residuals"] <= res["tokens"]
+
+
+@pytest.mark.slow
+@pytest.mark.ci
 def test_batch_invariance_ops_hold_the_invariant_forms_on_this_cpu():
     # `docs/bench/batch-invariance-*.json`'s script, its `ops` part at the smallest sizes: on
     # whichever CPU runs it, the forms are what makes a row's bits independent of its batch
