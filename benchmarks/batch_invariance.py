@@ -8,8 +8,9 @@ Three parts (`--parts`), one JSON object:
 - `ops`: each operation of a decode step, compiled alone, at a decode's rows against a
   parallel forward's: the plain product `x @ W` (small-preset widths) by row count
   against 8, 32 and 1024 rows, the same with the weight read `[out, in]` (`x @ W.T`, the
-  `transposed` layout's read), and the `W @ x.T` form by row count; reductions by row count
-  against 2560 rows, with XLA's default YNNPACK fusions and with dots only
+  `transposed` layout's read) against the plain product of as many rows and of 1024,
+  and the `W @ x.T` form by row count; reductions by row count against 2560 rows, with
+  XLA's default YNNPACK fusions and with dots only
   (`invariant.COMPILER_OPTIONS`); attention, one query against all of a parallel
   forward's over the same cache slots, plain and invariant; fused multiply-add
   contraction (`a * b + c * d` against the separately rounded sum); a norm with a
@@ -78,6 +79,10 @@ def _ops(quick: bool) -> dict:
         wt = np.ascontiguousarray(w.T)
         out[f"x@W.T ([out, in] read) K={k} N={n}: values differing from x@W, by rows"] = {
             m: _differ(out_in(x[:m], wt), plain(x[:m], w)) for m in (1, 2, 8, 32, 33, 64)}
+        # A decode reading the transposed copy against a parallel forward's plain product.
+        out[f"x@W.T ([out, in] read) K={k} N={n}: values differing from x@W of 1024 rows, "
+            "by rows"] = {m: _differ(out_in(x[:m], wt), at1024[:m])
+                          for m in (1, 2, 8, 32, 33, 64, 1024)}
         ref = np.asarray(cols(x, wt))
         out[f"W@x.T K={k} N={n}: row counts whose rows differ from 1024 rows'"] = [
             c for c in [*range(1, 18), 24, 25, 32, 40, 48, 64, 200, 256]
