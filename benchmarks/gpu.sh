@@ -15,7 +15,8 @@
 # Steps: the tier's quick cells (`pytest -m gpu -k "not model_sizes"`: the compiled-kernel
 # cells, the tiny exactness cells of every path, a run in minibatches, the start probe) beside
 # the default `jaxrl-lp train` (nothing is timed there), then `bench replay` alone (its first
-# cell times the sampler). The model-size cells of the tier are `bench replay`'s.
+# cell times the sampler). The model-size cells of the tier are `bench replay`'s. The dry run
+# on a CPU (ALLOW_CPU=1, no GPU) collects the tier's tests without running them.
 #
 # SUITE=speed runs the speed cells instead (each alone on the GPU, under 8 minutes together),
 # writing gpu-speed-<device>.json (the steps, as above) and gpu-speed-<device>.log beside:

@@ -213,7 +213,7 @@ def test_two_processes_equal_one_process_with_eight_devices(two_processes, one_p
 
 
 # By hand (`-m slow`): the SIGTERM test below stops and resumes the two processes in CI, and
-# tests/test_train.py resumes a SIGKILLed process at several moments in the default suite.
+# tests/test_train.py resumes a SIGKILLed process at several moments (two of them in CI).
 @pytest.mark.slow
 def test_sigkill_of_one_process_and_a_restart_of_both_resumes_bit_identically(tmp_path,
                                                                             two_processes):
