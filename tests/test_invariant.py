@@ -301,7 +301,9 @@ def test_a_run_with_auto_logprobs_takes_invariant_replays_no_update_and_verifies
 
 def test_the_start_probe_stops_a_run_whose_learner_products_sum_otherwise(tmp_path, monkeypatch,
                                                                            capsys):
-    """The plant in a run: the learner's weight products sum their contraction in two halves
+    """The plant in a run: the learner's weight products (not the sampler's, which would then
+    sum alike: the test passed only after another run had compiled the sampler unplanted) sum
+    their contraction in two halves
     (another order on every CPU; the plain form `x @ W` is another order on some CPUs only:
     on an AVX-512 one it sums a forward's rows as the invariant form does), the start probe
     finds its forward off the sampler's bits and stops with one line naming the invariant
@@ -309,15 +311,23 @@ def test_the_start_probe_stops_a_run_whose_learner_products_sum_otherwise(tmp_pa
     from helpers import sets
 
     import jaxrl_lp.numerics.invariant as inv
+    import jaxrl_lp.rl.logprobs as logprobs
     from jaxrl_lp.cli.main import main
 
-    dot = inv.invariant_dot
+    dot, learner = inv.invariant_dot, logprobs._dense_logprobs
 
     def halves(x, w, policy):
         k = w.shape[0] // 2
         return dot(x[..., :k], w[:k], policy) + dot(x[..., k:], w[k:], policy)
 
-    monkeypatch.setattr(inv, "invariant_dot", halves)
+    def planted_learner(*args):  # the plant while the learner's forward traces, not the sampler's
+        inv.invariant_dot = halves
+        try:
+            return learner(*args)
+        finally:
+            inv.invariant_dot = dot
+
+    monkeypatch.setattr(logprobs, "_dense_logprobs", planted_learner)
     out = tmp_path / "run"
     assert main(["train", *sets(*WIDE, f"run.out_dir={out}")]) == 2
     err = capsys.readouterr().err.strip()
