@@ -7,7 +7,8 @@ call, a hand-built rollout replays as one call, a traced caller gets one clear
 error, the hybrid step's value is computed by that program for any minibatch,
 and the start probe stops a run with one line before it writes anything. The
 slices of every model kind and policy are in tests/test_logprobs.py; the GPU
-cells in tests/test_gpu.py.
+cells in tests/test_gpu.py. A speculative rollout's replay by its sampler's program runs in
+CI's slow tier (tests/test_speculative.py replays speculative rollouts in the default suite).
 """
 
 import jax
