@@ -16,7 +16,6 @@ from jaxrl_lp.cli.main import main
 
 
 @pytest.mark.slow
-@pytest.mark.ci
 def test_bench_iteration_reports_phases_and_which_updates_replayed(capsys):
     assert main(["bench", "iteration", "--size", "tiny", "--looped-size", "", "--batch", "4",
                  "--group", "2", "--prompt-len", "4", "--new-tokens", "4",

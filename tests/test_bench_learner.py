@@ -8,7 +8,6 @@ from jaxrl_lp.cli.main import main
 
 
 @pytest.mark.slow
-@pytest.mark.ci
 def test_bench_learner_prints_one_json_object_with_both_methods(capsys):
     assert main(["bench", "learner", "--size", "tiny", "--batch", "4", "--group", "2",
                  "--seq-len", "24", "--prompt-len", "8", "--repeats", "1", "--min-time", "0",
@@ -59,7 +58,6 @@ def test_bench_learner_refuses_bad_packing_and_methods(capsys):
 
 
 @pytest.mark.slow
-@pytest.mark.ci
 def test_bench_learner_looped_races_the_packed_step_against_every_slot(capsys):
     """`--looped`: the preset's shapes as a looped model (ours only); the packed step computes
     fewer FLOPs than the one on every slot, for the same update."""

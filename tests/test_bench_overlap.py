@@ -18,7 +18,6 @@ def test_bad_options_are_refused(capsys, argv, message):
 
 
 @pytest.mark.slow
-@pytest.mark.ci
 def test_bench_overlap_races_both_modes(tmp_path, capsys):
     out = tmp_path / "overlap.json"
     tiny = [a for o in [*TINY_MODEL, "model.max_position_embeddings=96"] for a in ("--set", o)]

@@ -1,5 +1,5 @@
 """`jaxrl-lp bench replay`, `bench exactness` and `bench speculative` end to end, at tiny sizes
-(`bench speculative` compiles two drafters' programs: CI's slow tier)."""
+(`bench speculative` compiles two drafters' programs: the slow tier)."""
 
 import json
 
@@ -38,7 +38,6 @@ def test_bench_exactness_replay_and_hybrid_are_the_samplers_bits(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.ci
 def test_bench_speculative_runs_both_drafters(tmp_path):
     """`jaxrl-lp bench speculative` end to end (it once stopped at a missing argument): both
     drafters race plain decoding and commit at least one token per target forward."""

@@ -18,7 +18,6 @@ def _run(script: str, *args: str) -> dict:
 
 
 @pytest.mark.slow
-@pytest.mark.ci
 def test_profile_sampler_names_the_rollouts_ops_and_its_weight_matmuls():
     # The tiny preset's rollout under the profiler: ops named from XLA's HLO dump (removed
     # after), the weight matmuls found among them, and their share of the op time.
@@ -36,7 +35,6 @@ def test_profile_sampler_names_the_rollouts_ops_and_its_weight_matmuls():
 
 
 @pytest.mark.slow
-@pytest.mark.ci
 def test_profile_update_names_the_updates_ops():
     # Every op (a large --top): at the tiny preset the matmuls need not be among the largest.
     res = _run("profile_update.py", "--size", "tiny", "--steps", "1", "--top", "100000",
@@ -49,7 +47,6 @@ def test_profile_update_names_the_updates_ops():
 
 
 @pytest.mark.slow
-@pytest.mark.ci
 def test_speculative_replay_is_exact_in_every_slice_and_timed():
     # `docs/bench/speculative-replay-2core-cpu.json`'s script, one timed round. The replay by the
     # sampler's program differs on no token of any slice; its negative control, the chunks
@@ -70,7 +67,6 @@ def test_speculative_replay_is_exact_in_every_slice_and_timed():
 
 
 @pytest.mark.slow
-@pytest.mark.ci
 def test_invariant_residuals_counts_both_programs_against_the_sampler():
     # `docs/bench/invariant-residuals-*.json`'s script, dense f32: the forward-only program
     # the invariant step runs gives the sampler's bits; the same forward with its backward's
@@ -81,7 +77,6 @@ def test_invariant_residuals_counts_both_programs_against_the_sampler():
 
 
 @pytest.mark.slow
-@pytest.mark.ci
 def test_batch_invariance_ops_hold_the_invariant_forms_on_this_cpu():
     # `docs/bench/batch-invariance-*.json`'s script, its `ops` part at the smallest sizes: on
     # whichever CPU runs it, the forms are what makes a row's bits independent of its batch

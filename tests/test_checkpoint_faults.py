@@ -38,7 +38,6 @@ sys.exit(main(sys.argv[1:]))
 
 
 @pytest.mark.slow
-@pytest.mark.ci
 def test_a_failed_save_is_one_line_leaves_nothing_and_the_run_resumes(tmp_path, finished_runs):
     run = tmp_path / "run"
     # The `fair` finished run's configuration: Fair Cast's exporter residual and a KL term

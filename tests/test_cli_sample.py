@@ -127,6 +127,8 @@ def test_bench_sampler_prints_one_json_object(capsys):
                                        "deferred_speedup_tiny_batch_1>=0.7*ideal"}
 
 
+@pytest.mark.slow
+# 34 s cold on 2 cores; the command's own run is the test above
 def test_bench_sampler_takes_presets_and_batches_as_the_gpu_cells_do(capsys):
     """`benchmarks/gpu.sh`'s speed cells at tiny sizes: a dense preset by name at two batches,
     a looped preset by name; the bound counts the weights as the loop reads them (f32-carried

@@ -271,7 +271,6 @@ def make_env():
 
 
 @pytest.mark.slow
-@pytest.mark.ci
 @pytest.mark.parametrize("name", sorted(RUNS))
 def test_every_key_at_a_non_default_value_runs_to_its_first_grpo_checkpoint(
         name, hf_checkpoint, tmp_path):

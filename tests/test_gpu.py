@@ -2,7 +2,7 @@
 
 On a GPU the model-size cells run the Qwen3-0.6B and Ouro-1.4B shapes (random
 weights), unless `QUICK=1`. Off a GPU the same bodies run at tiny sizes in
-CI's slow tier (`-m "slow and ci"`, about 100 s on 2 cores), so a broken call
+the slow tier (`-m slow`, about 100 s on 2 cores), so a broken call
 cannot hide behind a skip until a GPU is lent. Every cell compares bits: the
 replay (`rollout.replay.replay_logprobs`, the sampler's own program with the
 tokens forced) against the sampler's recorded log-probs over the completion
@@ -23,7 +23,7 @@ from jaxrl_lp.rollout.replay import replay_logprobs
 
 ON_GPU = jax.default_backend() in ("gpu", "cuda")
 QUICK = not ON_GPU or bool(os.environ.get("QUICK"))
-pytestmark = [pytest.mark.gpu] + ([] if ON_GPU else [pytest.mark.slow, pytest.mark.ci])
+pytestmark = [pytest.mark.gpu] + ([] if ON_GPU else [pytest.mark.slow])
 
 
 def _assert_replays(params, cfg, policy, ro, *, slices=(1, 2, 4)):

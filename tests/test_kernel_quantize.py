@@ -137,7 +137,6 @@ def test_tpu_version_is_bit_equal_to_the_reference(fmt, case):
 
 
 @pytest.mark.slow
-@pytest.mark.ci
 @pytest.mark.usefixtures("tpu_interpreter")
 @pytest.mark.parametrize("case", list(TPU_CASES))
 @pytest.mark.parametrize("fmt", BLOCK_FORMATS)
@@ -147,9 +146,8 @@ def test_tpu_version_under_the_tpu_interpreter(fmt, case):
 
 @pytest.mark.parametrize("mode", ["interpret", "interpret-tpu"])
 # bf16 inputs (what a bf16 policy quantizes) in the default suite, about 6 s in all; f32 in
-# CI's tier.
-@pytest.mark.parametrize("dtype", [pytest.param(np.float32, marks=(pytest.mark.slow,
-                                                                   pytest.mark.ci)),
+# the slow tier.
+@pytest.mark.parametrize("dtype", [pytest.param(np.float32, marks=pytest.mark.slow),
                                    ml_dtypes.bfloat16])
 @pytest.mark.parametrize("case", list(SLOW_CASES))
 @pytest.mark.parametrize("fmt", BLOCK_FORMATS)
@@ -170,9 +168,8 @@ DEFAULT_TILE_SHAPES = ((64, 96), (96, 40), (160, 40), (96, 192))
 
 
 @pytest.mark.parametrize("mode", ["interpret", "interpret-tpu"])
-# bf16 in the default suite (about 12 s), f32 in CI's tier.
-@pytest.mark.parametrize("dtype", [pytest.param(np.float32, marks=(pytest.mark.slow,
-                                                                   pytest.mark.ci)),
+# bf16 in the default suite (about 12 s), f32 in the slow tier.
+@pytest.mark.parametrize("dtype", [pytest.param(np.float32, marks=pytest.mark.slow),
                                    ml_dtypes.bfloat16])
 @pytest.mark.parametrize("fmt", BLOCK_FORMATS)
 def test_default_tiles_are_bit_equal_on_both_axes(fmt, dtype, mode):

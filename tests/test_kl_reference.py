@@ -34,7 +34,6 @@ def _records(run_dir):
 
 
 @pytest.mark.slow
-@pytest.mark.ci
 def test_kl_beta_trains_logs_the_kl_from_zero_and_resumes_bit_for_bit(tmp_path):
     import shutil
 

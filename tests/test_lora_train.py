@@ -56,7 +56,6 @@ def _records(run_dir):
 
 
 @pytest.mark.slow
-@pytest.mark.ci
 def test_lora_on_a_pretrained_base_resumes_exactly_evaluates_and_exports(tmp_path, capsys):
     hf, other = tmp_path / "hf", tmp_path / "other"
     mcfg = _hf(hf, 5)
@@ -118,7 +117,6 @@ def test_lora_on_a_pretrained_base_resumes_exactly_evaluates_and_exports(tmp_pat
 
 
 @pytest.mark.slow
-@pytest.mark.ci
 def test_lora_grpo_on_the_warm_start_keeps_its_base_and_serves_merged_nvfp4_exactly(tmp_path):
     run, ref, other = tmp_path / "run", tmp_path / "ref", tmp_path / "other"
     _hf(other, 6, model=TINY_MODEL)  # the KL reference: another model of the run's shapes
@@ -164,7 +162,7 @@ def test_lora_grpo_on_the_warm_start_keeps_its_base_and_serves_merged_nvfp4_exac
 
 
 @pytest.mark.slow
-@pytest.mark.ci  # 20 s on 2 shared cores: the `jaxrl-lp sft` command's own LoRA path
+# 20 s on 2 shared cores: the `jaxrl-lp sft` command's own LoRA path
 def test_jaxrl_lp_sft_is_lora_sft_on_a_pretrained_base(tmp_path, capsys):
     hf = tmp_path / "hf"
     _hf(hf, 5)
@@ -181,7 +179,7 @@ def test_jaxrl_lp_sft_is_lora_sft_on_a_pretrained_base(tmp_path, capsys):
 
 
 @pytest.mark.slow
-@pytest.mark.ci  # 55 s on 2 shared cores: the one LoRA run on a mesh
+# 55 s on 2 shared cores: the one LoRA run on a mesh
 def test_lora_on_a_mesh_shards_the_adapters_and_resumes(tmp_path):
     """bf16 base, rank 8 over fsdp=8 (the session's 8 CPU devices), a KL term to another
     model (so the adapters move: to the GRPO start, the merged copy itself, it is 0 with a

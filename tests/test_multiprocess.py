@@ -5,7 +5,7 @@ with the parameters of one process with 8 devices; a SIGKILL of one process and
 a restart of both resumes bit-identically; a SIGTERM to either process stops both
 after the same step with a checkpoint, and the resumed run ends bit-identical.
 They compile the run's programs in two more processes (minutes on 2 cores) and
-run in CI's slow tier (`-m "slow and ci"`).
+run in the slow tier (`-m slow`).
 """
 
 from __future__ import annotations
@@ -189,7 +189,6 @@ def two_processes(tmp_path_factory):
 
 # Each process compiles every program of the run (about 2 minutes on 2 cores): `-m slow`.
 @pytest.mark.slow
-@pytest.mark.ci
 def test_two_processes_equal_one_process_with_eight_devices(two_processes, one_process):
     # The same programs on the same mesh; the reductions that cross the two processes go
     # through gloo and may round in another order, and a 1-ulp difference in the master can
@@ -243,7 +242,6 @@ def _records(run_dir: Path) -> list[dict]:
 
 
 @pytest.mark.slow
-@pytest.mark.ci
 def test_sigterm_to_either_process_at_two_moments_stops_both_and_the_resume_is_bit_identical(
         tmp_path, two_processes):
     """A SIGTERM to one process of two, at two moments: inside process 1's checkpoint save

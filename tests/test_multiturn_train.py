@@ -86,7 +86,6 @@ def test_an_environment_that_raises_or_hangs_ends_its_episode_and_nothing_else()
 
 
 @pytest.mark.slow
-@pytest.mark.ci
 def test_a_training_run_goes_on_past_failing_environments(tmp_path, monkeypatch):
     """A calculator run whose environment raises on some training problems (odd first
     operand; never on the held-out ones): the run takes all its steps, each GRPO record's
@@ -185,10 +184,9 @@ call's groups; a multi-turn and a single-turn rollout do not mix."""
         concat_rollouts([a.rollout, single], task.tokenizer.pad_id)
 
 
-# The README's multi-turn command end to end, in CI's slow tier: the default suite stays
+# The README's multi-turn command end to end, in the slow tier: the default suite stays
 # under 15 minutes cold on 2 cores.
 @pytest.mark.slow
-@pytest.mark.ci
 def test_train_runs_multiturn_episodes_and_replays_every_step(tmp_path):
     out = tmp_path / "run"
     assert main(["train", "--config", "configs/multiturn_tools.py",
@@ -278,7 +276,6 @@ def test_the_gsm8k_tools_config_loads_and_names_its_missing_files(tmp_path, caps
 
 
 @pytest.mark.slow
-@pytest.mark.ci
 @pytest.mark.parametrize("options", [
     pytest.param([*FAIR_CAST, *GRPO_MOVES], id="fair_cast_kl"),
     pytest.param(["lora.rank=4", "lora.alpha=8.0", *GRPO_MOVES], id="lora_kl"),
@@ -341,7 +338,6 @@ def test_a_multiturn_run_stopped_and_resumed_ends_bit_identical(tmp_path, option
 
 
 @pytest.mark.slow
-@pytest.mark.ci
 def test_a_multiturn_run_on_a_mesh_is_the_one_device_run_with_exact_replays(tmp_path):
     """`run.mesh=data=2,fsdp=2,tensor=2` with episodes: the warm-start's losses are the
     one-device run's (to rounding), every GRPO step (dynamic sampling on) replays bit for

@@ -190,7 +190,6 @@ def test_a_resume_inside_grpo_needs_the_same_staleness(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.ci
 def test_sigkill_during_an_overlapped_step_resumes_bit_identically(tmp_path, offpolicy_run):
     """The sampler on a device of its own (device 1) samples step n + 1 while the learner
     (device 0) updates on step n; the run is SIGKILLed before its 4th GRPO update, with the

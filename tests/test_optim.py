@@ -182,8 +182,7 @@ def _restore(cfg):
     return restore_state(cfg)[0]
 
 
-@pytest.mark.slow  # CI's tier (22 s cold): tests/test_convert.py runs the command by default
-@pytest.mark.ci
+@pytest.mark.slow  # the slow tier (22 s cold): tests/test_convert.py runs the command by default
 def test_convert_writes_a_binary_runs_materialized_weights(tmp_path):
     """`convert run-to-hf` of an error-diffusion run writes `codes * scale`, not its train tree."""
     from jaxrl_lp.models.hf_config import read_hf_config
@@ -202,7 +201,7 @@ def test_convert_writes_a_binary_runs_materialized_weights(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.ci  # 18 s with a warm compilation cache, 82 s cold; the study test below
+# 18 s with a warm compilation cache, 82 s cold; the study test below
 # covers error diffusion by config (warm-start) in the default suite
 def test_sft_then_grpo_by_config_trains_and_resumes_exactly(tmp_path):
     """A binary run (8 warm-start steps, 2 GRPO steps): its loss falls, its int8 codes are

@@ -154,12 +154,12 @@ def test_every_fixed_step_and_expected_readout_match_reference(name):
 
 
 # Four thresholds compile four programs per configuration: the default suite sweeps the
-# configuration with knife-edge positions and a 3-step GQA one, CI's tier the rest (3 s each).
+# configuration with knife-edge positions and a 3-step GQA one, the slow tier the rest (3 s each).
 SWEEP_DEFAULT = ("mha_r4_default", "gqa_r3_threshold1")
 
 
 @pytest.mark.parametrize("name", [
-    n if n in SWEEP_DEFAULT else pytest.param(n, marks=(pytest.mark.slow, pytest.mark.ci))
+    n if n in SWEEP_DEFAULT else pytest.param(n, marks=pytest.mark.slow)
     for n in NAMES if "step" not in n])
 def test_threshold_readouts_match_reference(name):
     _, ref = fixture(name)

@@ -4,7 +4,7 @@ task=...)`, a config file's `TASK`), exact as the built-in tasks.
 The user's files live in a temporary directory outside the repository: a JSONL of records
 and a module of reward functions with TRL's signature, imported by path
 (`task.rewards=mymod:fn`). Each run here is a few steps of the tiny model; the run that
-shows learning is `test_own_task_learns.py` (CI's slow tier).
+shows learning is `test_own_task_learns.py` (the slow tier).
 """
 
 import json
@@ -218,7 +218,7 @@ def test_a_reward_that_fails_during_the_run_is_a_counted_failure_reward(user_dir
     assert "reward function 'flaky' failed on 4 of 4 samples" in capsys.readouterr().err
 
 
-SLOW = [pytest.mark.slow, pytest.mark.ci]
+SLOW = [pytest.mark.slow]
 
 
 @pytest.mark.parametrize("features", [

@@ -33,7 +33,6 @@ def correct(prompts, completions, solution, **kwargs):
 
 
 @pytest.mark.slow
-@pytest.mark.ci
 def test_a_users_task_learns_through_the_command_line(tmp_path):
     user = tmp_path / "user"
     user.mkdir()
@@ -70,7 +69,7 @@ def test_a_users_task_learns_through_the_command_line(tmp_path):
     assert all(r["mismatch_max_abs_dlogp"] == 0.0 for r in verified)
 
 
-# By hand (`pytest -m slow`), not in CI's tier: about 7 minutes on 2 shared cores, and the
+# By hand (`pytest -m slow`): about 7 minutes on 2 shared cores, and the
 # default suite trains the same chat path exactly (tests/test_own_task_chat.py) while the test
 # above learns through the same command on CI's every submission.
 @pytest.mark.slow

@@ -286,13 +286,13 @@ def test_simulated_devices_in_and_out_of_process():
     assert math.prod(np.shape(jax.devices())) == 8
 
 
-# CI's slow tier plans the cell that holds the promise, Ouro-1.4B under fsdp=8 within one
+# The slow tier plans the cell that holds the promise, Ouro-1.4B under fsdp=8 within one
 # 80 GB H100 (70 s on 2 shared cores); the other five (62-78 s each) run with `-m slow`.
 CI_PLAN = ("configs/grpo_gsm8k_ouro_1p4b.py", "fsdp=8")
 
 
 @pytest.mark.parametrize("path,mesh,devices", [
-    pytest.param(path, mesh, devices, marks=(pytest.mark.slow, pytest.mark.ci)
+    pytest.param(path, mesh, devices, marks=pytest.mark.slow
                  if (path, mesh) == CI_PLAN else pytest.mark.slow)
     for path in sorted(FULL) for mesh, devices in (("fsdp=8", 8), ("data=8,fsdp=8", 64))])
 def test_full_size_plans(capfd, path, mesh, devices):
@@ -316,7 +316,7 @@ def test_full_size_plans(capfd, path, mesh, devices):
 
 
 @pytest.mark.slow
-@pytest.mark.ci  # 27 s, and 26 s for `tiny_plan` where no default test shares it (2 shared cores)
+# 27 s, and 26 s for `tiny_plan` where no default test shares it (2 shared cores)
 def test_tiny_lora_plan_trains_the_adapters_only(tiny_plan):
     """LoRA rank 4 (bf16 base) on the same mesh: the adapters are what the optimizer holds,
     split over fsdp like the weights; the base is half the f32 master's bytes."""

@@ -89,7 +89,6 @@ def _lengths(u):
 
 
 @pytest.mark.slow
-@pytest.mark.ci
 def test_mu_and_minibatches_replay_after_the_first_update_and_overlong_shaping(
         warm_start, tmp_path):
     grpo, updates, rewards = _run(warm_start, tmp_path / "run",
@@ -126,10 +125,9 @@ def test_mu_and_minibatches_replay_after_the_first_update_and_overlong_shaping(
     assert min(r["overlong_frac"] for r in grpo) > 0.0
 
 
-# Both bounds (REFILLS rounds, and 1: the bound hit) and the resume run in CI's slow tier (four
+# Both bounds (REFILLS rounds, and 1: the bound hit) and the resume run in the slow tier (four
 # runs between them); the refill's unit tests are tests/test_dynamic_sampling.py.
 @pytest.mark.slow
-@pytest.mark.ci
 @pytest.mark.parametrize("refills", [REFILLS, 1])
 def test_dynamic_sampling_refills_the_batch_with_informative_groups(warm_start, tmp_path,
                                                                     refills):
@@ -179,7 +177,6 @@ def test_dynamic_sampling_refills_the_batch_with_informative_groups(warm_start, 
 
 
 @pytest.mark.slow
-@pytest.mark.ci
 def test_dynamic_sampling_resumes_exactly(warm_start, tmp_path):
     """The refill rounds draw from the run's prompt stream, whose state the checkpoint keeps."""
     ref, _, _ = _run(warm_start, tmp_path / "ref", _dynamic())

@@ -138,7 +138,6 @@ def test_the_recorded_forward_has_the_samplers_values_and_the_dense_gradient():
 
 
 @pytest.mark.slow
-@pytest.mark.ci
 def test_the_grpo_step_given_products_updates_as_without_them():
     cfg, params, ro = _setup()
     plain = dataclasses.replace(ro, products=None)
@@ -203,7 +202,6 @@ def test_the_program_refuses_products_it_could_never_read(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.ci
 def test_a_run_reading_the_samplers_products_trains_as_the_run_computing_them(tmp_path):
     """A dense model, a KL term to another model (a random checkpoint: its KL is not 0 at the
     first update, so every update moves the weights whatever the rewards), two minibatches:

@@ -53,7 +53,8 @@ def test_remat_of_reads_names_and_the_old_flag():
         Remat.of("attention")
 
 
-@pytest.mark.parametrize("name", ["tiny-qwen3", "tiny-ouro"])
+# The looped model (its layers are the dense model's) by default; the dense one by hand.
+@pytest.mark.parametrize("name", [pytest.param("tiny-qwen3", marks=pytest.mark.slow), "tiny-ouro"])
 def test_each_choice_saves_what_it_says(name):
     def probs(shapes):  # attention probabilities (or scores): two axes of T
         return [s for s in shapes if s.count(T) >= 2]
@@ -68,7 +69,8 @@ def test_each_choice_saves_what_it_says(name):
     assert not probs(layers) and not mlp(layers), layers  # only the layers' inputs
 
 
-@pytest.mark.parametrize("name", ["tiny-qwen3", "tiny-ouro"])
+# The looped model (its layers are the dense model's) by default; the dense one by hand.
+@pytest.mark.parametrize("name", [pytest.param("tiny-qwen3", marks=pytest.mark.slow), "tiny-ouro"])
 def test_gradients_do_not_depend_on_the_choice(name):
     cfg, params, tokens = _model(name)
     grads = {r: jax.jit(jax.grad(_loss(cfg, tokens, r)))(params) for r in Remat}

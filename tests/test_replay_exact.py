@@ -8,7 +8,7 @@ error, the hybrid step's value is computed by that program for any minibatch,
 and the start probe stops a run with one line before it writes anything. The
 slices of every model kind and policy are in tests/test_logprobs.py; the GPU
 cells in tests/test_gpu.py. A speculative rollout's replay by its sampler's program runs in
-CI's slow tier (tests/test_speculative.py replays speculative rollouts in the default suite).
+the slow tier (tests/test_speculative.py replays speculative rollouts in the default suite).
 """
 
 import jax
@@ -93,7 +93,6 @@ def _speculative_case(params, cfg, loop, prompts=PROMPTS, seed=1):
 
 
 @pytest.mark.slow
-@pytest.mark.ci
 def test_a_speculative_rollout_replays_by_its_samplers_program():
     """The speculative sampler's program replays with the recorded tokens, verification counts
     and exit steps forced in place of the drafts: nothing compiles, and the whole batch, 2-
@@ -156,7 +155,8 @@ def test_a_traced_caller_gets_one_clear_error():
         jax.jit(lambda p: replay_logprobs(p, cfg, FP32, ro))(params)
 
 
-@pytest.mark.parametrize("kind", ["dense", "looped_deferred"])
+@pytest.mark.parametrize("kind", [pytest.param("dense", marks=pytest.mark.slow),
+                                  "looped_deferred"])  # 52 and 45 s cold on 2 cores
 def test_the_hybrid_step_takes_each_minibatchs_value_from_the_samplers_program(kind):
     """At the sampler's weights the hybrid step's value is the sampler's log-probs bit for bit
     on every 2-row minibatch, and its ratio 1 (before, the value was traced into the step at the

@@ -145,11 +145,10 @@ def _while_loops(lowered) -> int:
 
 
 # The looped deferred step here; the dense packed bf16 one, the speculative and the coded
-# steps in CI's tier (`-m "slow and ci"`; each compiles two steps: about 25 CPU-s), and the
+# steps in the slow tier (`-m slow`; each compiles two steps: about 25 CPU-s), and the
 # sharded one there too.
 @pytest.mark.parametrize("kind,pol", [("looped_deferred", "fp32"),
-                                      pytest.param("dense", "bf16", marks=(pytest.mark.slow,
-                                                                           pytest.mark.ci))])
+                                      pytest.param("dense", "bf16", marks=pytest.mark.slow)])
 def test_a_step_on_the_recorded_logprobs_is_the_replaying_step_bit_for_bit(kind, pol):
     cfg, params, loop = _model(kind)
     ro = _rollout(kind, pol)
@@ -165,7 +164,6 @@ def test_a_step_on_the_recorded_logprobs_is_the_replaying_step_bit_for_bit(kind,
 
 
 @pytest.mark.slow
-@pytest.mark.ci
 def test_speculative_rollouts_on_recorded_logprobs():
     from jaxrl_lp.rollout.sampling import SamplingConfig
     from jaxrl_lp.rollout.speculative import speculative_generate
@@ -182,7 +180,6 @@ def test_speculative_rollouts_on_recorded_logprobs():
 
 
 @pytest.mark.slow
-@pytest.mark.ci
 def test_coded_weights_on_recorded_logprobs():
     """`sft.optimizer=error_diffusion`: the train tree's materialized weights sampled."""
     from jaxrl_lp.optim.weights import CodedWeights
@@ -207,7 +204,6 @@ def test_coded_weights_on_recorded_logprobs():
 
 
 @pytest.mark.slow
-@pytest.mark.ci
 def test_sharded_step_on_recorded_logprobs():
     from jaxrl_lp.parallel import make_mesh, param_shardings
     from jaxrl_lp.parallel.shard import put_tree
@@ -245,7 +241,6 @@ REUSE_KEYS = ("replayed_updates", "behaviour_recomputed", "replay_verified")
 
 
 @pytest.mark.slow
-@pytest.mark.ci
 def test_a_step_on_the_behaviour_replay_is_the_replaying_step_bit_for_bit():
     """Where the weights moved since sampling (an off-policy rollout), the training program's
     behaviour log-probs are the replay under the update's weights, taken micro-batch by
@@ -273,7 +268,6 @@ def test_a_step_on_the_behaviour_replay_is_the_replaying_step_bit_for_bit():
 
 
 @pytest.mark.slow
-@pytest.mark.ci
 def test_minibatches_4_replay_exactly_the_three_later_ones(tmp_path):
     """`auto` replays the three later minibatches; `always` all four. On XLA:CPU a replay of a
     minibatch's rows rounds otherwise than the sampler's whole batch (about 1 ulp on a third
@@ -327,7 +321,6 @@ def test_minibatches_4_replay_exactly_the_three_later_ones(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.ci
 def test_replay_always_at_one_minibatch_is_the_auto_run_bit_for_bit(finished_runs, tmp_path):
     """At mu = 1 and one minibatch, `always` replays what `auto` takes from the rollout:
     the same bits, so the same run (the shared `plain` run is `auto`)."""

@@ -78,7 +78,6 @@ def test_a_second_train_on_a_locked_run_exits_at_once_and_touches_nothing(tmp_pa
 
 
 @pytest.mark.slow
-@pytest.mark.ci
 def test_damaged_checkpoints_are_named_set_aside_and_the_run_continues(tmp_path, capsys,
                                                                        finished_runs):
     # The shared Fair Cast run (its GRPO moves the params, both optimizers and the exporter's

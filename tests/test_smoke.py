@@ -27,7 +27,7 @@ def test_smoke_at_real_sizes():
 
 
 @pytest.mark.slow
-@pytest.mark.ci  # 61 s (Qwen3) and 26 s (Ouro) on 2 shared cores: compiles at real widths
+# 61 s (Qwen3) and 26 s (Ouro) on 2 shared cores: compiles at real widths
 @pytest.mark.parametrize("part", smoke.PARTS)
 def test_smoke_parts_at_their_real_widths_on_one_layer(part):
     """The real-size parts' programs at the presets' own widths and head shapes (Qwen3-0.6B:

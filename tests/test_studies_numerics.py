@@ -58,7 +58,6 @@ def test_arm_policies():
 
 
 @pytest.mark.slow
-@pytest.mark.ci
 def test_alignment_mismatch_per_region(quick_model):
     """Sampler == learner: exactly 0; each region left out (and all of them): > 0."""
     cfg, plan, params, loop = quick_model

@@ -20,7 +20,6 @@ def test_arms_set_the_base_format_and_the_serving():
 
 
 @pytest.mark.slow
-@pytest.mark.ci
 def test_merged_serving_mismatches_and_the_served_copy_loss_removes_it(tmp_path, capsys):
     """NVFP4 base, merged serving. While the adapters are at their start (B = 0) the merge is
     the base and the learner is off the sampler only by two programs' rounding; once an update
@@ -52,7 +51,8 @@ def test_merged_serving_mismatches_and_the_served_copy_loss_removes_it(tmp_path,
 
 
 @pytest.mark.slow
-@pytest.mark.ci  # the command end to end in CI (about 15 s)
+# the command end to end in CI (about 15 s)
+@pytest.mark.ci
 def test_bench_lora_reports_gains_and_trained_fractions(tmp_path, capsys):
     out = tmp_path / "bench.json"
     assert cli_main(["bench", "lora", "--quick", "--grpo-steps", "2", "--ranks", "4",
