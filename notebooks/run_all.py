@@ -1,6 +1,7 @@
 """Executes every notebook in notebooks/ top to bottom (nbclient), as CI does.
 
     python notebooks/run_all.py                 # all, SMALL settings (JAXRL_LP_SMALL=1)
+    python notebooks/run_all.py --jobs 2        # two notebooks at a time (CI, on 2 cores)
     python notebooks/run_all.py 05 --full       # matching names only, full settings
     python notebooks/run_all.py --full --write  # also save the executed notebooks (outputs)
 
@@ -9,8 +10,10 @@ Each notebook NN_name.ipynb is paired with its source src/NN_name.py by jupytext
 checks that every pair agrees and exits 1, naming the pair, if one does not.
 
 Each notebook runs in a fresh kernel of this Python with notebooks/ as its
-working directory. Prints each notebook's wall time; exits 1 if any cell
-raises or a notebook shows no plot (a PNG output), 0 otherwise.
+working directory; with `--jobs N`, N notebooks at a time, each from its own
+process (the notebooks write to run directories of their own). Prints each
+notebook's wall time as it ends; exits 1 if any cell raises or a notebook
+shows no plot (a PNG output), 0 otherwise.
 """
 
 from __future__ import annotations
@@ -91,17 +94,37 @@ def png_outputs(nb) -> int:
                if cell.cell_type == "code" for out in cell.get("outputs", []))
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Runs the notebooks; prints one line per notebook and a total."""
+def run_one(path: Path, small: bool, timeout: int, write: bool) -> tuple[str, float, str]:
+    """Executes the notebook at `path`: (status, wall seconds, the failing cell's error text)."""
     import nbformat
     from nbclient.exceptions import CellExecutionError
+
+    nb = nbformat.read(path, as_version=4)
+    t0 = time.time()
+    error = ""
+    try:
+        execute(nb, small=small, timeout=timeout)
+        status = "ok" if png_outputs(nb) else "FAILED (no plot in its outputs)"
+    except CellExecutionError as e:
+        status, error = "FAILED", str(e)[-3000:]
+    if status == "ok" and write:
+        nbformat.write(nb, path)
+    return status, time.time() - t0, error
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Runs the notebooks; prints one line per notebook and a total."""
+    from concurrent.futures import ProcessPoolExecutor, as_completed
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("names", nargs="*", help="run only notebooks whose file name contains one")
     parser.add_argument("--full", action="store_true", help="full settings (JAXRL_LP_SMALL=0)")
     parser.add_argument("--write", action="store_true", help="save the executed notebooks")
     parser.add_argument("--timeout", type=int, default=1200, help="seconds per cell")
+    parser.add_argument("--jobs", type=int, default=1, help="notebooks run at a time (default 1)")
     args = parser.parse_args(argv)
+    if args.jobs < 1:
+        parser.error(f"--jobs {args.jobs}: run at least one notebook at a time (--jobs 1)")
     paths = notebooks(args.names)
     if stale := unsynced(args.names):
         print("\n".join(stale), file=sys.stderr)
@@ -110,26 +133,21 @@ def main(argv: list[str] | None = None) -> int:
         print(f"run_all: no notebooks matching {args.names} in {HERE}", file=sys.stderr)
         return 1
     failed, total = [], time.time()
-    for path in paths:
-        nb = nbformat.read(path, as_version=4)
-        t0 = time.time()
-        try:
-            execute(nb, small=not args.full, timeout=args.timeout)
-            plots = png_outputs(nb)
-            status = "ok" if plots else "FAILED (no plot in its outputs)"
-        except CellExecutionError as e:
-            status = "FAILED"
-            print(str(e)[-3000:], file=sys.stderr)
-        wall = time.time() - t0
-        print(f"{path.name}: {status}, {wall:.0f} s", flush=True)
-        if status != "ok":
-            failed.append(path.name)
-        elif args.write:
-            nbformat.write(nb, path)
+    with ProcessPoolExecutor(max_workers=args.jobs) as pool:
+        runs = {pool.submit(run_one, path, not args.full, args.timeout, args.write): path
+                for path in paths}
+        for done in as_completed(runs):
+            path = runs[done]
+            status, wall, error = done.result()
+            if error:
+                print(error, file=sys.stderr)
+            print(f"{path.name}: {status}, {wall:.0f} s", flush=True)
+            if status != "ok":
+                failed.append(path.name)
     print(f"notebooks: {len(paths) - len(failed)} of {len(paths)} ok in {time.time() - total:.0f} s"
-          f" ({'SMALL' if not args.full else 'full'} settings)")
+          f" ({'SMALL' if not args.full else 'full'} settings, {args.jobs} at a time)")
     if failed:
-        print(f"run_all: failed: {', '.join(failed)}", file=sys.stderr)
+        print(f"run_all: failed: {', '.join(sorted(failed))}", file=sys.stderr)
         return 1
     return 0
 
