@@ -5,7 +5,7 @@ A session lent a GPU has 15 minutes of device time and runs one prepared suite: 
 that stopped working since (a renamed option, a moved file) would spend them on a
 traceback. Each suite runs here at tiny sizes, the way the GPU runs it (steps under their
 own limits, JSON per target named by device); every step must exit 0 and leave its JSON.
-The exactness suite's tier of tests is collected, not run: CI runs those tests itself.
+The exactness suite's tier of tests is collected, not run: they run on CPU in the slow tier.
 """
 
 import json
@@ -45,7 +45,7 @@ def test_the_gpu_script_runs_each_suite_on_cpu(tmp_path, suite):
     out = {t: json.loads((tmp_path / f"{t}-cpu-dry-run.json").read_text()) for t in targets}
     if suite == "exactness":  # every GRPO verification of the default run passed
         assert out["train"]["replay_verified_steps"] >= 1
-        tier = steps["tier"]["last_line"]  # the dry run collects the tier (CI runs it)
+        tier = steps["tier"]["last_line"]  # the dry run collects the tier (`-m slow` runs it)
         assert " collected" in tier and "error" not in tier, tier
     elif suite == "iteration":  # the mechanism's A/B is raced
         assert {"hybrid_mb4", "traced_mb4"} <= set(out["iteration"]["tiny-qwen3"])

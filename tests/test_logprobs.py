@@ -42,7 +42,7 @@ G = 2
 # Each case compiles a sampler and a learner program (16-19 s cold on the 2-core Zen 3 of
 # 2026-12-07). The default run keeps the looped model deferred in f32 and the hardest
 # exactness cell, the looped model deferred in bf16; the other four run in the slow tier
-# (every policy with every kind is checked on every submission).
+# (`-m slow`: every policy with every kind).
 CI_CASES = {("fp32", "looped_dense"), ("fp32", "dense"), ("bf16", "looped_dense"),
             ("bf16", "dense")}  # the dense model in bf16: 16 s cold on the Zen 3 (2026-12-07)
 CASES = [pytest.param(pol, kind, marks=pytest.mark.slow if (pol, kind) in CI_CASES

@@ -211,8 +211,8 @@ def test_two_processes_equal_one_process_with_eight_devices(two_processes, one_p
                for r in recs if r["phase"] == "grpo")
 
 
-# By hand (`-m slow`): the SIGTERM test below stops and resumes the two processes in CI, and
-# tests/test_train.py resumes a SIGKILLed process at several moments (two of them in CI).
+# By hand (`-m slow`), as the SIGTERM test below; tests/test_train.py resumes a SIGKILLed
+# process at several moments (one of them in CI's slow tier).
 @pytest.mark.slow
 def test_sigkill_of_one_process_and_a_restart_of_both_resumes_bit_identically(tmp_path,
                                                                             two_processes):

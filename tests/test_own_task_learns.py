@@ -70,8 +70,8 @@ def test_a_users_task_learns_through_the_command_line(tmp_path):
 
 
 # By hand (`pytest -m slow`): about 7 minutes on 2 shared cores, and the
-# default suite trains the same chat path exactly (tests/test_own_task_chat.py) while the test
-# above learns through the same command on CI's every submission.
+# default suite trains the same chat path exactly (tests/test_own_task_chat.py) and the test
+# above learns through the same command.
 @pytest.mark.slow
 def test_a_users_task_learns_from_a_chat_checkpoint(tmp_path):
     """The same file and reward module through a checkpoint of the default model's shape

@@ -30,8 +30,8 @@ from jaxrl_lp.rl import LossConfig, make_grpo_step
 from jaxrl_lp.rl.logprob_programs import jit_learner_logprobs
 from jaxrl_lp.rollout import SamplingConfig, generate
 
-# The three-axis mesh runs by default; fsdp=8 (every parameter split 8 ways) in CI's slow
-# tier (`ci` marker, `.ci/run`): 17-51 s a cell cold on 2 cores.
+# The three-axis mesh runs by default; fsdp=8 (every parameter split 8 ways) in the slow
+# tier (`-m slow`): 17-51 s a cell cold on 2 cores.
 MESHES = ("data=2,fsdp=2,tensor=2",
           pytest.param("fsdp=8", marks=pytest.mark.slow))
 PROMPTS = ((1, 5, 7), (2, 9, 4, 11, 3, 8), (6,), (12, 13, 14, 15))  # 4 prompts x G=2 = 8 rows
