@@ -43,9 +43,9 @@ G = 2
 # 2026-12-07). The default run keeps the looped model deferred in f32 and the hardest
 # exactness cell, the looped model deferred in bf16; the other four run in the slow tier
 # (`-m slow`: every policy with every kind).
-CI_CASES = {("fp32", "looped_dense"), ("fp32", "dense"), ("bf16", "looped_dense"),
+SLOW_CASES = {("fp32", "looped_dense"), ("fp32", "dense"), ("bf16", "looped_dense"),
             ("bf16", "dense")}  # the dense model in bf16: 16 s cold on the Zen 3 (2026-12-07)
-CASES = [pytest.param(pol, kind, marks=pytest.mark.slow if (pol, kind) in CI_CASES
+CASES = [pytest.param(pol, kind, marks=pytest.mark.slow if (pol, kind) in SLOW_CASES
                       else ()) for pol in (p.name for p in POLICIES) for kind in KINDS]
 # Dense (parallel) learner against the sampler, absolute on log-probs: the two
 # differ by kernel-shape rounding only. Measured on XLA:CPU, max |dlogp| over

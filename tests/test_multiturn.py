@@ -99,13 +99,12 @@ BF16_ROUNDING_REACH = 2e-2  # |logit| x 2^-8 for the logits of these models (|lo
 
 # Default suite: the looped model in bf16 and f32 at 4 turns (its f32 dense learner is what
 # sees an observation computed at the wrong depth) and the dense one in f32 at 4 (it holds the
-# context across turns to 1e-5); the slow tier the dense one in bf16 at 4 and in f32 at 1
-# (16 s each cold on 2 cores); the other turn counts by hand.
-CI = pytest.mark.slow
+# context across turns to 1e-5); the other cells, the dense one in bf16 and the other turn
+# counts (8-16 s each cold on 2 cores), in the slow tier.
 CELLS = [("looped_deferred", "bf16", 4), ("looped_deferred", "fp32", 4), ("dense", "fp32", 4),
-         pytest.param("dense", "bf16", 4, marks=CI), pytest.param("dense", "fp32", 1, marks=CI),
          *(pytest.param(k, p, t, marks=pytest.mark.slow)
-           for k, p, t in (("looped_deferred", "fp32", 1), ("looped_deferred", "fp32", 2),
+           for k, p, t in (("dense", "bf16", 4), ("dense", "fp32", 1),
+                           ("looped_deferred", "fp32", 1), ("looped_deferred", "fp32", 2),
                            ("dense", "fp32", 2), ("dense", "bf16", 2),
                            ("looped_deferred", "bf16", 2)))]
 

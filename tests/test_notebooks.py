@@ -63,3 +63,33 @@ def test_an_edited_notebook_and_a_source_without_notebook_are_caught(notebooks):
         "run_all: notebooks/03_looped_deferred.ipynb and notebooks/src/03_looped_deferred.py",
         "run_all: notebooks/06_new.ipynb and notebooks/src/06_new.py",
     ]
+
+
+def test_run_one_reports_a_plot_a_failing_cell_and_jobs_below_one(tmp_path, capsys,
+                                                                   monkeypatch):
+    """`run_one` (what each of `--jobs N` processes runs): ok with a plot, FAILED with the
+    failing cell's error and nothing written; `--jobs 0` is one clear line."""
+    import nbformat
+
+    for key in ("JAXRL_LP_SMALL", "MPLBACKEND", "PATH"):  # `execute` sets them; restored after
+        monkeypatch.setenv(key, os.environ.get(key, ""))
+        if key not in os.environ or not os.environ[key]:
+            monkeypatch.delenv(key)
+
+    def notebook(name, code):
+        path = tmp_path / name
+        nbformat.write(nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(code)]), path)
+        return path
+
+    plots = notebook("01_plot.ipynb", "import matplotlib.pyplot as plt\nplt.plot([1, 2])\nplt.show()")
+    raises = notebook("02_raises.ipynb", "raise ValueError('planted')")
+    before = raises.read_text()
+    status, wall, error = run_all.run_one(plots, small=True, timeout=120, write=False)
+    assert (status, error) == ("ok", "") and wall > 0
+    status, _, error = run_all.run_one(raises, small=True, timeout=120, write=True)
+    assert status == "FAILED" and "planted" in error
+    assert raises.read_text() == before
+    with pytest.raises(SystemExit) as exit_:
+        run_all.main(["--jobs", "0"])
+    assert exit_.value.code == 2
+    assert "--jobs 0: run at least one notebook at a time" in capsys.readouterr().err

@@ -233,9 +233,9 @@ def _chi2(counts, expected):
 DRAWS = 4000
 
 
-# The self-drafter at k = 4 by default (27 s cold on 2 cores); the dense drafter (23 s) in
-# the slow tier; k = 1 (one draft a round) by hand: the k = 4 cell runs the same
-# self-drafter with four drafts and a bonus a round.
+# The self-drafter at k = 4 by default (27 s cold on 2 cores); the dense drafter (23 s) and
+# k = 1 (one draft a round; the k = 4 cell runs the same self-drafter with four drafts and
+# a bonus a round) in the slow tier.
 @pytest.mark.parametrize("spec", [
     pytest.param("self:loops=1,k=1", marks=pytest.mark.slow),
     "self:loops=1,k=4",
