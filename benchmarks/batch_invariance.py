@@ -9,7 +9,8 @@ Three parts (`--parts`), one JSON object:
   parallel forward's: the plain product `x @ W` (small-preset widths) by row count
   against 8, 32 and 1024 rows, the same with the weight read `[out, in]` (`x @ W.T`, the
   `transposed` layout's read) against the plain product of as many rows and of 1024,
-  and the `W @ x.T` form by row count; reductions by row count against 2560 rows, with
+  and the `W @ x.T` form by row count, unpadded and padded to the column tile
+  (`invariant.column_tile`, the weights-major form's); reductions by row count against 2560 rows, with
   XLA's default YNNPACK fusions and with dots only
   (`invariant.COMPILER_OPTIONS`); attention, one query against all of a parallel
   forward's over the same cache slots, plain and invariant; fused multiply-add
@@ -24,9 +25,10 @@ Three parts (`--parts`), one JSON object:
   products plain (`product`), every product of all its rows at once instead of by chunks
   (`chunks`), XLA's default fusions (`options`), `apart`, `total`, the attention.
 - `cost`: the small preset (8 rows, 16 + 112 tokens, f32): the sampler in the
-  `transposed` layout (the default on CPU) against `invariant`, and one learner
-  forward of a 2-row minibatch, `dense` (packed) against `invariant` (packed), alternating,
-  the fastest of `--repeats`.
+  `transposed` layout (the default on CPU) against `invariant` in this CPU's form
+  (`invariant.form_for`, recorded) and, where that form is weights-major, in the row
+  chunks, and one learner forward of a 2-row minibatch, `dense` (packed) against
+  `invariant` (packed) in the same forms, alternating, the fastest of `--repeats`.
 """
 
 import argparse
@@ -57,6 +59,8 @@ def _differ(a, b) -> int:
 
 
 def _ops(quick: bool) -> dict:
+    from jaxrl_lp.numerics.invariant import column_tile
+
     rng = np.random.default_rng(0)
     out = {}
     plain = jax.jit(lambda x, w: jnp.dot(x, w, precision=HIGHEST), compiler_options=OPTIONS)
@@ -68,6 +72,8 @@ def _ops(quick: bool) -> dict:
                    compiler_options=OPTIONS)
     shapes = [(512, 1408)] if quick else [(512, 1408), (1408, 512), (512, 32000)]
     rows = [1, 2, 8, 16, 32, 33, 40, 64, 1024]
+    tile = column_tile()
+    out["column_tile"] = tile
     for k, n in shapes:
         x = rng.standard_normal((1024, k)).astype(np.float32)
         w = (rng.standard_normal((k, n)) * 0.05).astype(np.float32)
@@ -84,9 +90,14 @@ def _ops(quick: bool) -> dict:
             "by rows"] = {m: _differ(out_in(x[:m], wt), at1024[:m])
                           for m in (1, 2, 8, 32, 33, 64, 1024)}
         ref = np.asarray(cols(x, wt))
+        counts = [*range(1, 18), 24, 25, 32, 40, 48, 64, 200, 256]
         out[f"W@x.T K={k} N={n}: row counts whose rows differ from 1024 rows'"] = [
-            c for c in [*range(1, 18), 24, 25, 32, 40, 48, 64, 200, 256]
-            if _differ(cols(x[:c], wt), ref[:c])]
+            c for c in counts if _differ(cols(x[:c], wt), ref[:c])]
+        if tile is not None:  # the weights-major form: rows padded to whole column tiles
+            padded = lambda m, x=x, wt=wt: cols(np.pad(x[:m], ((0, -m % tile), (0, 0))), wt)[:m]
+            out[f"W@x.T K={k} N={n}, padded to the column tile ({tile}): row counts whose "
+                "rows differ from 1024 rows'"] = [c for c in counts
+                                                 if _differ(padded(c), ref[:c])]
     reductions = {"sum": lambda s: jnp.sum(s, -1),
                   "log_softmax": lambda s: jax.nn.log_softmax(s, -1),
                   "rms": lambda s: s * jax.lax.rsqrt(jnp.mean(s * s, -1, keepdims=True) + 1e-6)}
@@ -239,6 +250,7 @@ def _subprocess_case(kind, pol, ablation) -> dict:
 def _cost(repeats: int, quick: bool) -> dict:
     from jaxrl_lp.models.config import get_preset
     from jaxrl_lp.models.model import init_params
+    from jaxrl_lp.numerics.invariant import form_for
     from jaxrl_lp.numerics.policy import Policy
     from jaxrl_lp.rl.logprob_programs import jit_learner_logprobs
     from jaxrl_lp.rollout.generate import generate, take_rows
@@ -250,19 +262,28 @@ def _cost(repeats: int, quick: bool) -> dict:
     prompts = np.random.RandomState(0).randint(3, cfg.vocab_size, (2, 16)).tolist()
     new = 16 if quick else 112
 
-    def sample(layout, i=0):
+    form = form_for(8)
+    # Each sampler: (decode layout, invariant form); the row chunks beside a weights-major form.
+    samplers = {"transposed": ("transposed", None), "invariant": ("invariant", form)}
+    if form.columns is not None:
+        samplers["invariant_row_chunks"] = ("invariant", form._replace(columns=None))
+
+    def sample(name, i=0):
+        layout, f = samplers[name]
         return jax.block_until_ready(generate(
             params, cfg, prompts, policy=policy, sampling=SamplingConfig(temperature=1.0),
             max_new_tokens=new, num_samples=4, eos_id=None, key=jax.random.PRNGKey(i),
-            decode_layout=layout))
+            decode_layout=layout, invariant_form=f))
 
-    rollouts = {lay: sample(lay) for lay in ("transposed", "invariant")}
-    programs = {"dense": (jit_learner_logprobs(cfg, policy, "dense"), "transposed"),
-                "invariant": (jit_learner_logprobs(cfg, policy, "invariant"), "invariant")}
-    minibatch = {m: take_rows(rollouts[lay], np.arange(2)) for m, (_, lay) in programs.items()}
-    calls = {f"sampler_{lay}_s": (lambda lay=lay: sample(lay, 1)) for lay in rollouts}
+    rollouts = {name: sample(name) for name in samplers}
+    programs = {"dense": jit_learner_logprobs(cfg, policy, "dense"),
+                **{name: jit_learner_logprobs(cfg, policy, "invariant")
+                   for name in samplers if name != "transposed"}}
+    minibatch = {m: take_rows(rollouts["transposed" if m == "dense" else m], np.arange(2))
+                 for m in programs}
+    calls = {f"sampler_{name}_s": (lambda name=name: sample(name, 1)) for name in rollouts}
     calls.update({f"forward_2_rows_{m}_s": (lambda m=m: jax.block_until_ready(
-        programs[m][0](params, minibatch[m]))) for m in programs})
+        programs[m](params, minibatch[m]))) for m in programs})
     for fn in calls.values():
         fn()
     times = {k: [] for k in calls}
@@ -276,8 +297,13 @@ def _cost(repeats: int, quick: bool) -> dict:
         out["sampler_invariant_s"] / out["sampler_transposed_s"], 3)
     out["forward_invariant_over_dense"] = round(
         out["forward_2_rows_invariant_s"] / out["forward_2_rows_dense_s"], 3)
+    if "sampler_invariant_row_chunks_s" in out:
+        out["sampler_row_chunks_over_transposed"] = round(
+            out["sampler_invariant_row_chunks_s"] / out["sampler_transposed_s"], 3)
+        out["forward_row_chunks_over_dense"] = round(
+            out["forward_2_rows_invariant_row_chunks_s"] / out["forward_2_rows_dense_s"], 3)
     out.update(preset="tiny-qwen3" if quick else "small-qwen3", rows=8, prompt_len=16,
-               new_tokens=new, repeats=repeats)
+               new_tokens=new, repeats=repeats, form=form._asdict())
     return out
 
 

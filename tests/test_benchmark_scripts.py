@@ -95,3 +95,7 @@ def test_batch_invariance_ops_hold_the_invariant_forms_on_this_cpu():
     norm = res["norm of h + a product (hidden 32), one row vs 32: values differing"]
     assert norm["fixed tree (invariant.total)"] == 0, norm
     assert res["a*b + c*d: values differing from the separately rounded sum (FMA contraction)"] > 0
+    tile = res["column_tile"]  # the weights-major form: rows padded to whole column tiles
+    if tile is not None:
+        assert res[f"W@x.T K=512 N=1408, padded to the column tile ({tile}): row counts whose "
+                   "rows differ from 1024 rows'"] == [], res

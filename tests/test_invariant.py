@@ -13,6 +13,7 @@ count anyway, and a form reverted to the plain one would pass unseen.
 """
 
 import json
+import re
 
 import jax
 import jax.numpy as jnp
@@ -22,7 +23,15 @@ import pytest
 
 from jaxrl_lp.models.config import get_preset
 from jaxrl_lp.models.model import init_params
-from jaxrl_lp.numerics.invariant import COMPILER_OPTIONS, unsupported
+from jaxrl_lp.numerics.invariant import (
+    COLUMN_TILES,
+    COMPILER_OPTIONS,
+    InvariantForm,
+    column_tile,
+    form_for,
+    row_chunk,
+    unsupported,
+)
 from jaxrl_lp.numerics.policy import Policy
 from jaxrl_lp.rl.logprob_programs import jit_learner_logprobs
 from jaxrl_lp.rl.logprobs import learner_logprobs, packed_rows_of
@@ -55,10 +64,22 @@ def _model(kind: str):
     return cfg, params, loop
 
 
-def _rollout(cfg, params, loop, policy, layout="invariant"):
+def _rollout(cfg, params, loop, policy, layout="invariant", form=None):
     return generate(params, cfg, PROMPTS, policy=policy, sampling=SamplingConfig(temperature=0.8),
                     max_new_tokens=12, num_samples=2, eos_id=EOS, loop=loop,
-                    key=jax.random.PRNGKey(1), decode_layout=layout)
+                    key=jax.random.PRNGKey(1), decode_layout=layout, invariant_form=form)
+
+
+def _form(name: str) -> InvariantForm:
+    """`this_cpu`'s (`form_for`), the row chunks, or the weights-major `columns` (skipped
+    where no column tile holds)."""
+    if name == "this_cpu":
+        return form_for(8)
+    if name == "row_chunks":
+        return InvariantForm(row_chunk())
+    if column_tile() is None:
+        pytest.skip(f"no column tile of {COLUMN_TILES} holds on this CPU")
+    return InvariantForm(row_chunk(), column_tile())
 
 
 def _exact(got, want, ro, what):
@@ -66,20 +87,23 @@ def _exact(got, want, ro, what):
     assert tokens > 0 and (differ, worst) == (0, 0.0), (what, differ, tokens, worst)
 
 
-# Each case compiles a sampler and four learner programs with the row-chunked products
-# (73-84 s cold on the 2-core Zen 3 of 2026-12-07): the default suite takes the dense model
-# in f32, the slow tier the other three.
-CASES = [pytest.param(kind, pol, marks=() if (kind, pol) == ("dense", "fp32") else pytest.mark.slow)
-         for kind in ("dense", "looped_deferred") for pol in ("fp32", "bf16")]
+# Each case compiles a sampler and four learner programs (73-84 s cold with the row chunks on
+# the 2-core Zen 3 of 2026-12-07): the default suite takes the dense model in f32 in this
+# CPU's form, the slow tier the other three and all four in the row chunks.
+CASES = [pytest.param(kind, pol, form, marks=() if (kind, pol, form) == ("dense", "fp32", "this_cpu")
+                      else pytest.mark.slow)
+         for form in ("this_cpu", "row_chunks") for kind in ("dense", "looped_deferred")
+         for pol in ("fp32", "bf16")]
 
 
-@pytest.mark.parametrize(("kind", "policy"), CASES)
-def test_the_parallel_forward_is_the_samplers_bits(kind, policy):
+@pytest.mark.parametrize(("kind", "policy", "form"), CASES)
+def test_the_parallel_forward_is_the_samplers_bits(kind, policy, form):
     """Whole batch, 2- and 4-way slices (packed, as the learner step packs), and the value
     inside a gradient's program: the sampler's bits; under moved weights the replay's."""
     policy = Policy.parse(policy)
     cfg, params, loop = _model(kind)
-    ro = _rollout(cfg, params, loop, policy)
+    ro = _rollout(cfg, params, loop, policy, form=_form(form))
+    assert ro.invariant_form == _form(form)
     lengths = np.asarray(ro.completion_mask).sum(1)
     assert lengths.min() < lengths.max(), lengths  # EOS in play
     if cfg.is_looped:
@@ -111,30 +135,38 @@ def test_the_parallel_forward_is_the_samplers_bits(kind, policy):
                f"moved weights, rows {rows.tolist()}")
 
 
-def test_a_decode_of_more_rows_than_a_chunk_runs_in_chunks_too():
+@pytest.mark.parametrize("form", ["row_chunks", "columns"])
+def test_a_decode_of_more_rows_than_a_chunk_or_a_tile_runs_in_its_form(form):
     """A decode of more rows than this CPU's row chunk runs its products by chunks as the
     learner does (whole products of more rows are no class: their kernels change with the
-    row count), and the learner's forward reads it whole and by a slice: the sampler's bits.
-    A rollout sampled in chunks this CPU's products do not hold is refused in one line."""
+    row count), or in the weights-major form over tiles of columns, and the learner's forward
+    reads it whole and by a slice: the sampler's bits. A rollout sampled in chunks or tiles
+    this CPU's products do not hold is refused in one line, and so is such a form asked of
+    the sampler."""
     import dataclasses
-
-    from jaxrl_lp.numerics.invariant import InvariantForm, row_chunk
 
     policy = Policy.parse("fp32")
     cfg, params, loop = _model("dense")
-    chunk = row_chunk()
+    chunk, given = row_chunk(), _form(form)
     prompts = [PROMPTS[i % len(PROMPTS)] + (i,) for i in range(chunk // 2 + 1)]
-    ro = generate(params, cfg, prompts, policy=policy, sampling=SamplingConfig(temperature=0.8),
-                  max_new_tokens=6, num_samples=2, eos_id=EOS, key=jax.random.PRNGKey(2),
-                  decode_layout="invariant")
-    assert ro.completion_tokens.shape[0] > chunk and ro.invariant_form == InvariantForm(chunk)
+    sample = lambda f: generate(params, cfg, prompts, policy=policy,
+                                sampling=SamplingConfig(temperature=0.8), max_new_tokens=6,
+                                num_samples=2, eos_id=EOS, key=jax.random.PRNGKey(2),
+                                decode_layout="invariant", invariant_form=f)
+    ro = sample(given)
+    assert ro.completion_tokens.shape[0] > chunk and ro.invariant_form == given
     program = jit_learner_logprobs(cfg, policy, "invariant")
     _exact(program(params, ro), ro.logprobs, ro, "whole batch")
     part = take_rows(ro, np.arange(4))
     _exact(program(params, part), part.logprobs, part, "4 rows")
-    other = dataclasses.replace(ro, invariant_form=InvariantForm(chunk // 2))
-    with pytest.raises(ValueError, match=f"chunks of {chunk // 2} rows.*grpo.logprobs=hybrid"):
-        program(params, other)
+    if form == "row_chunks":
+        other, match = given._replace(chunk=chunk // 2), f"chunks of {chunk // 2} rows"
+    else:
+        other, match = given._replace(columns=given.columns * 2), "column tiles of"
+    with pytest.raises(ValueError, match=f"{match}.*grpo.logprobs=hybrid"):
+        program(params, dataclasses.replace(ro, invariant_form=other))
+    with pytest.raises(ValueError, match=re.escape(f"invariant_form {other}: ") + f".*{match}"):
+        sample(other)
 
 
 @pytest.mark.parametrize("kind", [  # the looped cell (39 s cold on 2 cores) in the slow tier
@@ -245,7 +277,10 @@ def test_the_weight_products_back_to_the_plain_form_break_the_equality(monkeypat
     """The forms are what makes the equality: the learner's weight products reverted to the
     plain `x @ W`, the same rollout's log-probs are not the sampler's bits at this model's
     widths (`benchmarks/batch_invariance.py --parts model` reverts each form in turn; the
-    attention's is planted in the test below, at a cache where it matters)."""
+    attention's is planted in the test below, at a cache where it matters). In the
+    weights-major form (this CPU's where its column tile is small), the learner's products
+    not padded to whole tiles (a row summed by the kernel of a narrow last tile) break it
+    too."""
     import jaxrl_lp.models.layers as layers
     import jaxrl_lp.numerics.invariant as inv
 
@@ -253,13 +288,24 @@ def test_the_weight_products_back_to_the_plain_form_break_the_equality(monkeypat
     cfg, params, loop = _model("dense")
     ro = _rollout(cfg, params, loop, policy)  # sampled with every form in place
     program = jit_learner_logprobs(cfg, policy, "invariant")
-    _exact(program(params, ro), ro.logprobs, ro, "before the plant")
-    monkeypatch.setattr(inv, "invariant_dot",
-                        lambda x, w, policy: layers._f32_product(x, w, policy))
-    planted = jit_learner_logprobs(cfg, policy, "invariant")  # traced anew, with the plant
-    differ = sum(bit_mismatch(planted(params, r), r.logprobs, r.completion_mask)[0]
-                 for r in (ro, take_rows(ro, np.arange(2))))
-    assert differ > 0, "the products reverted to the plain form, yet every log-prob is the sampler's"
+    slices = [ro, take_rows(ro, np.arange(2)), take_rows(ro, np.arange(1))]
+    for r in slices:
+        _exact(program(params, r), r.logprobs, r, "before the plant")
+
+    def differing(**plant):
+        with monkeypatch.context() as m:
+            for name, fn in plant.items():
+                m.setattr(inv, name, fn)
+            planted = jit_learner_logprobs(cfg, policy, "invariant")  # traced anew, planted
+            return sum(bit_mismatch(planted(params, r), r.logprobs, r.completion_mask)[0]
+                       for r in slices)
+
+    assert differing(invariant_dot=lambda x, w, policy: layers._f32_product(x, w, policy)) > 0, \
+        "the products reverted to the plain form, yet every log-prob is the sampler's"
+    if ro.invariant_form.columns is not None:
+        columns_product = inv._columns_product
+        assert differing(_columns_product=lambda x, w, columns: columns_product(x, w, 1)) > 0, \
+            "the columns unpadded, yet every log-prob is the sampler's"
 
 
 WIDE = ["model.family=qwen3", "model.loop_steps=1", "model.hidden_size=256",

@@ -66,10 +66,11 @@ def dot(x_xK: jax.Array, w_KxN: jax.Array, policy: Policy) -> jax.Array:
     A `RecordedWeight` (`models.recorded`) returns its recorded product, with
     the gradient of this function at its weight.
 
-    Inside `numerics.invariant.invariant_forms` a plain stored weight's product
-    takes the invariant form (`invariant.invariant_dot`: each row's bits
-    independent of the rows beside it, its gradient the plain product's); other
-    weights and formats are refused there, never computed otherwise.
+    Inside `numerics.invariant.invariant_forms` a plain weight's product takes the
+    invariant form (`invariant.invariant_dot`: each row's bits independent of the
+    rows beside it, its gradient the plain product's; the decode's `[out, in]` copy
+    by `invariant.weights_major_product` where the form reads the weights so);
+    other weights and formats are refused there, never computed otherwise.
     """
     if invariant.active():
         return _invariant(x_xK, w_KxN, policy)
@@ -108,14 +109,21 @@ def dot(x_xK: jax.Array, w_KxN: jax.Array, policy: Policy) -> jax.Array:
 
 
 def _invariant(x_xK: jax.Array, w_KxN, policy: Policy) -> jax.Array:
-    """`dot` inside `invariant_forms`: plain stored weights only (docstring above)."""
-    if policy.matmul_format is not None or current_mesh() is not None or not isinstance(
-            w_KxN, jax.Array):
-        raise ValueError("invariant forms: a plain stored weight on one device without a "
+    """`dot` inside `invariant_forms`: plain weights only, stored or the decode's
+    `[out, in]` copy (docstring above)."""
+    transposed = isinstance(w_KxN, TransposedWeight) and isinstance(w_KxN.w_NxK, jax.Array)
+    if policy.matmul_format is not None or current_mesh() is not None or not (
+            isinstance(w_KxN, jax.Array) or transposed):
+        raise ValueError("invariant forms: a plain weight on one device without a "
                          f"matmul_format; got {type(w_KxN).__name__}"
                          + (f" with matmul_format {policy.matmul_format}"
                             if policy.matmul_format else "")
                          + (" under a mesh" if current_mesh() is not None else ""))
+    if transposed:  # the sampler's copy: a forward only
+        w = policy.round_params(w_KxN.w_NxK)
+        n, k = w.shape
+        return invariant.weights_major_product(x_xK.reshape(-1, k), w).reshape(
+            *x_xK.shape[:-1], n)
     return invariant.invariant_dot(x_xK, policy.round_params(w_KxN), policy)
 
 

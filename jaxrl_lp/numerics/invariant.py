@@ -18,17 +18,27 @@ library or the code generator picks its algorithm by size
 
 The invariant forms fix each of these:
 
-- products by row chunks (`InvariantForm`): every product runs over chunks
-  of 2 to `chunk` rows (`row_chunk`, found by a probe; docs/design/invariant.md
-  names it by CPU), in which a row's bits do not depend on how many rows are
-  beside it or where it stands; the decode's B rows are one chunk when
-  B <= `chunk`, and the learner's B x T rows are cut into chunks, each a
-  product of its own (`lax.map`). Whole products of more rows are no class:
-  their kernels change again with the row count and the widths. Weights are
-  read as stored, `[in, out]`, by the decode and the learner alike (the
-  `invariant` decode layout is `as_stored`'s copy: an `[out, in]` read sums
-  otherwise); the learner's forward value is the chunked product, its
-  gradient the plain product's (`invariant_dot`);
+- the weight products in one of two forms (`InvariantForm`, which the
+  rollout records; `form_for` picks this CPU's):
+  - weights-major (`columns`): each weight read `[out, in]` (the `transposed`
+    layout's copy) as the product's row operand, `w @ x.T`, all the rows at
+    once. The kernel sums a column (a row of `x`) by the width of the tile of
+    columns it lands in, so the rows are padded with zeros to a multiple of the
+    CPU's column tile (`column_tile`, found by a probe; docs/design/invariant.md
+    names it by CPU); then a row's bits do not depend on the rows beside it,
+    their number or its place. A decode of fewer rows than a tile computes a
+    whole tile, the learner's B x T rows the next multiple of it: one whole
+    product each. Taken where the tile is at most `MAX_COLUMN_TILE`;
+  - row chunks (`columns` None): every product runs over chunks of 2 to
+    `chunk` rows (`row_chunk`, found by a probe), in which a row's bits do not
+    depend on how many rows are beside it or where it stands; the decode's B
+    rows are one chunk when B <= `chunk`, and the learner's B x T rows are cut
+    into chunks, each a product of its own (`lax.map`). Whole products of more
+    rows are no class: their kernels change again with the row count and the
+    widths. Weights are read as stored, `[in, out]`, by the decode and the
+    learner alike (an `[out, in]` read sums otherwise);
+  either way the learner's forward value is the invariant product, its gradient
+  the plain product's (`invariant_dot`);
 - `attention_scores` / `attention_values`: the attention's products per
   (sequence, kv head), the query rows in chunks of 2 to `chunk`;
 - `COMPILER_OPTIONS`: the programs that use the forms are compiled with
@@ -36,7 +46,7 @@ The invariant forms fix each of these:
   XLA's own, whose per-row arithmetic does not depend on the row count.
 
 A program opts in by tracing inside `invariant_forms(zero, form)` (the
-sampler's program in the `invariant` decode layout with `form_for(B)`, the
+sampler's program in the `invariant` decode layout with its form, the
 learner's `invariant` log-probs with the form the rollout records) and being
 jitted with `COMPILER_OPTIONS`. The forms are proven on XLA:CPU only
 (`unsupported` names why elsewhere); each run checks them at its own shapes
@@ -58,14 +68,21 @@ import numpy as np
 from jaxrl_lp.numerics.policy import Policy
 from jaxrl_lp.numerics.products import precision_for, product
 
-__all__ = ["COMPILER_OPTIONS", "ROW_CHUNKS", "InvariantForm", "active", "apart",
-           "attention_scores", "attention_values", "form_for", "form_holds", "invariant_dot",
-           "invariant_forms", "opaque_zero", "row_chunk", "rsqrt", "total", "unsupported",
-           "weights_product"]
+__all__ = ["COLUMN_TILES", "COMPILER_OPTIONS", "MAX_COLUMN_TILE", "ROW_CHUNKS", "InvariantForm",
+           "active", "apart", "attention_scores", "attention_values", "column_tile", "form_for",
+           "form_holds", "invariant_dot", "invariant_forms", "opaque_zero", "row_chunk", "rsqrt",
+           "total", "unsupported", "weights_major_product", "weights_product"]
 
-# The row chunks `row_classes` tries, largest first: YNNPACK's product kernel for 2-32 rows
+# The row chunks `row_chunk` tries, largest first: YNNPACK's product kernel for 2-32 rows
 # gives a row the same bits at any row count in that range, and another kernel runs at more.
 ROW_CHUNKS = (32, 16, 8, 4)
+# The column tiles `column_tile` tries, smallest first: a weights-major product `w @ x.T`
+# sums each of its columns (the rows of `x`) by the kernel of the tile the column lands in.
+COLUMN_TILES = (8, 16, 32, 64)
+# The largest column tile the decode takes the weights-major form at: a decode of B rows pads
+# them to a multiple of the tile, which a small tile hides behind the weight read and a large
+# one does not (docs/design/invariant.md, "The forms", measures both).
+MAX_COLUMN_TILE = 16
 # YNNPACK fusions for dots only: reductions and elementwise ops are XLA's own loops, whose
 # bits per row do not depend on the row count (with YNNPACK's reductions and `exp` they do).
 COMPILER_OPTIONS = {"xla_cpu_experimental_ynn_fusion_type": "LIBRARY_FUSION_TYPE_INDIVIDUAL_DOT"}
@@ -74,10 +91,15 @@ COMPILER_OPTIONS = {"xla_cpu_experimental_ynn_fusion_type": "LIBRARY_FUSION_TYPE
 class InvariantForm(NamedTuple):
     """How the invariant forms run a product's rows (`form_for`; a rollout records it).
 
-    chunk: every product (weights' and the attention's, by query rows) runs over chunks of
-      2 to `chunk` rows, each a product of its own.
+    chunk: the attention's products (by query rows), and the weight products where `columns`
+      is None, run over chunks of 2 to `chunk` rows, each a product of its own.
+    columns: the weight products read each weight `[out, in]` (the `transposed` layout's
+      copy) as the product's row operand, `w @ x.T`, over all the rows at once, padded with
+      zero rows to a multiple of `columns`, this CPU's column tile (`column_tile`). None: the
+      weights read as stored, `[in, out]`, their products in row chunks.
     """
     chunk: int
+    columns: int | None = None
 
 
 class _State(NamedTuple):
@@ -187,22 +209,79 @@ def row_chunk() -> int | None:
     return None
 
 
+def _columns_cases(rng) -> list[tuple[np.ndarray, np.ndarray]]:
+    """(rows `[M, K]`, weight `[N, K]`) of weights-major products: f32 and bf16 at the two
+    contraction widths of `_probe_cases`, `M` enough rows for 64 of the largest tile."""
+    normal = lambda *shape: rng.standard_normal(shape).astype(np.float32)
+    cases = []
+    for k, n in ((512, 256), (1408, 128)):
+        x, w = normal(64 * COLUMN_TILES[-1], k), normal(n, k) * 0.05
+        cases += [(x, w), (x.astype(jnp.bfloat16), w.astype(jnp.bfloat16))]
+    return cases
+
+
+@functools.cache
+def column_tile() -> int | None:
+    """The smallest tile of `COLUMN_TILES` at which a weights-major product (`w @ x.T`,
+    `weights_major_product`) gives every row the bits it has in the product of its own tile's
+    rows, whatever the other rows of the tile (zeros included), the number of tiles or the
+    row's tile; None when none holds (XLA:CPU's product kernel under `COMPILER_OPTIONS`).
+
+    The kernel may sum a narrow last tile of columns otherwise than a full one, so every
+    product's rows are padded to a multiple of the tile. Probed once a process, as
+    `row_chunk` is.
+    """
+    bits = lambda y: np.asarray(y, np.float32).view(np.uint32)
+    with jax.ensure_compile_time_eval():
+        product = jax.jit(_columns_product, static_argnums=2, compiler_options=COMPILER_OPTIONS)
+        cases = _columns_cases(np.random.default_rng(1))
+        for tile in COLUMN_TILES:
+            def holds(x, w, tile=tile):
+                many = x[:64 * tile]
+                full = bits(product(many, w, tile))
+                alone = [bits(product(many[i * tile:(i + 1) * tile], w, tile)) for i in range(3)]
+                padded = [bits(product(many[:m], w, tile)) for m in (1, 2, tile - 1)]
+                rolled = bits(product(np.roll(many, 5, 0), w, tile))
+                return ((rolled == np.roll(full, 5, 0)).all()
+                        and all((a == full[i * tile:(i + 1) * tile]).all()
+                                for i, a in enumerate(alone))
+                        and all((p == full[:p.shape[0]]).all() for p in padded))
+            if all(holds(x, w) for x, w in cases):
+                return tile
+    return None
+
+
 def form_for(rows: int) -> InvariantForm | None:
-    """The form of a decode of `rows` rows on this CPU (its rows one chunk where they fit in
-    one), or None where no chunk holds."""
-    del rows  # every row count runs in this CPU's chunks
+    """The form of a decode of `rows` rows on this CPU, or None where no row chunk holds.
+
+    The weight products take the weights-major form where this CPU's column tile is at most
+    `MAX_COLUMN_TILE` (`column_tile`), the row chunks elsewhere; the attention's products run
+    in row chunks in both.
+    """
+    del rows  # every row count runs in this CPU's form
     chunk = row_chunk()
-    return None if chunk is None else InvariantForm(chunk)
+    if chunk is None:
+        return None
+    tile = column_tile()
+    return InvariantForm(chunk, tile if tile is not None and tile <= MAX_COLUMN_TILE else None)
 
 
 def form_holds(form: InvariantForm) -> str | None:
-    """Why a rollout sampled in `form` cannot be reproduced by this CPU's products, or None."""
+    """Why a rollout sampled in `form` cannot be reproduced by this CPU's products, or None.
+
+    Either form (row chunks or weights-major) is reproduced where its tiles are this CPU's,
+    whichever `form_for` picks here.
+    """
     chunk = row_chunk()
     if chunk is None:
         return unsupported()
     if form.chunk != chunk:
-        return (f"it was sampled in chunks of {form.chunk} rows; this CPU's products hold in "
-                f"chunks of {chunk}")
+        return (f"the form runs its products in chunks of {form.chunk} rows; this CPU's hold "
+                f"in chunks of {chunk}")
+    if form.columns is not None and form.columns != (tile := column_tile()):
+        return (f"the form sums its weight products in column tiles of {form.columns}; this "
+                + ("CPU's weights-major products hold in no tile of "
+                   f"{COLUMN_TILES}" if tile is None else f"CPU's hold in tiles of {tile}"))
     return None
 
 
@@ -302,13 +381,45 @@ def _by_rows(fn: Callable[[jax.Array], jax.Array], x_xMxK: jax.Array, chunk: int
     return y.reshape(*lead, g * chunk, y.shape[-1])[..., :m, :]
 
 
+def _columns_product(x_MxK: jax.Array, w_NxK: jax.Array, columns: int) -> jax.Array:
+    """`x @ w_NxK.T` in f32, `[M, N]`, computed as `w_NxK @ x.T` over all the rows at once, the
+    rows padded with zeros to a multiple of `columns`.
+
+    The barriers keep the product `[N, M]` in memory as computed and the weight's copy as
+    given: without them XLA lays the product out as the transpose wants it, or folds a
+    transposed copy back into the stored weight's read, and sums otherwise.
+    """
+    m = x_MxK.shape[0]
+    x = _pad(x_MxK, -(-m // columns) * columns)
+    w = jax.lax.optimization_barrier(w_NxK)
+    y = jax.lax.dot_general(w, x, (((1,), (1,)), ((), ())), precision=precision_for(x, w),
+                            preferred_element_type=jnp.float32)
+    return jax.lax.optimization_barrier(jax.lax.optimization_barrier(y).T)[:m]
+
+
+def weights_major_product(x_MxK: jax.Array, w_NxK: jax.Array) -> jax.Array:
+    """`x @ w_NxK.T` in f32, `[M, N]`, for a weight read `[out, in]` (the decode's
+    `TransposedWeight` copy) in an active form with `columns`."""
+    columns = _form().columns
+    if columns is None:
+        raise ValueError("invariant forms: a weight read [out, in] is for a form with columns; "
+                         "this form reads the weights as stored")
+    with jax.named_scope("invariant_columns"):
+        return _columns_product(x_MxK, w_NxK, columns)
+
+
 def weights_product(x_MxK: jax.Array, w_KxN: jax.Array) -> jax.Array:
-    """`x @ w` in f32, `[M, N]`, the rows in the active form's chunks (module docstring)."""
+    """`x @ w` in f32, `[M, N]`, in the active form (module docstring): the rows in chunks, or
+    with `columns` the weights-major product over a copy of `w` read `[out, in]`."""
+    form = _form()
+    if form.columns is not None:
+        with jax.named_scope("invariant_columns"):
+            return _columns_product(x_MxK, w_KxN.T, form.columns)
     dot = lambda x: jax.lax.dot_general(x, w_KxN, (((1,), (0,)), ((), ())),
                                         precision=precision_for(x_MxK, w_KxN),
                                         preferred_element_type=jnp.float32)
     with jax.named_scope("invariant_rows"):
-        return _by_rows(dot, x_MxK, _form().chunk)
+        return _by_rows(dot, x_MxK, form.chunk)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))

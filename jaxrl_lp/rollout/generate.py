@@ -34,7 +34,14 @@ from jaxrl_lp.models.recorded import (
     empty_products,
 )
 from jaxrl_lp.numerics.fingerprint import tree_fingerprint
-from jaxrl_lp.numerics.invariant import COMPILER_OPTIONS, form_for, invariant_forms, opaque_zero
+from jaxrl_lp.numerics.invariant import (
+    COMPILER_OPTIONS,
+    InvariantForm,
+    form_for,
+    form_holds,
+    invariant_forms,
+    opaque_zero,
+)
 from jaxrl_lp.numerics.policy import FP32, Policy, require
 from jaxrl_lp.parallel.context import use_mesh
 from jaxrl_lp.parallel.rules import DEFAULT_RULES, ShardingRules
@@ -54,6 +61,7 @@ from jaxrl_lp.rollout.step import (
     fused_readout,
     prefill,
     step_logits,
+    transposes,
 )
 from jaxrl_lp.rollout.step import decode_layout as decode_layout_for  # `generate` has the name
 
@@ -95,20 +103,22 @@ class _DecodeState(NamedTuple):
 
 
 _STATICS = ("cfg", "policy", "loop", "sampling", "max_new_tokens", "eos_id", "pad_id", "mesh",
-            "rules", "record", "layout")
+            "rules", "record", "layout", "form")
 
 
 def _program(params, prompt_BxP, positions_BxP, lengths_B, key, version,
              forced: Forced | None,
              *, cfg, policy, loop, sampling, max_new_tokens, eos_id, pad_id, mesh=None,
-             rules=DEFAULT_RULES, record=False, layout="as_stored") -> Rollout:
+             rules=DEFAULT_RULES, record=False, layout="as_stored",
+             form: InvariantForm | None = None) -> Rollout:
     """The sampler's compiled program: samples (`forced.on` False) or replays (True).
 
     Jitted. Static (a new value compiles anew): `cfg`, `policy`, `loop`,
     `sampling`, `max_new_tokens`, `eos_id`, `pad_id`, `mesh`, `rules`,
-    `record`, `layout` (the decode layout, `rollout.step.decode_layout`), and
-    the shapes of the prompt arrays (bucketed by `pad_prompts`). `version` is
-    an int32 scalar array. Nothing is donated; inputs keep the shardings they
+    `record`, `layout` (the decode layout, `rollout.step.decode_layout`), `form`
+    (an `invariant` layout's `numerics.invariant.InvariantForm`), and the
+    shapes of the prompt arrays (bucketed by `pad_prompts`). `version` is an
+    int32 scalar array. Nothing is donated; inputs keep the shardings they
     come with (params by the rules, rows over the data shards), and
     activations and the KV cache are constrained to the rules under `mesh`.
 
@@ -121,13 +131,12 @@ def _program(params, prompt_BxP, positions_BxP, lengths_B, key, version,
 
     The `invariant` layout's program is `invariant_sampler_program`, the same
     function jitted with `numerics.invariant.COMPILER_OPTIONS` (`program_for`),
-    traced in the invariant forms of its B rows (`numerics.invariant.form_for`),
-    which the rollout records.
+    traced in the invariant forms of `form` (static: `numerics.invariant.form_for`'s by
+    default, chosen by `generate`), which the rollout records.
     """
-    form = form_for(prompt_BxP.shape[0]) if layout == "invariant" else None
-    if layout == "invariant" and form is None:
-        raise ValueError("decode_layout 'invariant': no row chunk holds on this CPU "
-                         "(numerics.invariant.row_classes); use decode_layout='transposed'")
+    if (layout == "invariant") != (form is not None):
+        raise ValueError("the sampler's program: the 'invariant' decode layout takes its "
+                         f"InvariantForm (form), another layout none; got {layout!r} and {form!r}")
     with use_mesh(mesh, rules), invariant_forms(opaque_zero(version), form):
         return _sample(params, prompt_BxP, positions_BxP, lengths_B, key, version, forced,
                        cfg=cfg, policy=policy, loop=loop, sampling=sampling,
@@ -149,6 +158,25 @@ def program_for(layout: str):
     return invariant_sampler_program if layout == "invariant" else sampler_program
 
 
+def _form(layout: str, given: InvariantForm | None, rows: int) -> InvariantForm | None:
+    """The invariant form a decode of `rows` rows in `layout` runs in (`generate`'s
+    `invariant_form`), checked; None for the other layouts."""
+    if layout != "invariant":
+        if given is not None:
+            raise ValueError(f"generate: invariant_form is for decode_layout='invariant', not "
+                             f"{layout!r}")
+        return None
+    form = given if given is not None else form_for(rows)
+    if form is None:
+        raise ValueError("decode_layout 'invariant': no row chunk holds on this CPU "
+                         "(numerics.invariant.row_chunk); use decode_layout='transposed'")
+    if not isinstance(form, InvariantForm):
+        raise TypeError(f"generate: invariant_form is an InvariantForm, not {form!r}")
+    if (why := form_holds(form)) is not None:
+        raise ValueError(f"generate: invariant_form {form}: {why}; pass None (this CPU's)")
+    return form
+
+
 def _sample(params, prompt_BxP, positions_BxP, lengths_B, key, version, forced: Forced | None,
             *, cfg, policy, loop, sampling, max_new_tokens, eos_id, pad_id, record, layout,
             form):
@@ -157,7 +185,7 @@ def _sample(params, prompt_BxP, positions_BxP, lengths_B, key, version, forced: 
     # Sliced and rounded once, here: inside the loop a scan over stacked weights copies them
     # every step, a transpose there would be redone every step, and so would the rounding of
     # the f32 master to the matmul inputs (`decode_weights`).
-    params = unstack_layers(params, transpose=layout == "transposed", policy=policy)
+    params = unstack_layers(params, transpose=transposes(layout, form), policy=policy)
     cache = unstack_cache(init_cache(cfg, policy, b, p + n), cfg)
     # With the fused read-out the steps return the hidden state: the token is sampled from its
     # logits, and its log-prob is theirs (`token_logprobs`, what `step_logprobs` replays).
@@ -257,6 +285,7 @@ def generate(
     prompt_width: int = 0,
     record_products: bool = False,
     decode_layout: str | None = None,
+    invariant_form: InvariantForm | None = None,
 ) -> Rollout:
     """Samples `num_samples` completions for each prompt (G samples per prompt, grouped).
 
@@ -305,6 +334,10 @@ def generate(
         records it and the replay follows it. `invariant` (CPU, one device) adds
         the batch-invariant forms, which the learner's `invariant` log-probs
         reproduce in one parallel forward (`numerics.invariant`).
+      invariant_form: the `numerics.invariant.InvariantForm` of an `invariant`
+        decode; None takes this CPU's (`numerics.invariant.form_for`: the
+        weights-major products where its column tile is small, else the row
+        chunks). The rollout records it.
 
     Returns:
       A `Rollout`.
@@ -333,13 +366,14 @@ def generate(
                               for f, a in zip(req._fields[:3], req[:3], strict=True)})
     zeros = np.zeros((req.tokens_BxP.shape[0], max_new_tokens), np.int32)
     layout = decode_layout_for(params, policy, mesh, decode_layout)
+    form = _form(layout, invariant_form, rows)
     device = None if mesh is not None else one_device(params)
     ro = program_for(layout)(params, *call_inputs(req.tokens_BxP, req.positions_BxP, req.lengths_B,
                                               key, weights_version, zeros, zeros, False, mesh,
                                               rules, device),
                          cfg=cfg, policy=policy, loop=loop, sampling=sampling,
                          max_new_tokens=max_new_tokens, eos_id=eos_id, pad_id=pad_id, mesh=mesh,
-                         rules=rules, record=record_products, layout=layout)
+                         rules=rules, record=record_products, layout=layout, form=form)
     if ro.prompt_tokens.shape[0] != rows:  # the padding rows
         ro = jax.tree.map(lambda x: x[:rows] if np.ndim(x) else x, ro)
     # What the learner compares its weights with (`Rollout.weights_digest`), and the key

@@ -68,7 +68,14 @@ from jaxrl_lp.rollout.generate import (
 )
 from jaxrl_lp.rollout.sampling import SamplingConfig
 from jaxrl_lp.rollout.speculative import drafter_stand_in, replay_speculative, speculative_program
-from jaxrl_lp.rollout.step import LoopSpec, decode_step, fused_readout, prefill, step_logprobs
+from jaxrl_lp.rollout.step import (
+    LoopSpec,
+    decode_step,
+    fused_readout,
+    prefill,
+    step_logprobs,
+    transposes,
+)
 
 __all__ = ["ReplayProgram", "prompt_positions", "replay_logprobs", "rollout_loop",
            "traced_replay_logprobs"]
@@ -143,7 +150,8 @@ def traced_replay_logprobs(params: dict, cfg: ModelConfig, policy: Policy, ro: R
     b, p = ro.prompt_tokens.shape
     n = ro.completion_tokens.shape[1]
     # As the sampler (`generate`) decoded: the same copy of the weights, in its layout.
-    params = unstack_layers(params, transpose=ro.decode_layout == "transposed", policy=policy)
+    params = unstack_layers(params, transpose=transposes(ro.decode_layout, ro.invariant_form),
+                            policy=policy)
     cache = unstack_cache(init_cache(cfg, policy, b, p + n), cfg)
     positions = prompt_positions(ro.prompt_tokens, ro.prompt_lengths)
     fused = fused_readout(policy)  # the steps return what the sampler's did
@@ -286,7 +294,8 @@ def replay_logprobs(params: dict, cfg: ModelConfig, policy: Policy, ro: Rollout,
                                      dcfg=spec.drafter_cfg, spec=spec.spec, **kw)[0].logprobs
         else:
             lp = program_for(ro.decode_layout)(held, *args, mesh=call.mesh, rules=rules,
-                                               record=call.record, **kw).logprobs
+                                               record=call.record, form=ro.invariant_form,
+                                               **kw).logprobs
         if len(calls) == 1 and call.rows == b and (at == np.arange(b)).all():
             # The whole call, in its order, placed as the rollout's rows are (a sampler of its
             # own ran it on its devices).

@@ -34,16 +34,23 @@ from jaxrl_lp.numerics.policy import Policy
 from jaxrl_lp.rollout.sampling import token_logprobs
 
 __all__ = ["DECODE_LAYOUTS", "LoopSpec", "decode_layout", "decode_step", "fused_readout",
-           "prefill", "step_logits", "step_logprobs"]
+           "prefill", "step_logits", "step_logprobs", "transposes"]
 
 # How the sampler's decode copy of the weights is laid out (`Rollout.decode_layout`):
 # `as_stored` slices the stacked layers; `transposed` copies the plain matmul weights and
-# the lm head `[out, in]` (`models.blocks.unstack_layers(transpose=True)`); `invariant` is
-# `as_stored` with the batch-invariant forms (`numerics.invariant`: the sampler's program
-# traced inside `invariant_forms`, compiled with its options), which the learner's parallel
-# forward, reading the same stored weights, reproduces bit for bit (`rl.logprobs`'
-# `invariant` method).
+# the lm head `[out, in]` (`models.blocks.unstack_layers(transpose=True)`); `invariant` takes
+# the batch-invariant forms (`numerics.invariant`: the sampler's program traced inside
+# `invariant_forms`, compiled with its options) on `transposed`'s copy where its form reads
+# the weights `[out, in]` (`InvariantForm.columns`), else on `as_stored`'s, and the learner's
+# parallel forward reproduces it bit for bit (`rl.logprobs`' `invariant` method).
 DECODE_LAYOUTS = ("as_stored", "transposed", "invariant")
+
+
+def transposes(layout: str, form: invariant.InvariantForm | None) -> bool:
+    """Whether a decode in `layout` (and, for `invariant`, its `form`) reads the `[out, in]`
+    copy of the matmul weights (`unstack_layers(transpose=True)`)."""
+    return layout == "transposed" or (layout == "invariant" and form is not None
+                                      and form.columns is not None)
 
 
 def decode_layout(params, policy: Policy, mesh=None, layout: str | None = None) -> str:
@@ -60,8 +67,8 @@ def decode_layout(params, policy: Policy, mesh=None, layout: str | None = None) 
     for; abstract or traced weights (`jax.ShapeDtypeStruct`, inside another
     jit) take `as_stored` unless `layout` says otherwise.
 
-    `invariant` (asked for, never picked) is `as_stored` with the batch-invariant
-    forms (`numerics.invariant`); it is refused where those are not proven
+    `invariant` (asked for, never picked) takes the batch-invariant forms
+    (`numerics.invariant`) on the copy its form reads (`transposes`); it is refused where those are not proven
     (`invariant.unsupported`: another platform than CPU, a mesh).
 
     Raises:
@@ -72,8 +79,9 @@ def decode_layout(params, policy: Policy, mesh=None, layout: str | None = None) 
         leaves = jax.tree.leaves(params, is_leaf=lambda x: isinstance(x, TransposedWeight))
         found = ("transposed" if any(isinstance(x, TransposedWeight) for x in leaves)
                  else "as_stored")
-        if layout == "invariant" and found == "as_stored":  # the same copy of the weights
-            return layout
+        if layout == "invariant" and found == (
+                "transposed" if transposes(layout, invariant.form_for(0)) else "as_stored"):
+            return layout  # the copy this CPU's invariant form reads
         if layout is not None and layout != found:
             raise ValueError(f"decode_layout: params unstacked as {found!r}, asked for "
                              f"{layout!r}; pass the stacked params")
