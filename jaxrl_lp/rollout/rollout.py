@@ -126,8 +126,9 @@ class Rollout:
         out (static; `rollout.step.decode_layout`): the replay unstacks the
         learner's weights the same way, so its sums are the sampler's.
       invariant_form: the `numerics.invariant.InvariantForm` an `invariant` decode
-        ran its products in (static; the decode's rows chose it), or None: the
-        learner's `invariant` forward runs its products in the same form.
+        ran its products in (static; this CPU's, `form_for`, unless `generate` was
+        given one), or None: the learner's `invariant` forward runs its products in
+        the same form, and refuses one this CPU's products do not hold.
       calls: the sampler calls the rows came from (static; `SamplerCall`),
         one for a rollout of `generate` or `speculative_generate`, several
         for a concatenation; () for a rollout built otherwise.
