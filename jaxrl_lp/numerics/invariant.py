@@ -58,6 +58,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import functools
+import itertools
 from collections.abc import Callable, Iterator
 from typing import NamedTuple
 
@@ -236,16 +237,15 @@ def column_tile() -> int | None:
         product = jax.jit(_columns_product, static_argnums=2, compiler_options=COMPILER_OPTIONS)
         cases = _columns_cases(np.random.default_rng(1))
         for tile in COLUMN_TILES:
-            def holds(x, w, tile=tile):
+            def holds(x, w, tile=tile):  # lazily, so a tile that fails stops compiling early
                 many = x[:64 * tile]
                 full = bits(product(many, w, tile))
-                alone = [bits(product(many[i * tile:(i + 1) * tile], w, tile)) for i in range(3)]
-                padded = [bits(product(many[:m], w, tile)) for m in (1, 2, tile - 1)]
-                rolled = bits(product(np.roll(many, 5, 0), w, tile))
-                return ((rolled == np.roll(full, 5, 0)).all()
-                        and all((a == full[i * tile:(i + 1) * tile]).all()
-                                for i, a in enumerate(alone))
-                        and all((p == full[:p.shape[0]]).all() for p in padded))
+                pairs = itertools.chain(
+                    ((many[i * tile:(i + 1) * tile], full[i * tile:(i + 1) * tile])
+                     for i in range(3)),                                      # a tile alone
+                    ((many[:m], full[:m]) for m in (1, 2, tile - 1)),         # padded
+                    [(np.roll(many, 5, 0), np.roll(full, 5, 0))])             # rolled
+                return all((bits(product(rows, w, tile)) == want).all() for rows, want in pairs)
             if all(holds(x, w) for x, w in cases):
                 return tile
     return None
