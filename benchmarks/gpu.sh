@@ -54,6 +54,14 @@
 #   replay-flags-<preset>-<device>.json  jaxrl-lp bench replay under the last preset's flags:
 #                          replay == sampler at Qwen3-0.6B bf16
 #
+# SUITE=invariant asks whether a decode's product gives a row the learner's bits on the GPU
+# (issue 51's GPU half; under a minute), writing gpu-invariant-<device>.json and .log beside:
+#   fixed-tile-<device>.json  benchmarks/fixed_tile.py: Qwen3-0.6B's projection widths, bf16,
+#                          B 32, T 384: the decode's rows whose bits differ from the learner's,
+#                          XLA's product against the fixed-tile Mosaic GPU kernel
+#                          (kernels.fixed_tile), the kernel against the f32 product, and the
+#                          time of each at 32 and at 12,288 rows
+#
 # Needs a python3 with JAX for the GPU, flax, optax, orbax-checkpoint, ml_dtypes and pytest. What
 # it lacks (grain, tensorboardX and their needs) comes as wheels in .whl/, fetched beforehand on
 # a machine with PyPI by benchmarks/fetch_wheels.sh and installed with --no-index --no-deps into a
@@ -66,6 +74,7 @@
 #   SUITE=iteration benchmarks/gpu.sh                    # the iteration against Tunix
 #   SUITE=profile benchmarks/gpu.sh                      # where a rollout's and an update's time goes
 #   SUITE=graphs benchmarks/gpu.sh                       # decode without and with the GPU flags
+#   SUITE=invariant benchmarks/gpu.sh                    # a decode's product against the learner's
 #   QUICK=1 ALLOW_CPU=1 benchmarks/gpu.sh /tmp/x        # the script's own check on a CPU
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -96,7 +105,8 @@ case "$SUITE" in
   iteration) TAG=gpu-iteration ;;
   profile) TAG=gpu-profile ;;
   graphs) TAG=gpu-graphs ;;
-  *) echo "$0: SUITE must be exactness, speed, iteration, profile or graphs, got '$SUITE'" >&2
+  invariant) TAG=gpu-invariant ;;
+  *) echo "$0: SUITE must be exactness, speed, iteration, profile, graphs or invariant, got '$SUITE'" >&2
      exit 2 ;;
 esac
 LOG="$DIR/$TAG-$DEV.log"
@@ -137,6 +147,7 @@ if [[ -n "${QUICK:-}" ]]; then  # tiny sizes, a few seconds a step
   PROFILE_SAMPLER=(--size tiny-qwen3 --prompts 2 --prompt-len 8 --new-tokens 8)
   PROFILE_UPDATE=(--size tiny-qwen3 --batch 4 --prompt-len 8 --seq-len 24)
   GRAPHS=(--sizes tiny-qwen3 --batch 2,4 --prompt-len 8 --new-tokens 8)
+  FIXED_TILE=(--batch 4 --tokens 8 --widths 128x128 --repeats 2)
 else
   REPLAY=()
   TRAIN=()
@@ -147,6 +158,7 @@ else
   PROFILE_SAMPLER=(--size qwen3-0.6b --prompts 8 --prompt-len 128 --new-tokens 256)
   PROFILE_UPDATE=(--size qwen3-0.6b --batch 32 --prompt-len 128 --seq-len 384)
   GRAPHS=(--sizes qwen3-0.6b --batch 32,256 --prompt-len 128 --new-tokens 256)
+  FIXED_TILE=()
 fi
 # Off a GPU (the dry run) the tier's tests run in CI's own tiers (tests/test_gpu.py in the
 # slow tier, tests/test_kernels_compiled.py in the default suite): collected here, not run.
@@ -219,6 +231,12 @@ exact = json.loads(replay.read_text()).get("replay_equals_sampler") if replay.is
     {"target": "decode-flags", "device": dev, "presets": sets, "cells": cells,
      "replay_equals_sampler": {sets[-1]: exact}}, indent=2) + "\n")
 PY
+fi
+
+if [[ "$SUITE" == invariant ]]; then
+  # Alone on the GPU (it times products): four widths, each compiled twice a row count.
+  step fixed_tile 240 "$PYTHON" benchmarks/fixed_tile.py "${FIXED_TILE[@]}" \
+    --out "$DIR/fixed-tile-$DEV.json"
 fi
 
 if [[ "$SUITE" == exactness ]]; then

@@ -99,3 +99,21 @@ def test_batch_invariance_ops_hold_the_invariant_forms_on_this_cpu():
     if tile is not None:
         assert res[f"W@x.T K=512 N=1408, padded to the column tile ({tile}): row counts whose "
                    "rows differ from 1024 rows'"] == [], res
+
+
+@pytest.mark.slow
+def test_fixed_tile_compares_a_decodes_rows_with_the_learners():
+    # Off a GPU the kernel runs in Mosaic GPU's interpreter (bits, no times); XLA's product is
+    # compiled and timed. 2 sequences of 6 tokens: steps 0, 3 and 5, 6 rows compared a product.
+    res = _run("fixed_tile.py", "--batch", "2", "--tokens", "6", "--widths", "64x128,96x64",
+               "--repeats", "1")
+    assert res["target"] == "fixed-tile" and res["kernel"] == "gpu"
+    assert "interpreter" in res["note"] and set(res["cells"]) == {"64x128", "96x64"}
+    for cell in res["cells"].values():
+        assert cell["decode_steps"] == [0, 3, 5] and cell["rows_compared"] == 6
+        assert 0 <= cell["xla"]["rows_differ"] <= 6 and cell["xla"]["ms_learner"] > 0
+        assert 0 <= cell["fixed_tile"]["rows_differ"] <= 6 and "ms_decode" not in cell["fixed_tile"]
+        assert 0 < cell["fixed_tile"]["max_rel_diff_vs_f32"] < 1e-5
+    bad = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "fixed_tile.py"), "--widths",
+                          "64by128"], capture_output=True, text=True, cwd=ROOT)
+    assert bad.returncode == 2 and "--widths: '64by128' is not KxN" in bad.stderr

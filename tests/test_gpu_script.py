@@ -27,6 +27,7 @@ SUITES = {
     "profile": ("gpu-profile", ["profile-sampler", "profile-update"]),
     "graphs": ("gpu-graphs", ["sampler-flags-none", "sampler-flags-decode_graphs",
                               "decode-flags", "replay-flags-decode_graphs"]),
+    "invariant": ("gpu-invariant", ["fixed-tile"]),
 }
 
 
@@ -58,3 +59,7 @@ def test_the_gpu_script_runs_each_suite_on_cpu(tmp_path, suite):
         for cell in out["decode-flags"]["cells"].values():
             assert cell["decode_graphs"]["speedup_vs_none"] > 0
         assert out["decode-flags"]["replay_equals_sampler"] == {"decode_graphs": True}
+    elif suite == "invariant":  # both products compared, the kernel interpreted off a GPU
+        cell = out["fixed-tile"]["cells"]["128x128"]
+        assert out["fixed-tile"]["kernel"] == "gpu" and cell["rows_compared"] == 4 * 3
+        assert cell["fixed_tile"]["max_rel_diff_vs_f32"] < 1e-5 and "ms_decode" in cell["xla"]

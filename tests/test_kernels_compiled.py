@@ -7,7 +7,9 @@ broken call cannot hide behind a skip. On a GPU our versions (Pallas on the
 deprecated Triton backend) are retired from compiled use
 (`kernels.dispatch.RETIRED`): the GPU cells check that `k=auto` runs the
 reference there and `k=on` is a clear error (on CPU, that `k=on` refuses: no
-compiled version). Part of the GPU tier (`pytest -m gpu`, `benchmarks/gpu.sh`).
+compiled version). The fixed-tile product (`kernels.fixed_tile`, Mosaic GPU and Mosaic TPU)
+is compiled on either device and interpreted elsewhere. Part of the GPU tier (`pytest -m
+gpu`, `benchmarks/gpu.sh`).
 Tolerances are the interpret tests' (stated per test); quantization is bit for
 bit.
 """
@@ -182,3 +184,27 @@ def test_a_gpu_takes_the_reference_and_refuses_kernels_on(kernel):
         np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
     with pytest.raises(KernelUnavailableError, match="retired" if ON_GPU else "cpu"):
         jax.block_until_ready(call("on"))
+
+
+@pytest.mark.parametrize("k,n", _sizes([(1024, 3072), (3072, 1024)], [(200, 150)]))
+def test_fixed_tile_product_keeps_a_rows_bits(k, n):
+    """`kernels.fixed_tile` on the device (Mosaic GPU on a GPU, Mosaic TPU on a TPU), within
+    bf16 summation of the f32 product, and a decode's 32 rows (b, t) of the learner's 32 x 48
+    keep their bits, each moved from place b x 48 + t among 1,536 rows to place b among 32
+    (what the invariant forms need of it). Elsewhere the GPU version interpreted, small, its
+    rows kept at their places in the tile (tests/test_fixed_tile.py says why)."""
+    from jaxrl_lp.kernels.fixed_tile import fixed_tile_product
+
+    compiled = ON_GPU or ON_TPU
+    b, t = (32, 48) if compiled else (5, 26)
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.standard_normal((b * t, k)), jnp.bfloat16)
+    w = jnp.asarray(rng.standard_normal((k, n)) / np.sqrt(k), jnp.bfloat16)
+    product = jax.jit(lambda a, w: fixed_tile_product(a, w, interpret=None if compiled else "gpu"))
+    full = np.asarray(product(x, w))
+    want = np.asarray(jnp.dot(x.astype(jnp.float32), w.astype(jnp.float32), precision="highest"))
+    np.testing.assert_allclose(full, want, rtol=0, atol=4e-6 * np.abs(want).max())
+    for rows in ([np.arange(b) * t + step for step in (0, t - 1)] if compiled
+                 else [np.arange(b)]):
+        alone = np.asarray(product(x[rows], w))
+        np.testing.assert_array_equal(alone.view(np.uint32), full[rows].view(np.uint32))
