@@ -72,6 +72,24 @@ def test_a_tile_chosen_by_the_row_count_changes_a_rows_bits(operands, monkeypatc
     assert (_bits(few) != _bits(full[:5])).any()
 
 
+@pytest.mark.parametrize("mode", ["gpu", "tpu"])
+def test_a_batch_of_products_is_each_product_alone(operands, mode):
+    """The attention's products (per sequence and kv head, their own weights) and rows of a
+    batch on one weight: each product's bits are those of the product computed alone."""
+    x, w = operands
+    rng = np.random.default_rng(2)
+    xs = jnp.asarray(rng.standard_normal((2, 3, 9, 40)), jnp.bfloat16)
+    ws = jnp.asarray(rng.standard_normal((2, 3, 40, 70)) * 0.2, jnp.bfloat16)
+    both = np.asarray(fixed_tile_product(xs, ws, interpret=mode))
+    assert both.shape == (2, 3, 9, 70)
+    for i, j in ((0, 0), (1, 2)):
+        alone = np.asarray(fixed_tile_product(xs[i, j], ws[i, j], interpret=mode))
+        assert (_bits(alone) == _bits(both[i, j])).all(), (mode, i, j)
+    shared = np.asarray(fixed_tile_product(x.reshape(2, -1, K)[:, :5], w, interpret=mode))
+    assert (_bits(shared[1]) == _bits(fixed_tile_product(x.reshape(2, -1, K)[1, :5], w,
+                                                         interpret=mode))).all()
+
+
 def test_gradient_is_the_plain_products(operands):
     x, w = operands
     dy = jnp.asarray(np.random.default_rng(1).standard_normal((x.shape[0], N)), jnp.float32)
@@ -90,6 +108,11 @@ def test_lowers_with_its_kernel(platform, call):
     w = jax.ShapeDtypeStruct((1024, 3072), jnp.bfloat16)
     text = lower_for((lambda a, b: fixed_tile_product(a, b), (x, w)), platform)
     assert text.count(call) == 1
+    # the attention's scores at Qwen3-0.6B's heads: [B, kv heads, 2 query rows, 128] x slots
+    q = jax.ShapeDtypeStruct((32, 8, 2, 128), jnp.bfloat16)
+    k = jax.ShapeDtypeStruct((32, 8, 128, 384), jnp.bfloat16)
+    text = lower_for((lambda a, b: fixed_tile_product(a, b), (q, k)), platform)
+    assert text.count(call) == 1
 
 
 @pytest.mark.parametrize("platform, dtype, message", [
@@ -104,8 +127,9 @@ def test_refused_when_lowered_where_it_has_no_version(platform, dtype, message):
 
 
 @pytest.mark.parametrize("x_shape, w_shape, interpret, message", [
-    ((8, 16), (32, 16), "gpu", r"operands \[M, K\] and \[K, N\]"),
-    ((8, 16, 2), (16, 16), "gpu", r"operands \[M, K\] and \[K, N\]"),
+    ((8, 16), (32, 16), "gpu", r"operands \[\.\.\., M, K\] and \[K, N\] or"),
+    ((8,), (8, 16), "gpu", r"not \(8,\) and \(8, 16\)"),
+    ((2, 8, 16), (3, 16, 16), "gpu", r"\(the same batch\), not \(2, 8, 16\) and \(3, 16, 16\)"),
     ((8, 16), (16, 16), "cpu", "interpret is None, 'gpu' or 'tpu', not 'cpu'"),
 ])
 def test_bad_arguments_one_line(x_shape, w_shape, interpret, message):

@@ -17,13 +17,16 @@ M to the row tile, zero columns N, zero contraction entries K (both operands: pr
 
 Versions (`fixed_tile_product`), one per platform, chosen for the platform lowered for:
 
-- `cuda`: Mosaic GPU (`plgpu.kernel`, Hopper's `wgmma`), a grid of (M / 64, N / 64) thread
-  blocks; each pipelines its contraction in tiles of 64 (128 bytes of a 2-byte dtype, the
+A batch of products (`[..., M, K] @ [..., K, N]`: the attention's, per sequence and kv
+head) is one kernel whose grid adds the batch axis; a weight `[K, N]` is every product's.
+
+- `cuda`: Mosaic GPU (`plgpu.kernel`, Hopper's `wgmma`), a grid of (batch, M / 64, N / 64)
+  thread blocks; each pipelines its contraction in tiles of 64 (128 bytes of a 2-byte dtype, the
   swizzle `wgmma` reads) through shared memory, two stages deep, into a register accumulator.
   2-byte operands of one dtype (bf16, f16): `wgmma` reads f32 as tf32, which is not an f32
   product, so an f32 product is refused when lowered for cuda.
-- `tpu`: Mosaic TPU (`pallas_call`), a grid of (M / 128, N / 256, K / 256), the contraction
-  axis sequential into an f32 scratch accumulator.
+- `tpu`: Mosaic TPU (`pallas_call`), a grid of (batch, M / 128, N / 256, K / 256), the
+  contraction axis sequential into an f32 scratch accumulator.
 - elsewhere (`cpu`, `rocm`): refused when lowered (one line): XLA:CPU's invariant forms are
   `numerics.invariant`'s own.
 
@@ -84,22 +87,26 @@ def gpu_misfit(x_dtype, w_dtype) -> str | None:
 
 
 def _pad_to(x: jax.Array, multiples: tuple[int, int]) -> jax.Array:
-    """`x` `[R, C]` with zeros appended to multiples of `multiples`."""
-    pads = [(0, -(-d // m) * m - d) for d, m in zip(x.shape, multiples, strict=True)]
+    """`x` `[G, R, C]` with zeros appended to R and C up to multiples of `multiples`."""
+    pads = [(0, 0)] + [(0, -(-d // m) * m - d)
+                       for d, m in zip(x.shape[1:], multiples, strict=True)]
     return jnp.pad(x, pads) if any(p for _, p in pads) else x
 
 
-def _gpu_version(x_MxK: jax.Array, w_KxN: jax.Array, tiles: Tiles, interpret: bool) -> jax.Array:
-    """The Mosaic GPU kernel on operands padded to `tiles` (module docstring)."""
-    m, k = x_MxK.shape
-    n = w_KxN.shape[1]
-    swizzle = plgpu.find_swizzle(tiles.k * jnp.dtype(x_MxK.dtype).itemsize * 8)
-    layout = (plgpu.TilingTransform((8, swizzle // jnp.dtype(x_MxK.dtype).itemsize)),
+def _gpu_version(x_GxMxK: jax.Array, w_GxKxN: jax.Array, tiles: Tiles,
+                 interpret: bool) -> jax.Array:
+    """The Mosaic GPU kernel on operands padded to `tiles` (module docstring); a weight with a
+    batch of 1 is every product's."""
+    g, m, k = x_GxMxK.shape
+    n = w_GxKxN.shape[2]
+    shared = w_GxKxN.shape[0] == 1
+    swizzle = plgpu.find_swizzle(tiles.k * jnp.dtype(x_GxMxK.dtype).itemsize * 8)
+    layout = (plgpu.TilingTransform((8, swizzle // jnp.dtype(x_GxMxK.dtype).itemsize)),
               plgpu.SwizzleTransform(swizzle))
 
     def body(x_gmem, w_gmem, y_gmem, y_smem):
         # The grid's indices by name: Mosaic GPU's interpreter reads `axis_index`.
-        i, j = jax.lax.axis_index("m"), jax.lax.axis_index("n")
+        b, i, j = (jax.lax.axis_index(a) for a in ("g", "m", "n"))
 
         def accumulate(acc):
             def step(_, x_smem, w_smem):
@@ -111,12 +118,13 @@ def _gpu_version(x_MxK: jax.Array, w_KxN: jax.Array, tiles: Tiles, interpret: bo
                 in_specs=[plgpu.BlockSpec((tiles.m, tiles.k), lambda t: (i, t), transforms=layout,
                                           delay_release=1),
                           plgpu.BlockSpec((tiles.k, tiles.n), lambda t: (t, j), transforms=layout,
-                                          delay_release=1)])(x_gmem, w_gmem)
+                                          delay_release=1)],
+            )(x_gmem.at[b], w_gmem.at[0 if shared else b])
             y_smem[...] = acc[...]
 
         pl.run_scoped(accumulate, plgpu.ACC((tiles.m, tiles.n), jnp.float32))
         plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(y_smem, y_gmem.at[pl.ds(i * tiles.m, tiles.m),
+        plgpu.copy_smem_to_gmem(y_smem, y_gmem.at[b, pl.ds(i * tiles.m, tiles.m),
                                                   pl.ds(j * tiles.n, tiles.n)])
         plgpu.wait_smem_to_gmem(0)
 
@@ -124,124 +132,134 @@ def _gpu_version(x_MxK: jax.Array, w_KxN: jax.Array, tiles: Tiles, interpret: bo
     if interpret:
         from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
         options["interpret"] = InterpretGPUParams()
-    return plgpu.kernel(body, out_type=jax.ShapeDtypeStruct((m, n), jnp.float32),
+    return plgpu.kernel(body, out_type=jax.ShapeDtypeStruct((g, m, n), jnp.float32),
                         scratch_types={"y_smem": plgpu.SMEM((tiles.m, tiles.n), jnp.float32)},
-                        grid=(m // tiles.m, n // tiles.n), grid_names=("m", "n"),
-                        **options)(x_MxK, w_KxN)
+                        grid=(g, m // tiles.m, n // tiles.n), grid_names=("g", "m", "n"),
+                        **options)(x_GxMxK, w_GxKxN)
 
 
-def _tpu_version(x_MxK: jax.Array, w_KxN: jax.Array, tiles: Tiles, interpret: bool) -> jax.Array:
-    """The Mosaic TPU kernel on operands padded to `tiles` (module docstring)."""
-    m, k = x_MxK.shape
-    n = w_KxN.shape[1]
-    precision = jax.lax.Precision.HIGHEST if x_MxK.dtype == jnp.float32 else None
+def _tpu_version(x_GxMxK: jax.Array, w_GxKxN: jax.Array, tiles: Tiles,
+                 interpret: bool) -> jax.Array:
+    """The Mosaic TPU kernel on operands padded to `tiles` (module docstring); a weight with a
+    batch of 1 is every product's."""
+    g, m, k = x_GxMxK.shape
+    n = w_GxKxN.shape[2]
+    shared = w_GxKxN.shape[0] == 1
+    precision = jax.lax.Precision.HIGHEST if x_GxMxK.dtype == jnp.float32 else None
 
     def body(x_ref, w_ref, y_ref, acc_ref):
-        @pl.when(pl.program_id(2) == 0)
+        @pl.when(pl.program_id(3) == 0)
         def _():
             acc_ref[...] = jnp.zeros_like(acc_ref)
 
         acc_ref[...] += jnp.dot(x_ref[...], w_ref[...], precision=precision,
                                 preferred_element_type=jnp.float32)
 
-        @pl.when(pl.program_id(2) == pl.num_programs(2) - 1)
+        @pl.when(pl.program_id(3) == pl.num_programs(3) - 1)
         def _():
             y_ref[...] = acc_ref[...]
 
     return pl.pallas_call(
-        body, out_shape=jax.ShapeDtypeStruct((m, n), jnp.float32),
-        grid=(m // tiles.m, n // tiles.n, k // tiles.k),
-        in_specs=[pl.BlockSpec((tiles.m, tiles.k), lambda i, j, t: (i, t)),
-                  pl.BlockSpec((tiles.k, tiles.n), lambda i, j, t: (t, j))],
-        out_specs=pl.BlockSpec((tiles.m, tiles.n), lambda i, j, t: (i, j)),
+        body, out_shape=jax.ShapeDtypeStruct((g, m, n), jnp.float32),
+        grid=(g, m // tiles.m, n // tiles.n, k // tiles.k),
+        in_specs=[pl.BlockSpec((None, tiles.m, tiles.k), lambda b, i, j, t: (b, i, t)),
+                  pl.BlockSpec((None, tiles.k, tiles.n),
+                               lambda b, i, j, t: (0 if shared else b, t, j))],
+        out_specs=pl.BlockSpec((None, tiles.m, tiles.n), lambda b, i, j, t: (b, i, j)),
         scratch_shapes=[pltpu.VMEM((tiles.m, tiles.n), jnp.float32)],
         compiler_params=pltpu.CompilerParams(
-            dimension_semantics=("parallel", "parallel", "arbitrary")),
+            dimension_semantics=("parallel", "parallel", "parallel", "arbitrary")),
         interpret=pltpu.InterpretParams() if interpret else False,
-    )(x_MxK, w_KxN)
+    )(x_GxMxK, w_GxKxN)
 
 
-def _tiled(version, tiles: Tiles, x_MxK: jax.Array, w_KxN: jax.Array,
+def _tiled(version, tiles: Tiles, x_xMxK: jax.Array, w_xKxN: jax.Array,
            interpret: bool) -> jax.Array:
-    """`version` on the operands padded to `tiles`, the result cut back to `[M, N]`."""
-    m, n = x_MxK.shape[0], w_KxN.shape[1]
-    x = _pad_to(x_MxK, (tiles.m, tiles.k))
-    w = _pad_to(w_KxN, (tiles.k, tiles.n))
-    return version(x, w, tiles, interpret)[:m, :n]
+    """`version` on the operands padded to `tiles`, their batch dimensions as one, the result
+    cut back to `[..., M, N]`."""
+    batch, (m, k), n = x_xMxK.shape[:-2], x_xMxK.shape[-2:], w_xKxN.shape[-1]
+    x = _pad_to(x_xMxK.reshape(-1, m, k), (tiles.m, tiles.k))
+    w = _pad_to(w_xKxN.reshape(-1, k, n), (tiles.k, tiles.n))
+    return version(x, w, tiles, interpret)[:, :m, :n].reshape(*batch, m, n)
 
 
-def _plain(x_MxK: jax.Array, w_KxN: jax.Array) -> jax.Array:
+def _plain(x_xMxK: jax.Array, w_xKxN: jax.Array) -> jax.Array:
     """XLA's product in f32: what the fixed tiles replace, and their gradient."""
-    precision = jax.lax.Precision.HIGHEST if x_MxK.dtype == jnp.float32 else None
-    return jnp.dot(x_MxK, w_KxN, precision=precision, preferred_element_type=jnp.float32)
+    precision = jax.lax.Precision.HIGHEST if x_xMxK.dtype == jnp.float32 else None
+    return jnp.matmul(x_xMxK, w_xKxN, precision=precision, preferred_element_type=jnp.float32)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
-def _product(x_MxK: jax.Array, w_KxN: jax.Array, interpret: str | None) -> jax.Array:
+def _product(x_xMxK: jax.Array, w_xKxN: jax.Array, interpret: str | None) -> jax.Array:
     if interpret == "gpu":
-        return _tiled(_gpu_version, GPU_TILES, x_MxK, w_KxN, True)
+        return _tiled(_gpu_version, GPU_TILES, x_xMxK, w_xKxN, True)
     if interpret == "tpu":
-        return _tiled(_tpu_version, TPU_TILES, x_MxK, w_KxN, True)
+        return _tiled(_tpu_version, TPU_TILES, x_xMxK, w_xKxN, True)
 
     def cuda():
-        misfit = gpu_misfit(x_MxK.dtype, w_KxN.dtype)
+        misfit = gpu_misfit(x_xMxK.dtype, w_xKxN.dtype)
         if misfit is not None:
             return refuse(f"fixed_tile_product on cuda: {misfit}; cast the operands, or let "
-                          "the updates replay the decode", _plain(x_MxK, w_KxN))
-        return _tiled(_gpu_version, GPU_TILES, x_MxK, w_KxN, False)
+                          "the updates replay the decode", _plain(x_xMxK, w_xKxN))
+        return _tiled(_gpu_version, GPU_TILES, x_xMxK, w_xKxN, False)
 
     def elsewhere():
         return refuse("fixed_tile_product has compiled versions for cuda (Mosaic GPU) and tpu "
                       "(Mosaic TPU) only; on XLA:CPU the invariant forms are "
                       "numerics.invariant's, and interpret='gpu' or 'tpu' runs these anywhere",
-                      _plain(x_MxK, w_KxN))
+                      _plain(x_xMxK, w_xKxN))
 
     return jax.lax.platform_dependent(
-        cuda=cuda, tpu=lambda: _tiled(_tpu_version, TPU_TILES, x_MxK, w_KxN, False),
+        cuda=cuda, tpu=lambda: _tiled(_tpu_version, TPU_TILES, x_xMxK, w_xKxN, False),
         default=elsewhere)
 
 
-def _product_fwd(x_MxK, w_KxN, interpret):
-    return _product(x_MxK, w_KxN, interpret), (x_MxK, w_KxN)
+def _product_fwd(x_xMxK, w_xKxN, interpret):
+    return _product(x_xMxK, w_xKxN, interpret), (x_xMxK, w_xKxN)
 
 
 def _product_bwd(interpret, residuals, dy_MxN):
     del interpret
-    x_MxK, w_KxN = residuals
-    return jax.vjp(_plain, x_MxK, w_KxN)[1](dy_MxN)
+    x_xMxK, w_xKxN = residuals
+    return jax.vjp(_plain, x_xMxK, w_xKxN)[1](dy_MxN)
 
 
 _product.defvjp(_product_fwd, _product_bwd)
 
 
-def fixed_tile_product(x_MxK: jax.Array, w_KxN: jax.Array, *,
+def fixed_tile_product(x_xMxK: jax.Array, w_xKxN: jax.Array, *,
                        interpret: str | None = None) -> jax.Array:
-    """`x @ w` in f32, `[M, N]`, in tiles fixed by the platform and the dtype (module docstring):
-    a row's bits do not depend on M or on the row's place.
+    """`x @ w` in f32, `[..., M, N]`, in tiles fixed by the platform and the dtype (module
+    docstring): a row's bits do not depend on M or on the row's place.
 
     Not jitted itself; every platform's version is traced and lowering keeps one.
 
     Args:
-      x_MxK: rows.
-      w_KxN: the weight, read as stored `[in, out]`.
+      x_xMxK: rows `[M, K]`, or a batch of them `[..., M, K]` (each product its own).
+      w_xKxN: the weight `[K, N]` (read as stored, `[in, out]`), every product's, or one per
+        product, `[..., K, N]` with `x`'s batch dimensions.
       interpret: None for the compiled version of the platform lowered for; "gpu" or "tpu":
         that platform's version in Pallas's interpreter, on any host.
 
     Returns:
-      `[M, N]` f32. Differentiable: the gradient is the plain product's.
+      `[..., M, N]` f32. Differentiable: the gradient is the plain product's.
 
     Raises:
-      ValueError: operands that are not `[M, K]` and `[K, N]`, or an unknown `interpret`.
+      ValueError: operands that are not `[..., M, K]` and `[K, N]` or `[..., K, N]`, or an
+        unknown `interpret`.
       KernelUnavailableError: when lowered for a platform with no version (cpu), or for cuda
         with operands it cannot take (`gpu_misfit`).
 
     Examples:
       >>> y = fixed_tile_product(x, w, interpret="gpu")   # x [M, K], w [K, N], bf16
+      >>> s = fixed_tile_product(q_BxKxMxDh, jnp.swapaxes(k_BxKxSxDh, -1, -2))  # [B, K, M, S]
     """
     if interpret not in (None, *INTERPRET):
         raise ValueError(f"fixed_tile_product: interpret is None, 'gpu' or 'tpu', not "
                          f"{interpret!r}")
-    if x_MxK.ndim != 2 or w_KxN.ndim != 2 or x_MxK.shape[1] != w_KxN.shape[0]:
-        raise ValueError(f"fixed_tile_product: operands [M, K] and [K, N], not "
-                         f"{x_MxK.shape} and {w_KxN.shape}")
-    return _product(x_MxK, w_KxN, interpret)
+    x_shape, w_shape = x_xMxK.shape, w_xKxN.shape
+    if (x_xMxK.ndim < 2 or w_xKxN.ndim < 2 or x_shape[-1] != w_shape[-2]
+            or (w_xKxN.ndim > 2 and w_shape[:-2] != x_shape[:-2])):
+        raise ValueError(f"fixed_tile_product: operands [..., M, K] and [K, N] or [..., K, N] "
+                         f"(the same batch), not {x_shape} and {w_shape}")
+    return _product(x_xMxK, w_xKxN, interpret)
