@@ -15,11 +15,22 @@ and the time of one product of each at the decode's rows and at the learner's (t
 `--repeats` calls after a warm-up, each call a program of up to 50 products of other rows;
 compiled only). One JSON object on stdout (and `--out`).
 
+With `--model PRESET` (random weights at the preset's shapes, bf16, `--prompts` x `--group`
+rows of `--prompt-len` + `--new-tokens` tokens): the sampler in the invariant form whose
+products are all fixed tiles (`InvariantForm(tiles=...)`, the weights' and the attention's)
+against the learner's invariant forward of its rollout, whole and in halves: the tokens whose
+log-prob differs in any bit (must be none); beside it the plain sampler against the dense
+learner's forward (what an update compares without the forms), and the times of each
+(the second call; compiled only).
+
 Off a GPU or TPU the kernel runs in Pallas's interpreter (`--interpret gpu`, the default
-there): bits at small widths, no times. `SUITE=invariant benchmarks/gpu.sh` runs it on a GPU.
+there): bits at small widths, no times; the GPU interpreter sums a row by its place in a tile
+(NumPy's BLAS), so its model cell differs where a GPU's need not, and `--interpret tpu` is the
+CPU's check of the forms. `SUITE=invariant benchmarks/gpu.sh` runs it on a GPU.
 """
 
 import argparse
+import functools
 import json
 import platform
 import statistics
@@ -88,6 +99,70 @@ def cell(k: int, n: int, batch: int, tokens: int, dtype, interpret: str | None,
     return out
 
 
+def _seconds(fn) -> tuple[object, float]:
+    t = time.perf_counter()
+    out = jax.block_until_ready(fn())
+    return out, round(time.perf_counter() - t, 4)
+
+
+def model_cell(preset: str, prompts: int, group: int, prompt_len: int, new_tokens: int,
+               tiles: str, seed: int) -> dict:
+    """The sampler in the fixed-tile invariant form (`InvariantForm(tiles=...)`) against the
+    learner's invariant forward of its rollout, whole and in halves, bf16 stored natively
+    (bf16 arrays, what `auto` stores on a GPU); beside it the plain
+    sampler against the dense learner's forward (what the updates compare without the forms).
+    Random weights at the preset's shapes; times of a second call (the first compiles)."""
+    from jaxrl_lp.models.config import get_preset
+    from jaxrl_lp.models.model import init_params
+    from jaxrl_lp.numerics.invariant import InvariantForm
+    from jaxrl_lp.numerics.policy import Policy
+    from jaxrl_lp.rl.logprob_programs import jit_learner_logprobs
+    from jaxrl_lp.rollout.generate import generate, take_rows
+    from jaxrl_lp.rollout.sampling import SamplingConfig
+    from jaxrl_lp.train.behaviour import bit_mismatch
+
+    policy = Policy.parse("bf16,s=native")  # bf16 arrays on any host: the GPU kernel's input
+    cfg = get_preset(preset)
+    params = init_params(cfg, jax.random.PRNGKey(seed))
+    rng = np.random.default_rng(seed)
+    prompt_ids = [tuple(int(t) for t in rng.integers(4, cfg.vocab_size, prompt_len))
+                  for _ in range(prompts)]
+    form = InvariantForm(0, None, tiles)
+    out = {"preset": preset, "rows": prompts * group, "prompt_len": prompt_len,
+           "new_tokens": new_tokens, "form": form._asdict()}
+    for name, layout, method in (("fixed_tiles", "invariant", "invariant"),
+                                 ("plain", None, "dense")):
+        sample = lambda layout=layout: generate(
+            params, cfg, prompt_ids, policy=policy, sampling=SamplingConfig(temperature=1.0),
+            max_new_tokens=new_tokens, num_samples=group, eos_id=0,
+            key=jax.random.PRNGKey(seed + 1), decode_layout=layout,
+            invariant_form=form if layout else None)
+        ro, first = _seconds(sample)
+        ro, again = _seconds(sample)
+        program = jit_learner_logprobs(cfg, policy, method, form=ro.invariant_form)
+        assert type(program).__name__ == "LogprobProgram", program  # never the replay
+        forward = functools.partial(program, params, ro)
+        lp, learner_first = _seconds(forward)
+        lp, learner_again = _seconds(forward)
+        differ, tokens, worst = bit_mismatch(lp, ro.logprobs, ro.completion_mask)
+        half = ro.completion_tokens.shape[0] // 2
+        halves = [take_rows(ro, np.arange(i, i + half)) for i in (0, half)]
+        in_halves = sum(bit_mismatch(program(params, r), r.logprobs, r.completion_mask)[0]
+                        for r in halves)
+        out[name] = {"decode_layout": ro.decode_layout, "learner": method,
+                     "tokens": tokens, "tokens_differ": differ, "max_abs_diff": worst,
+                     "tokens_differ_in_halves": in_halves,
+                     "sampler_s": again, "sampler_first_s": first,
+                     "learner_forward_s": learner_again, "learner_first_s": learner_first}
+    if tiles != "compiled":
+        return out  # interpreted: bits, no comparable times
+    out["fixed_tiles_vs_plain"] = {
+        "sampler": round(out["fixed_tiles"]["sampler_s"] / out["plain"]["sampler_s"], 4),
+        "learner_forward": round(out["fixed_tiles"]["learner_forward_s"]
+                                 / out["plain"]["learner_forward_s"], 4)}
+    return out
+
+
 def _note(interpret: str | None) -> str:
     if interpret is None:
         return "the kernel compiled for this device"
@@ -100,7 +175,7 @@ def _note(interpret: str | None) -> str:
 
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--widths", default=QWEN3_0_6B, help="KxN,KxN,...")
+    parser.add_argument("--widths", default=QWEN3_0_6B, help="KxN,KxN,... ('' for none)")
     parser.add_argument("--batch", type=int, default=32, help="B: the decode's rows")
     parser.add_argument("--tokens", type=int, default=384, help="T: tokens per sequence")
     parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16"))
@@ -108,13 +183,20 @@ def main(argv=None) -> dict:
                         help="run the kernel's version for that platform in Pallas's "
                              "interpreter (default off a GPU or TPU: gpu)")
     parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--model", default=None, metavar="PRESET",
+                        help="also the whole model at PRESET (e.g. qwen3-0.6b): the sampler in "
+                             "the fixed-tile invariant form against the learner's forward")
+    parser.add_argument("--prompts", type=int, default=8)
+    parser.add_argument("--group", type=int, default=4)
+    parser.add_argument("--prompt-len", type=int, default=64)
+    parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
     backend = jax.default_backend()
     interpret = args.interpret or (None if backend in ("gpu", "tpu") else "gpu")
     widths = []
-    for spec in args.widths.split(","):
+    for spec in filter(None, args.widths.split(",")):
         try:
             k, n = (int(v) for v in spec.lower().split("x"))
         except ValueError:
@@ -132,6 +214,10 @@ def main(argv=None) -> dict:
         "cells": {f"{k}x{n}": cell(k, n, args.batch, args.tokens, jnp.dtype(args.dtype),
                                    interpret, args.repeats, args.seed) for k, n in widths},
     }
+    if args.model:
+        tiles = "compiled" if interpret is None else f"interpret-{interpret}"
+        report["model"] = model_cell(args.model, args.prompts, args.group, args.prompt_len,
+                                     args.new_tokens, tiles, args.seed)
     text = json.dumps(report, indent=2)
     print(text)
     if args.out:

@@ -61,6 +61,11 @@
 #                          XLA's product against the fixed-tile Mosaic GPU kernel
 #                          (kernels.fixed_tile), the kernel against the f32 product, and the
 #                          time of each at 32 and at 12,288 rows
+#   fixed-tile-model-<device>.json  the same script --model qwen3-0.6b (random weights, bf16,
+#                          32 rows of 64 + 64 tokens): the sampler with every product in fixed
+#                          tiles against the learner's invariant forward (tokens whose bits
+#                          differ, whole and in halves), beside the plain sampler against the
+#                          dense forward, and the times of each
 #
 # Needs a python3 with JAX for the GPU, flax, optax, orbax-checkpoint, ml_dtypes and pytest. What
 # it lacks (grain, tensorboardX and their needs) comes as wheels in .whl/, fetched beforehand on
@@ -148,6 +153,7 @@ if [[ -n "${QUICK:-}" ]]; then  # tiny sizes, a few seconds a step
   PROFILE_UPDATE=(--size tiny-qwen3 --batch 4 --prompt-len 8 --seq-len 24)
   GRAPHS=(--sizes tiny-qwen3 --batch 2,4 --prompt-len 8 --new-tokens 8)
   FIXED_TILE=(--batch 4 --tokens 8 --widths 128x128 --repeats 2)
+  FIXED_TILE_MODEL=(--model tiny-qwen3 --prompts 2 --group 2 --prompt-len 8 --new-tokens 8)
 else
   REPLAY=()
   TRAIN=()
@@ -159,6 +165,7 @@ else
   PROFILE_UPDATE=(--size qwen3-0.6b --batch 32 --prompt-len 128 --seq-len 384)
   GRAPHS=(--sizes qwen3-0.6b --batch 32,256 --prompt-len 128 --new-tokens 256)
   FIXED_TILE=()
+  FIXED_TILE_MODEL=(--model qwen3-0.6b --prompts 8 --group 4 --prompt-len 64 --new-tokens 64)
 fi
 # Off a GPU (the dry run) the tier's tests run in CI's own tiers (tests/test_gpu.py in the
 # slow tier, tests/test_kernels_compiled.py in the default suite): collected here, not run.
@@ -237,6 +244,9 @@ if [[ "$SUITE" == invariant ]]; then
   # Alone on the GPU (it times products): four widths, each compiled twice a row count.
   step fixed_tile 240 "$PYTHON" benchmarks/fixed_tile.py "${FIXED_TILE[@]}" \
     --out "$DIR/fixed-tile-$DEV.json"
+  # Then the whole model: the sampler in fixed tiles against the learner's forward.
+  step fixed_tile_model 300 "$PYTHON" benchmarks/fixed_tile.py --widths "" \
+    "${FIXED_TILE_MODEL[@]}" --out "$DIR/fixed-tile-model-$DEV.json"
 fi
 
 if [[ "$SUITE" == exactness ]]; then

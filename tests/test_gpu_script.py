@@ -27,7 +27,7 @@ SUITES = {
     "profile": ("gpu-profile", ["profile-sampler", "profile-update"]),
     "graphs": ("gpu-graphs", ["sampler-flags-none", "sampler-flags-decode_graphs",
                               "decode-flags", "replay-flags-decode_graphs"]),
-    "invariant": ("gpu-invariant", ["fixed-tile"]),
+    "invariant": ("gpu-invariant", ["fixed-tile", "fixed-tile-model"]),
 }
 
 
@@ -63,3 +63,6 @@ def test_the_gpu_script_runs_each_suite_on_cpu(tmp_path, suite):
         cell = out["fixed-tile"]["cells"]["128x128"]
         assert out["fixed-tile"]["kernel"] == "gpu" and cell["rows_compared"] == 4 * 3
         assert cell["fixed_tile"]["max_rel_diff_vs_f32"] < 1e-5 and "ms_decode" in cell["xla"]
+        model = out["fixed-tile-model"]["model"]  # both pairs compared over the same tokens
+        assert model["form"]["tiles"] == "interpret-gpu" and not out["fixed-tile-model"]["cells"]
+        assert model["fixed_tiles"]["tokens"] == model["plain"]["tokens"] == 2 * 2 * 8

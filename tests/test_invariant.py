@@ -245,12 +245,20 @@ def test_another_layouts_rollout_is_refused_and_a_mesh_replays():
         "ReplayProgram"
 
 
-def test_attention_over_the_cache_is_the_same_for_one_query_or_all():
+@pytest.mark.parametrize("form", ["this_cpu", "fixed_tiles"])
+def test_attention_over_the_cache_is_the_same_for_one_query_or_all(form, monkeypatch):
     """The invariant attention of one query (a decode step) over a cache is the bits of the
     same query among all of a parallel forward's, at a cache long and wide enough (520 slots,
-    head width 128) that the plain products give a query other bits by the query count."""
+    head width 128) that the plain products give a query other bits by the query count: in
+    this CPU's form, and with its products in fixed tiles (`kernels.fixed_tile`'s TPU version
+    interpreted), where the plant is the attention's products back to XLA's."""
+    import jaxrl_lp.numerics.invariant as inv
     from jaxrl_lp.models.attention import attention
     from jaxrl_lp.numerics.invariant import form_for, invariant_forms, opaque_zero
+
+    if form == "fixed_tiles" and not _tile_places_hold():
+        pytest.skip("Pallas's TPU interpreter sums a row by its place in the tile on this CPU")
+    the_form = form_for(2) if form == "this_cpu" else InvariantForm(0, None, "interpret-tpu")
 
     policy = Policy.parse("fp32")
     b, h, kv, dh, s = 2, 4, 2, 128, 520
@@ -261,7 +269,7 @@ def test_attention_over_the_cache_is_the_same_for_one_query_or_all():
 
     def differing(forms: bool) -> list[int]:
         def attend(q, q_pos):
-            with invariant_forms(opaque_zero(jnp.int32(0)), form_for(b) if forms else None):
+            with invariant_forms(opaque_zero(jnp.int32(0)), the_form if forms else None):
                 return attention(q, k, v, q_pos, pos, policy)
 
         run = jax.jit(attend, compiler_options=COMPILER_OPTIONS)
@@ -270,7 +278,12 @@ def test_attention_over_the_cache_is_the_same_for_one_query_or_all():
                      != every[:, t]).sum()) for t in (0, 1, 7, 300, s - 1)]
 
     assert differing(True) == [0] * 5
-    assert sum(differing(False)) > 0  # the plant: the plain attention, the same inputs
+    if form == "this_cpu":
+        assert sum(differing(False)) > 0  # the plant: the plain attention, the same inputs
+    else:  # the plant: the tiles' products XLA's, all else in the forms
+        monkeypatch.setattr(inv, "_fixed_tiles", lambda form, x, w: jnp.matmul(
+            x, w, precision="highest", preferred_element_type=jnp.float32))
+        assert sum(differing(True)) > 0
 
 
 def test_the_weight_products_back_to_the_plain_form_break_the_equality(monkeypatch):
@@ -306,6 +319,53 @@ def test_the_weight_products_back_to_the_plain_form_break_the_equality(monkeypat
         columns_product = inv._columns_product
         assert differing(_columns_product=lambda x, w, columns: columns_product(x, w, 1)) > 0, \
             "the columns unpadded, yet every log-prob is the sampler's"
+
+
+def _tile_places_hold() -> bool:
+    """Whether Pallas's TPU interpreter gives a row of a fixed-tile product its bits at any
+    place in its tile on this CPU (its tile products are XLA:CPU's)."""
+    from jaxrl_lp.kernels.fixed_tile import fixed_tile_product
+
+    rng = np.random.default_rng(3)
+    x = jnp.asarray(rng.standard_normal((40, 256)), jnp.bfloat16)
+    w = jnp.asarray(rng.standard_normal((256, 128)), jnp.bfloat16)
+    full = np.asarray(fixed_tile_product(x, w, interpret="tpu"))
+    moved = np.asarray(fixed_tile_product(jnp.roll(x, 7, 0), w, interpret="tpu"))
+    return bool((np.roll(full, 7, 0).view(np.uint32) == moved.view(np.uint32)).all())
+
+
+def test_fixed_tiles_give_the_learner_the_samplers_bits(monkeypatch):
+    """Every product in `kernels.fixed_tile`'s fixed tiles (`InvariantForm.tiles`, the form a
+    GPU or TPU would run compiled; here its TPU version interpreted): the learner's forward
+    of the batch and of a slice is the sampler's bits, bf16, at widths where XLA's products
+    are not (the test above). The plant: the learner's weight products back to XLA's plain
+    product, breaks it (the attention's products, at this cache too short to tell, are
+    planted in the attention's test above)."""
+    import dataclasses
+
+    import jaxrl_lp.numerics.invariant as inv
+
+    if not _tile_places_hold():
+        pytest.skip("Pallas's TPU interpreter sums a row by its place in the tile on this CPU")
+    policy = Policy.parse("bf16")
+    cfg, params, loop = _model("dense")
+    form = InvariantForm(0, None, "interpret-tpu")
+    ro = _rollout(cfg, params, loop, policy, form=form)
+    assert ro.invariant_form == form and ro.decode_layout == "invariant"
+    program = jit_learner_logprobs(cfg, policy, "invariant")
+    _exact(program(params, ro), ro.logprobs, ro, "whole batch")
+    part = take_rows(ro, np.arange(2, 4))
+    _exact(program(params, part), part.logprobs, part, "rows 2 and 3")
+    three = take_rows(ro, np.arange(3))  # a shape not traced yet: the plants trace anew
+    tiles = inv._fixed_tiles
+    with monkeypatch.context() as m:
+        m.setattr(inv, "_fixed_tiles", lambda form, x, w: (
+            jnp.matmul(x, w, preferred_element_type=jnp.float32) if x.ndim == 2
+            else tiles(form, x, w)))  # the weights' products XLA's, the attention's tiled
+        planted = jit_learner_logprobs(cfg, policy, "invariant")(params, three)
+        assert bit_mismatch(planted, three.logprobs, three.completion_mask)[0] > 0
+    with pytest.raises(ValueError, match="fixed tiles compiled run on a GPU or TPU, not cpu"):
+        program(params, dataclasses.replace(ro, invariant_form=form._replace(tiles="compiled")))
 
 
 WIDE = ["model.family=qwen3", "model.loop_steps=1", "model.hidden_size=256",

@@ -191,7 +191,9 @@ def _plain(x_xMxK: jax.Array, w_xKxN: jax.Array) -> jax.Array:
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
 def _product(x_xMxK: jax.Array, w_xKxN: jax.Array, interpret: str | None) -> jax.Array:
-    if interpret == "gpu":
+    if interpret == "gpu":  # what the compiled version cannot take is no interpreted check
+        if (misfit := gpu_misfit(x_xMxK.dtype, w_xKxN.dtype)) is not None:
+            raise ValueError(f"fixed_tile_product, interpret='gpu': {misfit}")
         return _tiled(_gpu_version, GPU_TILES, x_xMxK, w_xKxN, True)
     if interpret == "tpu":
         return _tiled(_tpu_version, TPU_TILES, x_xMxK, w_xKxN, True)
@@ -245,8 +247,9 @@ def fixed_tile_product(x_xMxK: jax.Array, w_xKxN: jax.Array, *,
       `[..., M, N]` f32. Differentiable: the gradient is the plain product's.
 
     Raises:
-      ValueError: operands that are not `[..., M, K]` and `[K, N]` or `[..., K, N]`, or an
-        unknown `interpret`.
+      ValueError: operands that are not `[..., M, K]` and `[K, N]` or `[..., K, N]`, an
+        unknown `interpret`, or `interpret="gpu"` with operands the GPU version cannot take
+        (`gpu_misfit`).
       KernelUnavailableError: when lowered for a platform with no version (cpu), or for cuda
         with operands it cannot take (`gpu_misfit`).
 

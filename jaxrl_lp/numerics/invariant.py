@@ -45,6 +45,11 @@ The invariant forms fix each of these:
   YNNPACK fusions for dots only, so every reduction and elementwise op is
   XLA's own, whose per-row arithmetic does not depend on the row count.
 
+A form may instead run every product, the weights' and the attention's, in
+`kernels.fixed_tile`'s fixed tiles (`InvariantForm.tiles`): a Pallas kernel whose tiles, not a
+library's choice, fix a row's bits, for a GPU or TPU (compiled there, interpreted anywhere);
+asked for by name, never picked (`unsupported` says where it runs).
+
 A program opts in by tracing inside `invariant_forms(zero, form)` (the
 sampler's program in the `invariant` decode layout with its form, the
 learner's `invariant` log-probs with the form the rollout records) and being
@@ -69,9 +74,9 @@ import numpy as np
 from jaxrl_lp.numerics.policy import Policy
 from jaxrl_lp.numerics.products import precision_for, product
 
-__all__ = ["COLUMN_TILES", "COMPILER_OPTIONS", "MAX_COLUMN_TILE", "ROW_CHUNKS", "InvariantForm",
-           "active", "apart", "attention_scores", "attention_values", "column_tile", "form_for",
-           "form_holds", "invariant_dot", "invariant_forms", "opaque_zero", "row_chunk", "rsqrt",
+__all__ = ["COLUMN_TILES", "COMPILER_OPTIONS", "FIXED_TILES", "MAX_COLUMN_TILE", "ROW_CHUNKS",
+           "InvariantForm", "active", "apart", "attention_scores", "attention_values", "column_tile",
+           "form_for", "form_holds", "invariant_dot", "invariant_forms", "opaque_zero", "row_chunk", "rsqrt",
            "total", "unsupported", "weights_major_product", "weights_product"]
 
 # The row chunks `row_chunk` tries, largest first: YNNPACK's product kernel for 2-32 rows
@@ -84,6 +89,9 @@ COLUMN_TILES = (8, 16, 32, 64)
 # them to a multiple of the tile, which a small tile hides behind the weight read and a large
 # one does not (docs/design/invariant.md, "The forms", measures both).
 MAX_COLUMN_TILE = 16
+# The `tiles` of an `InvariantForm` whose products are `kernels.fixed_tile`'s, and the
+# interpreter each names (None: compiled for the platform lowered for).
+FIXED_TILES = {"compiled": None, "interpret-gpu": "gpu", "interpret-tpu": "tpu"}
 # YNNPACK fusions for dots only: reductions and elementwise ops are XLA's own loops, whose
 # bits per row do not depend on the row count (with YNNPACK's reductions and `exp` they do).
 COMPILER_OPTIONS = {"xla_cpu_experimental_ynn_fusion_type": "LIBRARY_FUSION_TYPE_INDIVIDUAL_DOT"}
@@ -98,9 +106,14 @@ class InvariantForm(NamedTuple):
       copy) as the product's row operand, `w @ x.T`, over all the rows at once, padded with
       zero rows to a multiple of `columns`, this CPU's column tile (`column_tile`). None: the
       weights read as stored, `[in, out]`, their products in row chunks.
+    tiles: every product (the weights' and the attention's) is `kernels.fixed_tile`'s, whose
+      tiles fix a row's bits by construction: `compiled` (Mosaic GPU on a GPU, Mosaic TPU on
+      a TPU), `interpret-gpu` / `interpret-tpu` (that version in Pallas's interpreter, any
+      host). `chunk` and `columns` are then unused. None: XLA's products, as above.
     """
     chunk: int
     columns: int | None = None
+    tiles: str | None = None
 
 
 class _State(NamedTuple):
@@ -125,6 +138,9 @@ def invariant_forms(zero: jax.Array, form: InvariantForm | None) -> Iterator[Non
     """
     if form is not None and not isinstance(form, InvariantForm):
         raise TypeError(f"invariant_forms: form is an InvariantForm or None, not {form!r}")
+    if form is not None and form.tiles is not None and form.tiles not in FIXED_TILES:
+        raise ValueError(f"invariant_forms: tiles is one of {list(FIXED_TILES)} or None, not "
+                         f"{form.tiles!r}")
     token = _ACTIVE.set(None if form is None else _State(zero, form))
     try:
         yield
@@ -144,14 +160,25 @@ def _form() -> InvariantForm:
     return state.form
 
 
-def unsupported(platform: str | None = None, mesh=None) -> str | None:
-    """Why the invariant forms cannot stand for the decode's bits here, or None.
+def unsupported(platform: str | None = None, mesh=None,
+                form: InvariantForm | None = None) -> str | None:
+    """Why the invariant forms (`form`'s, if given) cannot stand for the decode's bits here, or
+    None.
 
-    They are built and proven for XLA:CPU on one device: a GPU's or TPU's
-    libraries pick their kernels by their own rules, and a mesh splits rows
-    over devices. A run that asks for them there replays the decode instead.
+    XLA's forms are built and proven for XLA:CPU on one device: a GPU's or TPU's libraries
+    pick their kernels by their own rules, and a mesh splits rows over devices. A run that
+    asks for them there replays the decode instead. A form whose products are fixed tiles
+    (`InvariantForm.tiles`) is asked for by name: compiled on a GPU or TPU, interpreted
+    anywhere, on one device.
     """
     platform = platform or jax.default_backend()
+    if form is not None and form.tiles is not None:
+        if mesh is not None:
+            return "the invariant forms run on one device, not a mesh"
+        if form.tiles == "compiled" and platform not in ("gpu", "cuda", "tpu"):
+            return (f"fixed tiles compiled run on a GPU or TPU, not {platform} (interpret-gpu or "
+                    "interpret-tpu run them anywhere)")
+        return None
     if platform != "cpu":
         return f"the invariant forms are proven on XLA:CPU only, not {platform}"
     if mesh is not None:
@@ -270,8 +297,10 @@ def form_holds(form: InvariantForm) -> str | None:
     """Why a rollout sampled in `form` cannot be reproduced by this CPU's products, or None.
 
     Either form (row chunks or weights-major) is reproduced where its tiles are this CPU's,
-    whichever `form_for` picks here.
+    whichever `form_for` picks here; fixed tiles (`InvariantForm.tiles`) wherever they run.
     """
+    if form.tiles is not None:
+        return unsupported(form=form)
     chunk = row_chunk()
     if chunk is None:
         return unsupported()
@@ -408,10 +437,20 @@ def weights_major_product(x_MxK: jax.Array, w_NxK: jax.Array) -> jax.Array:
         return _columns_product(x_MxK, w_NxK, columns)
 
 
+def _fixed_tiles(form: InvariantForm, x_xMxK: jax.Array, w_xKxN: jax.Array) -> jax.Array:
+    """`kernels.fixed_tile`'s product in `form`'s version (`FIXED_TILES`)."""
+    from jaxrl_lp.kernels.fixed_tile import fixed_tile_product
+
+    return fixed_tile_product(x_xMxK, w_xKxN, interpret=FIXED_TILES[form.tiles])
+
+
 def weights_product(x_MxK: jax.Array, w_KxN: jax.Array) -> jax.Array:
     """`x @ w` in f32, `[M, N]`, in the active form (module docstring): the rows in chunks, or
     with `columns` the weights-major product over a copy of `w` read `[out, in]`."""
     form = _form()
+    if form.tiles is not None:
+        with jax.named_scope("invariant_tiles"):
+            return _fixed_tiles(form, x_MxK, w_KxN)
     if form.columns is not None:
         with jax.named_scope("invariant_columns"):
             return _columns_product(x_MxK, w_KxN.T, form.columns)
@@ -448,7 +487,9 @@ invariant_dot.defvjp(_invariant_dot_fwd, _invariant_dot_bwd)
 
 def attention_scores(q_BxKxMxDh: jax.Array, k_BxKxSxDh: jax.Array) -> jax.Array:
     """`q @ k.T` per (sequence, kv head), `[B, K, M, S]` f32, each query row's bits those of
-    its chunk class: the M query rows in chunks (`InvariantForm.chunk`)."""
+    its chunk class: the M query rows in chunks (`InvariantForm.chunk`), or fixed tiles."""
+    if (form := _form()).tiles is not None:
+        return _fixed_tiles(form, q_BxKxMxDh, jnp.swapaxes(k_BxKxSxDh, -1, -2))
     dot = lambda q: jax.lax.dot_general(q, k_BxKxSxDh, (((3,), (3,)), ((0, 1), (0, 1))),
                                         precision=precision_for(q_BxKxMxDh, k_BxKxSxDh),
                                         preferred_element_type=jnp.float32)
@@ -456,7 +497,10 @@ def attention_scores(q_BxKxMxDh: jax.Array, k_BxKxSxDh: jax.Array) -> jax.Array:
 
 
 def attention_values(p_BxKxMxS: jax.Array, v_BxKxSxDh: jax.Array) -> jax.Array:
-    """`p @ v` per (sequence, kv head), `[B, K, M, Dh]` f32, the M query rows in chunks."""
+    """`p @ v` per (sequence, kv head), `[B, K, M, Dh]` f32, the M query rows in chunks, or
+    fixed tiles."""
+    if (form := _form()).tiles is not None:
+        return _fixed_tiles(form, p_BxKxMxS, v_BxKxSxDh)
     dot = lambda p: jax.lax.dot_general(p, v_BxKxSxDh, (((3,), (2,)), ((0, 1), (0, 1))),
                                         precision=precision_for(p_BxKxMxS, v_BxKxSxDh),
                                         preferred_element_type=jnp.float32)

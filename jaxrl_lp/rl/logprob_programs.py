@@ -16,6 +16,7 @@ from jax.sharding import Mesh
 
 from jaxrl_lp.models.config import ModelConfig
 from jaxrl_lp.numerics.invariant import COMPILER_OPTIONS as INVARIANT_OPTIONS
+from jaxrl_lp.numerics.invariant import InvariantForm
 from jaxrl_lp.numerics.invariant import unsupported as invariant_unsupported
 from jaxrl_lp.numerics.policy import Policy, require
 from jaxrl_lp.parallel.context import use_mesh
@@ -82,7 +83,8 @@ class LogprobProgram:
 def jit_learner_logprobs(cfg: ModelConfig, policy: Policy, method: LogprobMethod = "hybrid", *,
                          loop: LoopSpec | None = None, mesh: Mesh | None = None,
                          rules: ShardingRules = DEFAULT_RULES, micro_batches: int = 1,
-                         pack_buckets: int = PACK_BUCKETS) -> LogprobProgram | ReplayProgram:
+                         pack_buckets: int = PACK_BUCKETS,
+                         form: InvariantForm | None = None) -> LogprobProgram | ReplayProgram:
     """`fn(params, rollout) -> log-probs [B, N]`, the learner's values (no gradient).
 
     `replay` and `hybrid` (whose value is the replay's: the dense part adds
@@ -98,7 +100,9 @@ def jit_learner_logprobs(cfg: ModelConfig, policy: Policy, method: LogprobMethod
     computation bit for bit (the rollout's recorded log-probs under its weights),
     whatever slice or micro-batch it is given. Where the invariant forms are not
     proven (`numerics.invariant.unsupported`: another platform, a mesh) it is
-    the `hybrid`'s `ReplayProgram`, which is exact there.
+    the `hybrid`'s `ReplayProgram`, which is exact there; `form`, the form the
+    rollouts were sampled in, names fixed tiles (`InvariantForm.tiles`) where
+    they are asked for by name, on a GPU or TPU.
 
     `dense` returns a `LogprobProgram` (jitted). With `micro_batches` > 1 the
     rows are taken in that many slices one after the other (`lax.map`), so the
@@ -117,7 +121,7 @@ def jit_learner_logprobs(cfg: ModelConfig, policy: Policy, method: LogprobMethod
     the behaviour log-probs and its verifications, and by the tests.
     """
     policy = require(policy, "jit_learner_logprobs")
-    if method == "invariant" and invariant_unsupported(mesh=mesh) is not None:
+    if method == "invariant" and invariant_unsupported(mesh=mesh, form=form) is not None:
         method = "hybrid"  # the forms are not proven here: the replay, exact
     if method in ("replay", "hybrid"):
         return ReplayProgram(cfg, policy, loop=loop, mesh=mesh, rules=rules)

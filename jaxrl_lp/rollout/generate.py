@@ -337,7 +337,8 @@ def generate(
       invariant_form: the `numerics.invariant.InvariantForm` of an `invariant`
         decode; None takes this CPU's (`numerics.invariant.form_for`: the
         weights-major products where its column tile is small, else the row
-        chunks). The rollout records it.
+        chunks); a form with `tiles` runs every product in `kernels.fixed_tile`'s fixed
+        tiles (compiled on a GPU or TPU, interpreted anywhere). The rollout records it.
 
     Returns:
       A `Rollout`.
@@ -365,7 +366,9 @@ def generate(
         req = req._replace(**{f: np.concatenate([a, np.repeat(a[-1:], fill, axis=0)])
                               for f, a in zip(req._fields[:3], req[:3], strict=True)})
     zeros = np.zeros((req.tokens_BxP.shape[0], max_new_tokens), np.int32)
-    layout = decode_layout_for(params, policy, mesh, decode_layout)
+    if invariant_form is not None and not isinstance(invariant_form, InvariantForm):
+        raise TypeError(f"generate: invariant_form is an InvariantForm, not {invariant_form!r}")
+    layout = decode_layout_for(params, policy, mesh, decode_layout, invariant_form)
     form = _form(layout, invariant_form, rows)
     device = None if mesh is not None else one_device(params)
     ro = program_for(layout)(params, *call_inputs(req.tokens_BxP, req.positions_BxP, req.lengths_B,

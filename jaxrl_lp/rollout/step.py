@@ -53,7 +53,8 @@ def transposes(layout: str, form: invariant.InvariantForm | None) -> bool:
                                       and form.columns is not None)
 
 
-def decode_layout(params, policy: Policy, mesh=None, layout: str | None = None) -> str:
+def decode_layout(params, policy: Policy, mesh=None, layout: str | None = None,
+                  form: invariant.InvariantForm | None = None) -> str:
     """The decode layout a sampler uses for `params` (`layout` given: that one, checked).
 
     `transposed` where the weights live on CPU devices, one device (no mesh)
@@ -69,7 +70,8 @@ def decode_layout(params, policy: Policy, mesh=None, layout: str | None = None) 
 
     `invariant` (asked for, never picked) takes the batch-invariant forms
     (`numerics.invariant`) on the copy its form reads (`transposes`); it is refused where those are not proven
-    (`invariant.unsupported`: another platform than CPU, a mesh).
+    (`invariant.unsupported`: another platform than CPU, a mesh), except in a `form` whose
+    products are fixed tiles (`InvariantForm.tiles`), asked for by name.
 
     Raises:
       ValueError: an unknown `layout`, or `transposed` / `invariant` where it cannot apply.
@@ -79,8 +81,8 @@ def decode_layout(params, policy: Policy, mesh=None, layout: str | None = None) 
         leaves = jax.tree.leaves(params, is_leaf=lambda x: isinstance(x, TransposedWeight))
         found = ("transposed" if any(isinstance(x, TransposedWeight) for x in leaves)
                  else "as_stored")
-        if layout == "invariant" and found == (
-                "transposed" if transposes(layout, invariant.form_for(0)) else "as_stored"):
+        if layout == "invariant" and found == ("transposed" if transposes(
+                layout, form if form is not None else invariant.form_for(0)) else "as_stored"):
             return layout  # the copy this CPU's invariant form reads
         if layout is not None and layout != found:
             raise ValueError(f"decode_layout: params unstacked as {found!r}, asked for "
@@ -96,7 +98,7 @@ def decode_layout(params, policy: Policy, mesh=None, layout: str | None = None) 
             leaf = next((x for x in jax.tree.leaves(params) if isinstance(x, jax.Array)
                          and not isinstance(x, jax.core.Tracer)), None)
             platform = None if leaf is None else next(iter(leaf.devices())).platform
-            if (why := invariant.unsupported(platform or "cpu", mesh)) is not None:
+            if (why := invariant.unsupported(platform or "cpu", mesh, form)) is not None:
                 raise ValueError(f"decode_layout: 'invariant': {why}")
         return layout
     if mesh is not None or policy.matmul_format is not None:
