@@ -10,15 +10,16 @@ and the learner's `[B x T, K] @ [K, N]` may sum a row otherwise. Here the tiles 
     y[i, j] = sum over k-tiles t, in order, of x[i, t] @ w[t, j]     (an f32 accumulator)
 
 with the row tile, the column tile and the contraction tile fixed by the platform and the
-dtype, never by M. A row's result is then the same whatever the rows beside it: every output
-tile runs the same instructions over the same contraction tiles in the same order, and the
-matrix units compute each row of a tile on its own (no instruction mixes rows). Zero rows pad
-M to the row tile, zero columns N, zero contraction entries K (both operands: products of 0).
+dtype, never by M. A row's result then does not depend on how many rows are beside it: every
+output tile runs the same instructions over the same contraction tiles in the same order.
+That it does not depend on the row's place in its tile either is the matrix units' property
+(no instruction mixes rows, and each row's dot product is summed alike), which a device shows
+(`benchmarks/fixed_tile.py`). Zero rows pad M to the row tile, zero columns N, zero
+contraction entries K (both operands: products of 0). A batch of products
+(`[..., M, K] @ [..., K, N]`: the attention's, per sequence and kv head) is one kernel whose
+grid adds the batch axis; a weight `[K, N]` is every product's.
 
 Versions (`fixed_tile_product`), one per platform, chosen for the platform lowered for:
-
-A batch of products (`[..., M, K] @ [..., K, N]`: the attention's, per sequence and kv
-head) is one kernel whose grid adds the batch axis; a weight `[K, N]` is every product's.
 
 - `cuda`: Mosaic GPU (`plgpu.kernel`, Hopper's `wgmma`), a grid of (batch, M / 64, N / 64)
   thread blocks; each pipelines its contraction in tiles of 64 (128 bytes of a 2-byte dtype, the
@@ -30,9 +31,10 @@ head) is one kernel whose grid adds the batch axis; a weight `[K, N]` is every p
 - elsewhere (`cpu`, `rocm`): refused when lowered (one line): XLA:CPU's invariant forms are
   `numerics.invariant`'s own.
 
-`interpret="gpu"` / `"tpu"` runs that platform's version in Pallas's interpreter on any host
-(Mosaic GPU's simulates shared memory, barriers and `wgmma` as XLA products of the tiles):
-what the CPU tests check, bits and all, at small shapes.
+`interpret="gpu"` / `"tpu"` runs that platform's version in Pallas's interpreter on any host:
+what the CPU tests check, at small shapes. Mosaic GPU's interpreter simulates shared memory,
+barriers and `wgmma`, each `wgmma` a NumPy product of the tiles, whose BLAS may sum a row by
+its place in the tile; the TPU interpreter's tile products are XLA's.
 
 Its gradient is the plain product's (`jax.custom_vjp`): the invariant forms need the forward's
 bits, and a backward pass is not part of the decode.
