@@ -297,10 +297,12 @@ def form_holds(form: InvariantForm) -> str | None:
     """Why a rollout sampled in `form` cannot be reproduced by this CPU's products, or None.
 
     Either form (row chunks or weights-major) is reproduced where its tiles are this CPU's,
-    whichever `form_for` picks here; fixed tiles (`InvariantForm.tiles`) wherever they run.
+    whichever `form_for` picks here; fixed tiles (`InvariantForm.tiles`) wherever they run:
+    where they cannot (compiled, lowered for a CPU) the kernel refuses when lowered, in one
+    line (`kernels.fixed_tile`), so a CPU host can still lower the program for a GPU or TPU.
     """
     if form.tiles is not None:
-        return unsupported(form=form)
+        return None
     chunk = row_chunk()
     if chunk is None:
         return unsupported()
