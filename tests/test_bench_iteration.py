@@ -152,6 +152,9 @@ def test_bench_iteration_refuses_bad_arguments(capsys):
     assert main(["bench", "iteration", "--size", "tiny", "--methods", "sparse",
                  "--no-tunix"]) == 2
     assert "--methods" in capsys.readouterr().err
+    assert main(["bench", "iteration", "--size", "tiny", "--methods", "dense",
+                 "--invariant-tiles", "compiled", "--no-tunix"]) == 2
+    assert "add invariant to --methods" in capsys.readouterr().err
 
 
 @pytest.mark.slow

@@ -163,6 +163,10 @@ RUNS = {
     # Every update's value the learner's own parallel forward in the batch-invariant forms
     # (two minibatches: the second at moved weights), verified each step.
     "invariant": ["grpo.logprobs=invariant", "grpo.minibatches=2", "grpo.verify_every=1"],
+    # The same with every product in fixed tiles (`kernels.fixed_tile`, its TPU version
+    # interpreted: the GPU's form, checked here).
+    "invariant_tiles": ["grpo.logprobs=invariant", "grpo.invariant_tiles=interpret-tpu",
+                        "grpo.verify_every=1"],
     # `auto` with a KL reference, four minibatches and every step verified: the hybrid would
     # replay the decode 5 times a step (above the threshold of its 8 rows on any CPU's
     # column tile up to 128), so the run takes `invariant`.

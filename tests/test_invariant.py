@@ -405,6 +405,33 @@ def test_a_run_with_auto_logprobs_takes_invariant_replays_no_update_and_verifies
         assert r["replayed_updates"] == 0.0, r
 
 
+@pytest.mark.slow
+def test_a_run_in_fixed_tiles_verifies_every_step_and_replays_no_update(tmp_path, monkeypatch):
+    """`grpo.logprobs=invariant grpo.invariant_tiles=interpret-tpu`: the sampler and the
+    learner take every product in `kernels.fixed_tile`'s tiles (counted as they trace), the
+    start probe and every step's verification find the learner's forward the sampler's bits,
+    and no update replays the decode."""
+    from helpers import sets
+
+    import jaxrl_lp.numerics.invariant as inv
+    from jaxrl_lp.cli.main import main
+
+    traced = []
+    tiles = inv._fixed_tiles
+    monkeypatch.setattr(inv, "_fixed_tiles", lambda form, x, w: (
+        traced.append(form.tiles), tiles(form, x, w))[1])
+    out = tmp_path / "run"
+    assert main(["train", *sets(*WIDE, f"run.out_dir={out}",
+                                "grpo.invariant_tiles=interpret-tpu")]) == 0
+    assert traced and set(traced) == {"interpret-tpu"}
+    grpo = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    grpo = [r for r in grpo if r["phase"] == "grpo"]
+    assert len(grpo) == 2
+    for r in grpo:
+        assert r["replay_verified"] == 1.0 and r["mismatch_max_abs_dlogp"] == 0.0, r
+        assert r["replayed_updates"] == 0.0, r
+
+
 def test_the_start_probe_stops_a_run_whose_learner_products_sum_otherwise(tmp_path, monkeypatch,
                                                                            capsys):
     """The plant in a run: the learner's weight products (not the sampler's, which would then

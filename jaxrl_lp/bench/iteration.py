@@ -121,6 +121,7 @@ from jaxrl_lp.models.config import ModelConfig, get_preset
 from jaxrl_lp.models.hf_io import save_hf_checkpoint
 from jaxrl_lp.models.model import init_params
 from jaxrl_lp.models.recorded import take_product_rows
+from jaxrl_lp.numerics.invariant import FIXED_TILES, InvariantForm
 from jaxrl_lp.numerics.policy import policy_arg
 from jaxrl_lp.plan.hlo_cost import hlo_cost
 from jaxrl_lp.rl.advantages import group_advantages
@@ -165,24 +166,28 @@ class _Iteration:
     """
 
     def __init__(self, cfg, policy, params, prompts, optimizer, *, method, group, new_tokens,
-                 minibatches, loop, pack_buckets, seed, draw="gumbel", layout=None):
+                 minibatches, loop, pack_buckets, seed, draw="gumbel", layout=None,
+                 form=None):
         self.cfg, self.policy, self.prompts, self.draw = cfg, policy, prompts, draw
         # The sampler's decode layout (None: `generate` picks it; `invariant`'s its own).
         self.layout = "invariant" if method == "invariant" else layout
+        # `invariant`'s form: fixed tiles where `--invariant-tiles` names them, else this CPU's.
+        self.form = form if method == "invariant" else None
         self.group, self.new_tokens, self.minibatches = group, new_tokens, minibatches
         self.loop, self.seed, self.method = loop, seed, method
         # `products`: the hybrid learner reading the sampler's weight products where it may.
         self.record = method == "products"
         learner = "hybrid" if method in ("products", "traced") else method
         self.step = make_grpo_step(cfg, policy, LOSS, optimizer, method=learner,
-                                   pack_buckets=pack_buckets)
+                                   pack_buckets=pack_buckets, invariant_form=self.form)
         # `traced`: a replaying update's value from the steps traced at its rows' shape.
         self.traced = (jax.jit(traced_replay_logprobs, static_argnums=(1, 2))
                        if method == "traced" else None)
         # The training program's behaviour program (`run_train`): the learner's values in
         # `minibatches` slices, and the whole-batch replay of a verification.
-        self.behaviour = jit_learner_logprobs(cfg, policy, learner, micro_batches=minibatches)
-        self.verify = jit_learner_logprobs(cfg, policy, learner)
+        self.behaviour = jit_learner_logprobs(cfg, policy, learner, micro_batches=minibatches,
+                                              form=self.form)
+        self.verify = jit_learner_logprobs(cfg, policy, learner, form=self.form)
         self.rule = ReplayRule("auto", learner, matched=True)
         self.params = jax.tree.map(jnp.copy, params)
         self.opt = optimizer.init(params)
@@ -200,7 +205,8 @@ class _Iteration:
                 max_new_tokens=self.new_tokens,
                 num_samples=self.group, eos_id=None, pad_id=PAD_ID, loop=self.loop,
                 key=jax.random.fold_in(jax.random.PRNGKey(self.seed), i), weights_version=i,
-                record_products=self.record, decode_layout=self.layout))
+                record_products=self.record, decode_layout=self.layout,
+                invariant_form=self.form))
             products, ro = ro.products, dataclasses.replace(ro, products=None)
         with timer("score"):
             rewards = _reward(jax.device_get(ro.completion_tokens))
@@ -304,6 +310,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="our sampler's decode layouts to race (comma list of auto, "
                              "as_stored, transposed: `rollout.step.decode_layout`; auto lets "
                              "`generate` pick); a non-auto one is named <method>_mb<k>_<layout>")
+    parser.add_argument("--invariant-tiles", default="", choices=("", *FIXED_TILES),
+                        help="the invariant method's products in fixed tiles "
+                             "(`grpo.invariant_tiles`: compiled on a GPU or TPU, interpreted "
+                             "anywhere); '': XLA's forms, this CPU's")
     parser.add_argument("--repeats", type=int, default=3,
                         help="timed iterations of each after the warm-up (at least)")
     parser.add_argument("--min-time", type=float, default=0.0,
@@ -334,6 +344,9 @@ def _check(args) -> tuple[list[int], list[str], list[str], list[str]]:
     if not layouts or any(x not in ("auto", *DECODE_LAYOUTS) for x in layouts):
         raise ValueError(f"--decode-layouts: some of auto, {', '.join(DECODE_LAYOUTS)}; got "
                          f"{args.decode_layouts!r}")
+    if getattr(args, "invariant_tiles", "") and "invariant" not in methods:
+        raise ValueError(f"--invariant-tiles {args.invariant_tiles}: the invariant method's "
+                         "products; add invariant to --methods")
     return mbs, methods, draws, layouts
 
 
@@ -401,11 +414,12 @@ def _preset_race(cfg, policy, args, mbs, methods, draws, layouts, optimizer, tun
     params = init_params(cfg, jax.random.PRNGKey(args.seed))
     prompts = _prompts(cfg, args.batch // args.group, args.prompt_len, args.seed)
     common = dict(group=args.group, new_tokens=args.new_tokens, seed=args.seed)
+    form = InvariantForm(0, None, args.invariant_tiles) if args.invariant_tiles else None
     ours = {f"{m}_mb{k}" + ("" if d == "gumbel" else f"_{d}")
             + ("" if lay == "auto" else f"_{lay}"): _Iteration(
                 cfg, policy, params, prompts, optimizer, method=m, minibatches=k,
                 loop=LoopSpec(), pack_buckets=16, draw=d,
-                layout=None if lay == "auto" else lay, **common)
+                layout=None if lay == "auto" else lay, form=form, **common)
             for k in mbs for m in methods for d in draws for lay in layouts
             if not (m == "products" and cfg.is_looped)}  # products: dense models
     calls = dict(ours)
@@ -454,6 +468,7 @@ def run(args: argparse.Namespace) -> dict:
         "minibatches": mbs, "loss": {"epsilon": LOSS.epsilon, "aggregation": LOSS.aggregation},
         "optimizer": "clip_by_global_norm(1.0) + adam(1e-6)", "sampling": "temperature 1.0",
         "draws": draws, "decode_layouts": layouts,
+        "invariant_tiles": args.invariant_tiles or None,
         "tunix": {"available": why_not is None},
     }
     if why_not is None:

@@ -31,6 +31,7 @@ from jaxrl_lp.models.config import ModelConfig
 from jaxrl_lp.models.model import forward
 from jaxrl_lp.models.recorded import Products, split_products
 from jaxrl_lp.models.remat import Remat
+from jaxrl_lp.numerics.invariant import InvariantForm
 from jaxrl_lp.numerics.invariant import unsupported as invariant_unsupported
 from jaxrl_lp.numerics.policy import Policy, require
 from jaxrl_lp.parallel.context import constrain_params
@@ -133,7 +134,7 @@ def make_grpo_step(cfg: ModelConfig, policy: Policy, loss_cfg: LossConfig,
                    sampler_policy: Policy | None = None, method: str = "hybrid",
                    micro_batches: int = 1, remat: Remat | bool = False, mesh: Mesh | None = None,
                    rules: ShardingRules = DEFAULT_RULES, weights=None,
-                   pack_buckets: int = PACK_BUCKETS):
+                   pack_buckets: int = PACK_BUCKETS, invariant_form: InvariantForm | None = None):
     """Builds `step(params, opt_state, rollout, advantages_B, old_logp_BxN, ref_logp_BxN, served,
     replay_BxN, products)`.
 
@@ -216,7 +217,8 @@ def make_grpo_step(cfg: ModelConfig, policy: Policy, loss_cfg: LossConfig,
     if weights is not None and mesh is not None and not weights.shardable:
         raise ValueError("make_grpo_step: this weight representation (weights=) runs on one "
                          "device; drop mesh")
-    if method == "invariant" and (why := invariant_fallback(mesh, weights)) is not None:
+    if method == "invariant" and (why := invariant_fallback(mesh, weights,
+                                                             invariant_form)) is not None:
         # The forms are not proven here: the step replays the decode, which is exact.
         warnings.warn(f"grpo.logprobs=invariant: {why}; the updates take the replay of the "
                       "sampler's decode as their value (hybrid)", stacklevel=2)
@@ -227,7 +229,8 @@ def make_grpo_step(cfg: ModelConfig, policy: Policy, loss_cfg: LossConfig,
     if method == "invariant":
         from jaxrl_lp.rl.logprob_programs import jit_learner_logprobs
 
-        value_program = jit_learner_logprobs(cfg, policy, "invariant", loop=loop)
+        value_program = jit_learner_logprobs(cfg, policy, "invariant", loop=loop,
+                                             form=invariant_form)
         method = "hybrid"
 
     def mb_loss(params, mb: MicroBatch, num_tokens, served, rows, frozen):
@@ -342,13 +345,15 @@ def make_grpo_step(cfg: ModelConfig, policy: Policy, loss_cfg: LossConfig,
                        rules=rules, prepare=prepare)
 
 
-def invariant_fallback(mesh: Mesh | None = None, weights=None) -> str | None:
+def invariant_fallback(mesh: Mesh | None = None, weights=None,
+                       form: InvariantForm | None = None) -> str | None:
     """Why a learner with `invariant` log-probs replays instead, or None where it need not:
-    the forms are proven on XLA:CPU on one device (`numerics.invariant.unsupported`) for
-    plain weights (a weight representation's products are not the decode's)."""
+    the forms are proven on XLA:CPU on one device (`numerics.invariant.unsupported`), or
+    `form`'s fixed tiles asked for by name, for plain weights (a weight representation's
+    products are not the decode's)."""
     if weights is not None:
         return "a weight representation (LoRA, low-bit codes) has no invariant form"
-    return invariant_unsupported(mesh=mesh)
+    return invariant_unsupported(mesh=mesh, form=form)
 
 
 def make_sft_step(cfg: ModelConfig, policy: Policy, optimizer: optax.GradientTransformation,

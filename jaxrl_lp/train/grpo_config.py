@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Literal, NamedTuple
 
 from jaxrl_lp.fields import check_bool, check_choice, check_int, check_number
+from jaxrl_lp.numerics.invariant import FIXED_TILES, InvariantForm
 from jaxrl_lp.numerics.policy import Policy
 from jaxrl_lp.rollout.sampling import DRAWS
 
@@ -52,6 +53,13 @@ class GRPOConfig:
         the updates replay as `hybrid`'s (a warning says so). Not with `speculative`.
         `auto`: `invariant` wherever its forms serve the run, `hybrid` otherwise
         (`train.logprobs_choice`); the run says which, and why.
+      invariant_tiles: with `logprobs=invariant`, every product of the sampler's decode and
+        the learner's forward in `kernels.fixed_tile`'s fixed tiles (`InvariantForm.tiles`):
+        `compiled` (Mosaic GPU on a GPU, Mosaic TPU on a TPU; bf16 or f16 products on a
+        GPU), `interpret-gpu` / `interpret-tpu` (interpreted, on any host, for checks).
+        Where XLA's invariant forms are not proven (a GPU, a TPU) this is how the run takes
+        `invariant` rather than replaying; not proven on a GPU yet (the start probe and
+        `verify_every` check it, docs/design/invariant.md). '': XLA's forms.
       replay: `auto`: where an update computes with the weights the sampler ran, under
         its policy, the hybrid's value and the behaviour log-probs are the rollout's
         recorded ones and the replay is not run (`train.behaviour`); `always`: every
@@ -146,6 +154,7 @@ class GRPOConfig:
     micro_batches: int = 1
     advantage: Literal["grpo", "drgrpo", "rloo"] = "grpo"
     logprobs: Literal["dense", "hybrid", "invariant", "auto"] = "hybrid"
+    invariant_tiles: str = ""
     replay: Literal["auto", "always"] = "auto"
     verify_every: int = 10
     start_probe: bool = True
@@ -189,6 +198,12 @@ class GRPOConfig:
             raise ValueError(f"grpo.speculative={self.speculative!r}: the dense drafter's "
                              f"checkpoint directory {spec.path!r} does not exist")
 
+    @property
+    def invariant_form(self) -> InvariantForm | None:
+        """The invariant form `invariant_tiles` names (every product in fixed tiles), or None
+        (XLA's forms, `generate` picks this CPU's)."""
+        return InvariantForm(0, None, self.invariant_tiles) if self.invariant_tiles else None
+
     @functools.cached_property
     def policies(self) -> RunPolicies:
         """The learner's and the sampler's policy strings, parsed (once: the config's boundary)."""
@@ -210,6 +225,11 @@ class GRPOConfig:
         check_choice("grpo.advantage", self.advantage, ("grpo", "drgrpo", "rloo"))
         check_choice("grpo.logprobs", self.logprobs, ("dense", "hybrid", "invariant", "auto"))
         check_choice("grpo.replay", self.replay, ("auto", "always"))
+        check_choice("grpo.invariant_tiles", self.invariant_tiles, ("", *FIXED_TILES))
+        if self.invariant_tiles and self.logprobs != "invariant":
+            raise ValueError(f"grpo.invariant_tiles={self.invariant_tiles!r} is the invariant "
+                             f"forms' products; set grpo.logprobs=invariant (got "
+                             f"{self.logprobs!r}) or grpo.invariant_tiles=''")
         check_int("grpo.verify_every", self.verify_every, minimum=0, why=" (0: never)")
         check_bool("grpo.start_probe", self.start_probe)
         check_bool("grpo.reuse_products", self.reuse_products)

@@ -116,14 +116,18 @@ def dispatch_rollout(held, version, key, cfg, plan, problems, side: SamplerSide)
         return ro, {"spec_acceptance": st.acceptance_rate,
                     "spec_tokens_per_forward": st.tokens_per_target_forward(
                         ro.prompt_tokens.shape[0])}
+    layout = sampler_layout(g, side)
     return side.generate(held, prompts, key=key, record_products=g.reuse_products,
-                         decode_layout=sampler_layout(g, side), **sample_kw), {}
+                         decode_layout=layout,
+                         invariant_form=g.invariant_form if layout else None, **sample_kw), {}
 
 
 def sampler_layout(g, side: SamplerSide) -> str | None:
     """The sampler's decode layout: `invariant` for `grpo.logprobs=invariant` where its forms
-    hold (`numerics.invariant.unsupported`), else None (`generate` picks)."""
-    if g.logprobs != "invariant" or invariant_unsupported(mesh=side.sampler_mesh) is not None:
+    hold (`numerics.invariant.unsupported`, `grpo.invariant_tiles`' fixed tiles where they are
+    asked for), else None (`generate` picks)."""
+    if g.logprobs != "invariant" or invariant_unsupported(
+            mesh=side.sampler_mesh, form=g.invariant_form) is not None:
         return None
     return "invariant"
 

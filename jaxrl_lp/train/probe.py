@@ -91,7 +91,8 @@ def probe_exactness(cfg, plan) -> dict | None:
         ro = speculative_generate(params, plan.model, prompts, g.speculative, **kw)
     else:
         ro = side.to_learner(jax.block_until_ready(side.generate(
-            side.hold(params, copy=False), prompts, decode_layout=sampler_layout(g, side), **kw)))
+            side.hold(params, copy=False), prompts, decode_layout=(layout := sampler_layout(
+                g, side)), invariant_form=g.invariant_form if layout else None, **kw)))
     mesh = plan.mesh  # the learner's: a rollout's calls replay where they ran
     want = np.asarray(to_host(ro.logprobs), np.float32)
     mask = np.asarray(to_host(ro.completion_mask)) > 0
@@ -99,7 +100,8 @@ def probe_exactness(cfg, plan) -> dict | None:
     # `invariant`: the learner's parallel forward in the invariant forms, the program its
     # verifications run (the replay where the forms are not proven here).
     learner = (jit_learner_logprobs(plan.model, plan.learner_policy, "invariant", loop=plan.loop,
-                                    mesh=mesh) if g.logprobs == "invariant" else
+                                    mesh=mesh, form=g.invariant_form)
+               if g.logprobs == "invariant" else
                lambda p, r: replay_logprobs(p, plan.model, plan.learner_policy, r, mesh=mesh))
     replay = lambda r: np.asarray(to_host(learner(params, r)), np.float32)
     slices = _slices(rows, g.minibatches, g.micro_batches)

@@ -353,7 +353,8 @@ def _train(cfg: TrainConfig, plan: RunPlan, run_dir: Path, ckpt: Checkpointer, t
     sft_step = make_sft_step(mcfg, lpol, sft_opt, mesh=mesh, remat=remat, weights=weights)
     grpo_step = make_grpo_step(mcfg, lpol, cfg.loss, grpo_opt, loop=loop, sampler_policy=spol,
                                method=g.logprobs, micro_batches=g.micro_batches, mesh=mesh,
-                               remat=remat, weights=grpo_weights)
+                               remat=remat, weights=grpo_weights,
+                               invariant_form=g.invariant_form)
     # What the sampler, evaluation and export read: the model's params. LoRA composes the
     # base and its adapters without a copy (a full tree before its phase passes as it is).
     if grpo_weights is None:
@@ -366,7 +367,8 @@ def _train(cfg: TrainConfig, plan: RunPlan, run_dir: Path, ckpt: Checkpointer, t
     # same program): hybrid, the replay by the sampler's own program at its calls' shapes,
     # which also verifies (`rollout.replay`); dense, one micro-batch's rows at a time.
     old_logp_fn = jit_learner_logprobs(mcfg, lpol, g.logprobs, loop=loop, mesh=mesh,
-                                       micro_batches=g.minibatches * g.micro_batches)
+                                       micro_batches=g.minibatches * g.micro_batches,
+                                       form=g.invariant_form)
     programs = IterationPrograms(
         grpo_step=grpo_step, behaviour_logprobs=old_logp_fn,
         rule=ReplayRule(g.replay, g.logprobs, matched=lpol == spol),

@@ -173,6 +173,7 @@ def validate(cfg: TrainConfig, task: Any = None) -> RunPlan:
     _reference(cfg, mcfg)
     _multiturn(cfg, task, mcfg, weights)
     mesh, sampler = _placement(cfg, mcfg) if cfg.run.learner_mesh else (_mesh(cfg, mcfg), None)
+    _invariant_tiles(cfg, mesh, weights if lora is None else lora.weights)
     from jaxrl_lp.tasks.protocol import is_multiturn
     from jaxrl_lp.train.logprobs_choice import choose_logprobs
 
@@ -263,6 +264,36 @@ def _multiturn(cfg: TrainConfig, task, mcfg: ModelConfig, weights) -> None:
             f"{limits.max_turns} turns of {limits.max_turn_tokens} tokens, observations) but "
             f"the model's context is {mcfg.max_position_embeddings}; raise "
             "model.max_position_embeddings or lower task.max_turns")
+
+
+def _invariant_tiles(cfg: TrainConfig, mesh, weights) -> None:
+    """`grpo.invariant_tiles`: one device, plain weights, and products the named version
+    can take here (compiled: a GPU or TPU; the GPU's: bf16 or f16 arrays)."""
+    g = cfg.grpo
+    tiles = g.invariant_tiles
+    if not tiles:
+        return
+    key = f"grpo.invariant_tiles={tiles}"
+    if mesh is not None:
+        raise ValueError(f"{key}: the invariant forms run on one device; set run.mesh=''")
+    if weights is not None:
+        raise ValueError(f"{key}: the invariant forms multiply plain weights; drop LoRA and "
+                         "set sft.optimizer=adamw")
+    backend = jax.default_backend()
+    if tiles == "compiled" and backend not in ("gpu", "tpu"):
+        raise ValueError(f"{key}: the kernels compile for a GPU or TPU, and this host is "
+                         f"{backend}; use interpret-tpu (or interpret-gpu) to run them "
+                         "interpreted here")
+    if tiles == "interpret-gpu" or (tiles == "compiled" and backend == "gpu"):
+        for name in ("grpo.sampler_policy", "grpo.learner_policy"):
+            policy = Policy.parse(getattr(g, name.split(".")[1]))
+            if policy.compute_dtype.name not in ("bfloat16", "float16") or not policy.native:
+                raise ValueError(
+                    f"{key}: the GPU kernel multiplies bf16 or f16 arrays (Hopper's wgmma "
+                    f"reads f32 as tf32), and {name}={policy} computes in "
+                    f"{policy.compute_dtype.name}"
+                    + ("" if policy.native else " stored in f32")
+                    + "; set it to bf16,s=native (or use interpret-tpu)")
 
 
 def _built(cfg: TrainConfig, task) -> bool:
