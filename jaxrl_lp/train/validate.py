@@ -285,8 +285,8 @@ def _invariant_tiles(cfg: TrainConfig, mesh, weights) -> None:
                          f"{backend}; use interpret-tpu (or interpret-gpu) to run them "
                          "interpreted here")
     if tiles == "interpret-gpu" or (tiles == "compiled" and backend == "gpu"):
-        for name in ("grpo.sampler_policy", "grpo.learner_policy"):
-            policy = Policy.parse(getattr(g, name.split(".")[1]))
+        learner, sampler = g.policies
+        for name, policy in (("grpo.sampler_policy", sampler), ("grpo.learner_policy", learner)):
             if policy.compute_dtype.name not in ("bfloat16", "float16") or not policy.native:
                 raise ValueError(
                     f"{key}: the GPU kernel multiplies bf16 or f16 arrays (Hopper's wgmma "
