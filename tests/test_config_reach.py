@@ -181,6 +181,10 @@ NOT_RUN = {
     "distributed.process_id": "several processes: tests/test_multiprocess.py",
     "task.tools": "a chat checkpoint whose tokenizer has </tool_call> as one token: "
                   "tests/test_own_task_chat.py",
+    "grpo.invariant_tiles=compiled": "the kernels compile for a GPU or TPU (refused on this "
+                                     "CPU: tests/test_config.py); its programs lower here "
+                                     "(tests/test_fixed_tile.py), a GPU runs them "
+                                     "(benchmarks/gpu.sh SUITE=invariant)",
 }
 
 

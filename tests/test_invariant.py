@@ -405,6 +405,27 @@ def test_a_run_with_auto_logprobs_takes_invariant_replays_no_update_and_verifies
         assert r["replayed_updates"] == 0.0, r
 
 
+def test_compiled_tiles_on_a_gpu_need_bf16_policies_stored_natively(monkeypatch):
+    """`grpo.invariant_tiles=compiled` on a GPU host (the backend stood in for): the GPU
+    kernel multiplies bf16 or f16 arrays, so an f32 policy, or bf16 carried in f32, is one
+    line naming the policy's key before anything is written; bf16 stored natively passes."""
+    from jaxrl_lp.train import apply_overrides, default_config
+    from jaxrl_lp.train.validate import _invariant_tiles
+
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    tiles = ["grpo.logprobs=invariant", "grpo.invariant_tiles=compiled"]
+    cfg = lambda *sets: apply_overrides(default_config(), [*tiles, *sets])
+    with pytest.raises(ValueError, match=r"^grpo.invariant_tiles=compiled: the GPU kernel "
+                       r"multiplies bf16 or f16 arrays .* grpo.sampler_policy=\S+ computes in "
+                       r"float32; set it to bf16"):
+        _invariant_tiles(cfg(), None, None)
+    with pytest.raises(ValueError, match=r"grpo.learner_policy=\S+ computes in bfloat16 stored "
+                       r"in f32"):
+        _invariant_tiles(cfg("grpo.sampler_policy=bf16", "grpo.learner_policy=bf16,s=f32"),
+                         None, None)
+    _invariant_tiles(cfg("grpo.sampler_policy=bf16", "grpo.learner_policy=bf16"), None, None)
+
+
 @pytest.mark.slow
 def test_a_run_in_fixed_tiles_verifies_every_step_and_replays_no_update(tmp_path, monkeypatch):
     """`grpo.logprobs=invariant grpo.invariant_tiles=interpret-tpu`: the sampler and the

@@ -121,7 +121,7 @@ from jaxrl_lp.models.config import ModelConfig, get_preset
 from jaxrl_lp.models.hf_io import save_hf_checkpoint
 from jaxrl_lp.models.model import init_params
 from jaxrl_lp.models.recorded import take_product_rows
-from jaxrl_lp.numerics.invariant import FIXED_TILES, InvariantForm
+from jaxrl_lp.numerics.invariant import InvariantForm
 from jaxrl_lp.numerics.policy import policy_arg
 from jaxrl_lp.plan.hlo_cost import hlo_cost
 from jaxrl_lp.rl.advantages import group_advantages
@@ -310,7 +310,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="our sampler's decode layouts to race (comma list of auto, "
                              "as_stored, transposed: `rollout.step.decode_layout`; auto lets "
                              "`generate` pick); a non-auto one is named <method>_mb<k>_<layout>")
-    parser.add_argument("--invariant-tiles", default="", choices=("", *FIXED_TILES),
+    parser.add_argument("--invariant-tiles", default="", choices=("", "compiled", "interpret-tpu"),
                         help="the invariant method's products in fixed tiles "
                              "(`grpo.invariant_tiles`: compiled on a GPU or TPU, interpreted "
                              "anywhere); '': XLA's forms, this CPU's")

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Literal, NamedTuple
 
 from jaxrl_lp.fields import check_bool, check_choice, check_int, check_number
-from jaxrl_lp.numerics.invariant import FIXED_TILES, InvariantForm
+from jaxrl_lp.numerics.invariant import InvariantForm
 from jaxrl_lp.numerics.policy import Policy
 from jaxrl_lp.rollout.sampling import DRAWS
 
@@ -56,7 +56,9 @@ class GRPOConfig:
       invariant_tiles: with `logprobs=invariant`, every product of the sampler's decode and
         the learner's forward in `kernels.fixed_tile`'s fixed tiles (`InvariantForm.tiles`):
         `compiled` (Mosaic GPU on a GPU, Mosaic TPU on a TPU; bf16 or f16 products on a
-        GPU), `interpret-gpu` / `interpret-tpu` (interpreted, on any host, for checks).
+        GPU), `interpret-tpu` (the TPU version interpreted, on any host, for checks; the GPU
+        version's interpreter sums a row by its place in a tile, so a run in it would stop
+        at its start probe: it is for kernel checks, not runs).
         Where XLA's invariant forms are not proven (a GPU, a TPU) this is how the run takes
         `invariant` rather than replaying; not proven on a GPU yet (the start probe and
         `verify_every` check it, docs/design/invariant.md). '': XLA's forms.
@@ -154,7 +156,7 @@ class GRPOConfig:
     micro_batches: int = 1
     advantage: Literal["grpo", "drgrpo", "rloo"] = "grpo"
     logprobs: Literal["dense", "hybrid", "invariant", "auto"] = "hybrid"
-    invariant_tiles: str = ""
+    invariant_tiles: Literal["", "compiled", "interpret-tpu"] = ""
     replay: Literal["auto", "always"] = "auto"
     verify_every: int = 10
     start_probe: bool = True
@@ -225,7 +227,8 @@ class GRPOConfig:
         check_choice("grpo.advantage", self.advantage, ("grpo", "drgrpo", "rloo"))
         check_choice("grpo.logprobs", self.logprobs, ("dense", "hybrid", "invariant", "auto"))
         check_choice("grpo.replay", self.replay, ("auto", "always"))
-        check_choice("grpo.invariant_tiles", self.invariant_tiles, ("", *FIXED_TILES))
+        check_choice("grpo.invariant_tiles", self.invariant_tiles,
+                     ("", "compiled", "interpret-tpu"))
         if self.invariant_tiles and self.logprobs != "invariant":
             raise ValueError(f"grpo.invariant_tiles={self.invariant_tiles!r} is the invariant "
                              f"forms' products; set grpo.logprobs=invariant (got "

@@ -268,7 +268,7 @@ def _multiturn(cfg: TrainConfig, task, mcfg: ModelConfig, weights) -> None:
 
 def _invariant_tiles(cfg: TrainConfig, mesh, weights) -> None:
     """`grpo.invariant_tiles`: one device, plain weights, and products the named version
-    can take here (compiled: a GPU or TPU; the GPU's: bf16 or f16 arrays)."""
+    can take here (compiled: a GPU or TPU; on a GPU bf16 or f16 arrays)."""
     g = cfg.grpo
     tiles = g.invariant_tiles
     if not tiles:
@@ -282,9 +282,8 @@ def _invariant_tiles(cfg: TrainConfig, mesh, weights) -> None:
     backend = jax.default_backend()
     if tiles == "compiled" and backend not in ("gpu", "tpu"):
         raise ValueError(f"{key}: the kernels compile for a GPU or TPU, and this host is "
-                         f"{backend}; use interpret-tpu (or interpret-gpu) to run them "
-                         "interpreted here")
-    if tiles == "interpret-gpu" or (tiles == "compiled" and backend == "gpu"):
+                         f"{backend}; use interpret-tpu to run them interpreted here")
+    if tiles == "compiled" and backend == "gpu":
         learner, sampler = g.policies
         for name, policy in (("grpo.sampler_policy", sampler), ("grpo.learner_policy", learner)):
             if policy.compute_dtype.name not in ("bfloat16", "float16") or not policy.native:
@@ -293,7 +292,7 @@ def _invariant_tiles(cfg: TrainConfig, mesh, weights) -> None:
                     f"reads f32 as tf32), and {name}={policy} computes in "
                     f"{policy.compute_dtype.name}"
                     + ("" if policy.native else " stored in f32")
-                    + "; set it to bf16,s=native (or use interpret-tpu)")
+                    + "; set it to bf16 (stored natively: s=auto or s=native)")
 
 
 def _built(cfg: TrainConfig, task) -> bool:
