@@ -378,6 +378,17 @@ WIDE = ["model.family=qwen3", "model.loop_steps=1", "model.hidden_size=256",
         "run.progress=false"]
 
 
+def _two_steps_verified_and_nothing_replayed(out) -> None:
+    """A run's two GRPO steps each verified (the learner's forward of the batch == the
+    sampler's bits, 0.0 apart) and no update replayed the decode."""
+    grpo = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    grpo = [r for r in grpo if r["phase"] == "grpo"]
+    assert len(grpo) == 2
+    for r in grpo:
+        assert r["replay_verified"] == 1.0 and r["mismatch_max_abs_dlogp"] == 0.0, r
+        assert r["replayed_updates"] == 0.0, r
+
+
 @pytest.mark.slow
 def test_a_run_with_auto_logprobs_takes_invariant_replays_no_update_and_verifies_exact(
         tmp_path, capsys):
@@ -397,12 +408,7 @@ def test_a_run_with_auto_logprobs_takes_invariant_replays_no_update_and_verifies
     assert len(said) == 1 and said[0].startswith("jaxrl-lp train: grpo.logprobs=auto: "
                                                  "invariant ("), said
     assert json.loads((out / "config.json").read_text())["grpo"]["logprobs"] == "invariant"
-    grpo = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
-    grpo = [r for r in grpo if r["phase"] == "grpo"]
-    assert len(grpo) == 2
-    for r in grpo:
-        assert r["replay_verified"] == 1.0 and r["mismatch_max_abs_dlogp"] == 0.0, r
-        assert r["replayed_updates"] == 0.0, r
+    _two_steps_verified_and_nothing_replayed(out)
 
 
 def test_compiled_tiles_on_a_gpu_need_bf16_policies_stored_natively(monkeypatch):
@@ -435,22 +441,22 @@ def test_a_run_in_fixed_tiles_verifies_every_step_and_replays_no_update(tmp_path
     from helpers import sets
 
     import jaxrl_lp.numerics.invariant as inv
+    import jaxrl_lp.rl.logprobs as logprobs
     from jaxrl_lp.cli.main import main
 
-    traced = []
-    tiles = inv._fixed_tiles
+    traced, read = [], []
+    tiles, check = inv._fixed_tiles, logprobs.check_invariant_rollout
     monkeypatch.setattr(inv, "_fixed_tiles", lambda form, x, w: (
         traced.append(form.tiles), tiles(form, x, w))[1])
+    monkeypatch.setattr(logprobs, "check_invariant_rollout", lambda ro: (
+        read.append(ro.invariant_form), check(ro))[1])
     out = tmp_path / "run"
     assert main(["train", *sets(*WIDE, f"run.out_dir={out}",
                                 "grpo.invariant_tiles=interpret-tpu")]) == 0
     assert traced and set(traced) == {"interpret-tpu"}
-    grpo = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
-    grpo = [r for r in grpo if r["phase"] == "grpo"]
-    assert len(grpo) == 2
-    for r in grpo:
-        assert r["replay_verified"] == 1.0 and r["mismatch_max_abs_dlogp"] == 0.0, r
-        assert r["replayed_updates"] == 0.0, r
+    # the probe's rollout and the steps' (each traced program's): all sampled in the tiles
+    assert read and set(read) == {InvariantForm(0, None, "interpret-tpu")}, set(read)
+    _two_steps_verified_and_nothing_replayed(out)
 
 
 def test_the_start_probe_stops_a_run_whose_learner_products_sum_otherwise(tmp_path, monkeypatch,

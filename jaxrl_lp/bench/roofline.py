@@ -195,7 +195,7 @@ def add_bounds(res: dict, ours: dict, cfg: ModelConfig, new_tokens: int, mbs: li
     Args:
       res: the race's entries by name (`<method>_mb<k>[_<draw>]`, `tunix_mb<k>`), each
         with its measured `iteration_s` and phase seconds; changed in place.
-      ours: our entries' iteration objects (`bench.iteration._Iteration`: `params`,
+      ours: our entries' iteration objects (`bench.iteration_ours.OurIteration`: `params`,
         `method`, `minibatches`, `compiled_flops()`).
       cfg: the preset raced; new_tokens: sampled tokens per row; mbs: the minibatch
         counts raced; machine: `best_machine`'s rates.

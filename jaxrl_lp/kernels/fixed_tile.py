@@ -95,13 +95,16 @@ def _pad_to(x: jax.Array, multiples: tuple[int, int]) -> jax.Array:
     return jnp.pad(x, pads) if any(p for _, p in pads) else x
 
 
+def _dims(x_GxMxK: jax.Array, w_GxKxN: jax.Array) -> tuple[int, int, int, int, bool]:
+    """(G, M, K, N, whether the weight is every product's) of padded operands."""
+    return (*x_GxMxK.shape, w_GxKxN.shape[2], w_GxKxN.shape[0] == 1)
+
+
 def _gpu_version(x_GxMxK: jax.Array, w_GxKxN: jax.Array, tiles: Tiles,
                  interpret: bool) -> jax.Array:
     """The Mosaic GPU kernel on operands padded to `tiles` (module docstring); a weight with a
     batch of 1 is every product's."""
-    g, m, k = x_GxMxK.shape
-    n = w_GxKxN.shape[2]
-    shared = w_GxKxN.shape[0] == 1
+    g, m, k, n, shared = _dims(x_GxMxK, w_GxKxN)
     swizzle = plgpu.find_swizzle(tiles.k * jnp.dtype(x_GxMxK.dtype).itemsize * 8)
     layout = (plgpu.TilingTransform((8, swizzle // jnp.dtype(x_GxMxK.dtype).itemsize)),
               plgpu.SwizzleTransform(swizzle))
@@ -144,9 +147,7 @@ def _tpu_version(x_GxMxK: jax.Array, w_GxKxN: jax.Array, tiles: Tiles,
                  interpret: bool) -> jax.Array:
     """The Mosaic TPU kernel on operands padded to `tiles` (module docstring); a weight with a
     batch of 1 is every product's."""
-    g, m, k = x_GxMxK.shape
-    n = w_GxKxN.shape[2]
-    shared = w_GxKxN.shape[0] == 1
+    g, m, k, n, shared = _dims(x_GxMxK, w_GxKxN)
     precision = jax.lax.Precision.HIGHEST if x_GxMxK.dtype == jnp.float32 else None
 
     def body(x_ref, w_ref, y_ref, acc_ref):
