@@ -316,8 +316,8 @@ def test_the_weight_products_back_to_the_plain_form_break_the_equality(monkeypat
     assert differing(invariant_dot=lambda x, w, policy: layers._f32_product(x, w, policy)) > 0, \
         "the products reverted to the plain form, yet every log-prob is the sampler's"
     if ro.invariant_form.columns is not None:
-        columns_product = inv._columns_product
-        assert differing(_columns_product=lambda x, w, columns: columns_product(x, w, 1)) > 0, \
+        columns_product = inv.columns_product
+        assert differing(columns_product=lambda x, w, columns: columns_product(x, w, 1)) > 0, \
             "the columns unpadded, yet every log-prob is the sampler's"
 
 

@@ -70,7 +70,14 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from jaxrl_lp.numerics.invariant_probe import COLUMN_TILES, ROW_CHUNKS, column_tile, row_chunk
+from jaxrl_lp.numerics.invariant_probe import (
+    COLUMN_TILES,
+    COMPILER_OPTIONS,
+    ROW_CHUNKS,
+    column_tile,
+    columns_product,
+    row_chunk,
+)
 from jaxrl_lp.numerics.policy import Policy
 from jaxrl_lp.numerics.products import precision_for, product
 
@@ -86,9 +93,6 @@ MAX_COLUMN_TILE = 16
 # The `tiles` of an `InvariantForm` whose products are `kernels.fixed_tile`'s, and the
 # interpreter each names (None: compiled for the platform lowered for).
 FIXED_TILES = {"compiled": None, "interpret-gpu": "gpu", "interpret-tpu": "tpu"}
-# YNNPACK fusions for dots only: reductions and elementwise ops are XLA's own loops, whose
-# bits per row do not depend on the row count (with YNNPACK's reductions and `exp` they do).
-COMPILER_OPTIONS = {"xla_cpu_experimental_ynn_fusion_type": "LIBRARY_FUSION_TYPE_INDIVIDUAL_DOT"}
 
 
 class InvariantForm(NamedTuple):
@@ -317,22 +321,6 @@ def _by_rows(fn: Callable[[jax.Array], jax.Array], x_xMxK: jax.Array, chunk: int
     return y.reshape(*lead, g * chunk, y.shape[-1])[..., :m, :]
 
 
-def _columns_product(x_MxK: jax.Array, w_NxK: jax.Array, columns: int) -> jax.Array:
-    """`x @ w_NxK.T` in f32, `[M, N]`, computed as `w_NxK @ x.T` over all the rows at once, the
-    rows padded with zeros to a multiple of `columns`.
-
-    The barriers keep the product `[N, M]` in memory as computed and the weight's copy as
-    given: without them XLA lays the product out as the transpose wants it, or folds a
-    transposed copy back into the stored weight's read, and sums otherwise.
-    """
-    m = x_MxK.shape[0]
-    x = _pad(x_MxK, -(-m // columns) * columns)
-    w = jax.lax.optimization_barrier(w_NxK)
-    y = jax.lax.dot_general(w, x, (((1,), (1,)), ((), ())), precision=precision_for(x, w),
-                            preferred_element_type=jnp.float32)
-    return jax.lax.optimization_barrier(jax.lax.optimization_barrier(y).T)[:m]
-
-
 def weights_major_product(x_MxK: jax.Array, w_NxK: jax.Array) -> jax.Array:
     """`x @ w_NxK.T` in f32, `[M, N]`, for a weight read `[out, in]` (the decode's
     `TransposedWeight` copy) in an active form with `columns`."""
@@ -341,7 +329,7 @@ def weights_major_product(x_MxK: jax.Array, w_NxK: jax.Array) -> jax.Array:
         raise ValueError("invariant forms: a weight read [out, in] is for a form with columns; "
                          "this form reads the weights as stored")
     with jax.named_scope("invariant_columns"):
-        return _columns_product(x_MxK, w_NxK, columns)
+        return columns_product(x_MxK, w_NxK, columns)
 
 
 def _fixed_tiles(form: InvariantForm, x_xMxK: jax.Array, w_xKxN: jax.Array) -> jax.Array:
@@ -360,7 +348,7 @@ def weights_product(x_MxK: jax.Array, w_KxN: jax.Array) -> jax.Array:
             return _fixed_tiles(form, x_MxK, w_KxN)
     if form.columns is not None:
         with jax.named_scope("invariant_columns"):
-            return _columns_product(x_MxK, w_KxN.T, form.columns)
+            return columns_product(x_MxK, w_KxN.T, form.columns)
     dot = lambda x: jax.lax.dot_general(x, w_KxN, (((1,), (0,)), ((), ())),
                                         precision=precision_for(x_MxK, w_KxN),
                                         preferred_element_type=jnp.float32)

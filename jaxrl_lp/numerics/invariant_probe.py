@@ -4,7 +4,7 @@
 Which kernel XLA:CPU (YNNPACK) sums a product's row with, and in which order, depends on
 the CPU, the contraction width and the dtype (docs/design/invariant.md), so the forms'
 chunks and tiles are probed here on small programs compiled as the forms' are
-(`invariant.COMPILER_OPTIONS`), never assumed.
+(`COMPILER_OPTIONS`, the weights-major form's `columns_product`), never assumed.
 """
 
 from __future__ import annotations
@@ -17,7 +17,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["COLUMN_TILES", "ROW_CHUNKS", "column_tile", "row_chunk"]
+from jaxrl_lp.numerics.products import precision_for
+
+__all__ = ["COLUMN_TILES", "COMPILER_OPTIONS", "ROW_CHUNKS", "column_tile", "columns_product",
+           "row_chunk"]
+
+# YNNPACK fusions for dots only: reductions and elementwise ops are XLA's own loops, whose
+# bits per row do not depend on the row count (with YNNPACK's reductions and `exp` they do).
+COMPILER_OPTIONS = {"xla_cpu_experimental_ynn_fusion_type": "LIBRARY_FUSION_TYPE_INDIVIDUAL_DOT"}
 
 # The row chunks `row_chunk` tries, largest first: YNNPACK's product kernel for 2-32 rows
 # gives a row the same bits at any row count in that range, and another kernel runs at more.
@@ -58,8 +65,6 @@ def row_chunk() -> int | None:
     Which kernel sums a row, and in which order, depends on the CPU, so it is probed here
     (once a process: a few small programs) rather than assumed.
     """
-    from jaxrl_lp.numerics.invariant import COMPILER_OPTIONS  # the forms' module imports this one
-
     bits = lambda y: np.asarray(y, np.float32).view(np.uint32)
     with jax.ensure_compile_time_eval():
         cases = [(jax.jit(f, compiler_options=COMPILER_OPTIONS), x, w)
@@ -75,6 +80,22 @@ def row_chunk() -> int | None:
                    for f, x, w in cases for full in [rows(f, x, w, chunk)]):
                 return chunk
     return None
+
+
+def columns_product(x_MxK: jax.Array, w_NxK: jax.Array, columns: int) -> jax.Array:
+    """`x @ w_NxK.T` in f32, `[M, N]`, computed as `w_NxK @ x.T` over all the rows at once, the
+    rows padded with zeros to a multiple of `columns`.
+
+    The barriers keep the product `[N, M]` in memory as computed and the weight's copy as
+    given: without them XLA lays the product out as the transpose wants it, or folds a
+    transposed copy back into the stored weight's read, and sums otherwise.
+    """
+    m = x_MxK.shape[0]
+    x = jnp.pad(x_MxK, ((0, -m % columns), (0, 0)))
+    w = jax.lax.optimization_barrier(w_NxK)
+    y = jax.lax.dot_general(w, x, (((1,), (1,)), ((), ())), precision=precision_for(x, w),
+                            preferred_element_type=jnp.float32)
+    return jax.lax.optimization_barrier(jax.lax.optimization_barrier(y).T)[:m]
 
 
 def _columns_cases(rng) -> list[tuple[np.ndarray, np.ndarray]]:
@@ -99,11 +120,9 @@ def column_tile() -> int | None:
     product's rows are padded to a multiple of the tile. Probed once a process, as
     `row_chunk` is.
     """
-    from jaxrl_lp.numerics.invariant import COMPILER_OPTIONS, _columns_product  # (as above)
-
     bits = lambda y: np.asarray(y, np.float32).view(np.uint32)
     with jax.ensure_compile_time_eval():
-        product = jax.jit(_columns_product, static_argnums=2, compiler_options=COMPILER_OPTIONS)
+        product = jax.jit(columns_product, static_argnums=2, compiler_options=COMPILER_OPTIONS)
         cases = _columns_cases(np.random.default_rng(1))
         for tile in COLUMN_TILES:
             def holds(x, w, tile=tile):  # lazily, so a tile that fails stops compiling early
