@@ -67,6 +67,17 @@
 #                          differ, whole and in halves), beside the plain sampler against the
 #                          dense forward, and the times of each
 #
+# SUITE=kernels compiles our retired GPU kernels on the GPU (`kernels.dispatch.RETIRED`; inside
+# `unretired`) and races each against XLA's path (issue 52's kernel table; under 7 minutes),
+# writing gpu-kernels-<device>.json and .log beside:
+#   kernels-retired-fp32-<device>.json  jaxrl-lp bench kernels --kernels retired --policy fp32,
+#                          the `small` shapes: each kernel's result against its reference, the
+#                          kernel tests' tolerances (correctness first)
+#   kernels-retired-<device>.json  the same in bf16 at the `small` and `full` shapes (Qwen3-0.6B's
+#                          read-out, 4096 x 1024 x 151,936): time and memory of the kernel, the
+#                          reference, the plain path and XLA's tiled read-out (what a GPU program
+#                          runs); the HBM fraction of the memory-bound ones, the log-prob's MFU
+#
 # Needs a python3 with JAX for the GPU, flax, optax, orbax-checkpoint, ml_dtypes and pytest. What
 # it lacks (grain, tensorboardX and their needs) comes as wheels in .whl/, fetched beforehand on
 # a machine with PyPI by benchmarks/fetch_wheels.sh and installed with --no-index --no-deps into a
@@ -80,6 +91,7 @@
 #   SUITE=profile benchmarks/gpu.sh                      # where a rollout's and an update's time goes
 #   SUITE=graphs benchmarks/gpu.sh                       # decode without and with the GPU flags
 #   SUITE=invariant benchmarks/gpu.sh                    # a decode's product against the learner's
+#   SUITE=kernels benchmarks/gpu.sh                      # the retired kernels against XLA's path
 #   QUICK=1 ALLOW_CPU=1 benchmarks/gpu.sh /tmp/x        # the script's own check on a CPU
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -111,7 +123,8 @@ case "$SUITE" in
   profile) TAG=gpu-profile ;;
   graphs) TAG=gpu-graphs ;;
   invariant) TAG=gpu-invariant ;;
-  *) echo "$0: SUITE must be exactness, speed, iteration, profile, graphs or invariant, got '$SUITE'" >&2
+  kernels) TAG=gpu-kernels ;;
+  *) echo "$0: SUITE must be exactness, speed, iteration, profile, graphs, invariant or kernels, got '$SUITE'" >&2
      exit 2 ;;
 esac
 LOG="$DIR/$TAG-$DEV.log"
@@ -154,6 +167,8 @@ if [[ -n "${QUICK:-}" ]]; then  # tiny sizes, a few seconds a step
   GRAPHS=(--sizes tiny-qwen3 --batch 2,4 --prompt-len 8 --new-tokens 8)
   FIXED_TILE=(--batch 4 --tokens 8 --widths 128x128 --repeats 2)
   FIXED_TILE_MODEL=(--model tiny-qwen3 --prompts 2 --group 2 --prompt-len 8 --new-tokens 8)
+  KERNELS=(--shapes tiny --cases logprob,quantize_nvfp4,decode --repeats 1 --min-time 0)
+  KERNELS_FP32=("${KERNELS[@]}")
 else
   REPLAY=()
   TRAIN=()
@@ -166,7 +181,12 @@ else
   GRAPHS=(--sizes qwen3-0.6b --batch 32,256 --prompt-len 128 --new-tokens 256)
   FIXED_TILE=()
   FIXED_TILE_MODEL=(--model qwen3-0.6b --prompts 8 --group 4 --prompt-len 64 --new-tokens 64)
+  KERNELS=(--shapes small,full --repeats 2 --min-time 0)
+  KERNELS_FP32=(--shapes small --repeats 1 --min-time 0 --inner 1)
 fi
+# The retired GPU kernels compile on a GPU only; the dry run interprets them.
+RETIRED=(--kernels retired)
+[[ "$DEV" == cpu-dry-run ]] && RETIRED=(--kernels interpret)
 # Off a GPU (the dry run) the tier's tests run in CI's own tiers (tests/test_gpu.py in the
 # slow tier, tests/test_kernels_compiled.py in the default suite): collected here, not run.
 TIER=()
@@ -247,6 +267,14 @@ if [[ "$SUITE" == invariant ]]; then
   # Then the whole model: the sampler in fixed tiles against the learner's forward.
   step fixed_tile_model 300 "$PYTHON" benchmarks/fixed_tile.py --widths "" \
     "${FIXED_TILE_MODEL[@]}" --out "$DIR/fixed-tile-model-$DEV.json"
+fi
+
+if [[ "$SUITE" == kernels ]]; then
+  # One at a time, alone on the GPU: correctness in f32 first, then the times in bf16.
+  step kernels_fp32 120 "${JAXRL[@]}" bench kernels "${RETIRED[@]}" --policy fp32 \
+    "${KERNELS_FP32[@]}" --out "$DIR/kernels-retired-fp32-$DEV.json"
+  step kernels 300 "${JAXRL[@]}" bench kernels "${RETIRED[@]}" --policy bf16 "${KERNELS[@]}" \
+    --out "$DIR/kernels-retired-$DEV.json"
 fi
 
 if [[ "$SUITE" == exactness ]]; then

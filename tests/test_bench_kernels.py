@@ -1,13 +1,17 @@
 """`jaxrl-lp bench kernels`: the CLI end to end on tiny shapes, and the JSON it prints.
 
 On CPU the kernels run interpreted (correctness only); the `max_rel_diff`
-bounds are the kernel tests' own tolerances (quantization bit-equal). On a
-GPU the last test runs the compiled kernels (`k=on`) on the `small` shapes
-against their references with the same bounds (fp32 policy).
+bounds are the kernel tests' own tolerances (quantization bit-equal), and the
+log-prob's XLA read-out (`tiled_readout`, what a GPU program runs) within the
+same bound. Where Pallas compiles (a TPU) a test runs the compiled kernels
+(`k=on`) on the `small` shapes against their references with the same bounds
+(fp32 policy); on a GPU `--kernels retired` compiles the retired versions
+(`benchmarks/gpu.sh`, `SUITE=kernels`), and off a GPU it is one clear error.
 """
 
 import json
 
+import jax
 import pytest
 
 from jaxrl_lp.bench.kernels import INTERPRET_NOTE
@@ -35,7 +39,8 @@ def _tol(case: str) -> float:
 
 def _check_case(case: str, res: dict, *, timed: bool) -> None:
     assert "error" not in res, res
-    impls = ["plain", "reference", "kernel"] if case == "logprob_fwd_bwd" else ["reference", "kernel"]
+    logprob = case == "logprob_fwd_bwd"
+    impls = ["plain", "reference", "tiled", "kernel"] if logprob else ["reference", "kernel"]
     for impl in impls:
         keys = IMPL_KEYS | (TIMED_KEYS if timed else set())
         assert keys <= set(res[impl]), (case, impl, res[impl])
@@ -43,6 +48,9 @@ def _check_case(case: str, res: dict, *, timed: bool) -> None:
     if timed:
         assert res["kernel"]["time_s"] > 0 and res["kernel_speedup_vs_reference"] > 0
         assert res["kernel"]["max_rel_diff"] <= _tol(case), (case, res["kernel"])
+        if logprob:  # XLA's read-out a GPU program runs: the figure a GPU kernel must beat
+            assert res["kernel_speedup_vs_tiled"] > 0
+            assert res["tiled"]["max_rel_diff"] <= _tol(case), (case, res["tiled"])
     else:
         assert "time_s" not in res["kernel"]
 
@@ -95,3 +103,11 @@ def test_compiled_kernels_match_their_references(tmp_path, capsys):
 def test_kernels_on_without_a_pallas_backend_is_one_clear_error(capsys):
     assert main(["bench", "kernels", "--shapes", "tiny", "--kernels", "on"]) == 2
     assert "--kernels on: the cpu backend cannot compile Pallas kernels" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(jax.default_backend() == "gpu", reason="a GPU compiles the retired kernels")
+def test_retired_kernels_off_a_gpu_is_one_clear_error(capsys):
+    assert main(["bench", "kernels", "--shapes", "tiny", "--kernels", "retired"]) == 2
+    err = capsys.readouterr().err
+    assert "--kernels retired compiles our retired GPU versions, on a GPU host" in err, err
+    assert "--kernels interpret" in err

@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 
+from jaxrl_lp.numerics.policy import Policy
+
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.slow
 
@@ -28,6 +30,7 @@ SUITES = {
     "graphs": ("gpu-graphs", ["sampler-flags-none", "sampler-flags-decode_graphs",
                               "decode-flags", "replay-flags-decode_graphs"]),
     "invariant": ("gpu-invariant", ["fixed-tile", "fixed-tile-model"]),
+    "kernels": ("gpu-kernels", ["kernels-retired-fp32", "kernels-retired"]),
 }
 
 
@@ -66,3 +69,11 @@ def test_the_gpu_script_runs_each_suite_on_cpu(tmp_path, suite):
         model = out["fixed-tile-model"]["model"]  # both pairs compared over the same tokens
         assert model["form"]["tiles"] == "interpret-gpu" and not out["fixed-tile-model"]["cells"]
         assert model["fixed_tiles"]["tokens"] == model["plain"]["tokens"] == 2 * 2 * 8
+    elif suite == "kernels":  # every case ran against the reference and XLA's read-out
+        for target, policy in (("kernels-retired-fp32", "fp32"), ("kernels-retired", "bf16")):
+            res = out[target]
+            assert res["policy"] == str(Policy.parse(f"{policy},k=interpret")), res["policy"]
+            cells = {k: v for k, v in res["tiny"].items() if k not in ("shapes", "timed")}
+            assert set(cells) == {"logprob_fwd_bwd", "quantize_nvfp4", "decode_attention"}
+            assert all("error" not in c and c["kernel"]["time_s"] > 0 for c in cells.values())
+            assert cells["logprob_fwd_bwd"]["kernel_speedup_vs_tiled"] > 0

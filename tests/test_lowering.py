@@ -19,6 +19,7 @@ import pytest
 
 from jaxrl_lp.bench.lowering import KERNEL_CASES, kernel_family, report
 from jaxrl_lp.cli.main import main
+from jaxrl_lp.kernels.dispatch import unretired
 from jaxrl_lp.models.config import get_preset
 from jaxrl_lp.numerics.policy import Policy
 from jaxrl_lp.plan.programs import PROGRAMS
@@ -93,6 +94,23 @@ def test_the_kernels_alone_lower_under_kernels_on():
         assert cells["tpu"]["kernels"] and not cells["tpu"]["missing_families"], case
         assert not cells["cuda"]["lowers"] and cells["cuda"]["retired"], (case, cells["cuda"])
     assert out["summary"]["with_expected_kernels"] == out["summary"]["cells"]
+
+
+def test_the_retired_kernels_lower_for_cuda_inside_unretired_only():
+    """Inside `kernels.dispatch.unretired` (what `jaxrl-lp bench kernels --kernels retired`
+    compiles on a GPU) each kernel alone under `kernels=on` lowers for cuda with its Triton
+    kernels again (Triton's verifier run on each); traced again outside, the same calls are
+    refused: the kernels traced once per shape (`dispatch.once_per_shape`) are not served
+    from a trace made inside."""
+    with unretired():
+        inside = report([], [], ("cuda",))
+    outside = report([], [], ("cuda",))
+    assert set(inside["kernels"]) == set(outside["kernels"]) == set(KERNEL_CASES)
+    for case in KERNEL_CASES:
+        cell = inside["kernels"][case]["cuda"]
+        assert cell["lowers"] and cell["kernels"], (case, cell.get("error"))
+        assert not outside["kernels"][case]["cuda"]["lowers"], case
+        assert outside["kernels"][case]["cuda"]["retired"], case
 
 
 def test_bench_lowering_prints_the_table(capsys, tmp_path):

@@ -5,8 +5,10 @@ production sizes):
 
 - `logprob_fwd_bwd`: value and gradients (d/dh, d/dW) of a weighted sum of the
   chosen tokens' log-probs and entropies (`kernels.logprob.fused_logprobs`),
-  by the kernel, by its jnp reference (a scan over vocabulary tiles, `k=off`)
-  and by the plain path (materialized `[T, V]` logits, `log_softmax`).
+  by the kernel, by its jnp reference (a scan over vocabulary tiles, `k=off`),
+  by the plain path (materialized `[T, V]` logits, `log_softmax`) and by
+  `tiled_readout` (XLA's scan over wide tiles with the plain path's products:
+  what a GPU program reads out by, so the figure a GPU kernel must beat).
 - `quantize_<fmt>`, `dequantize_<fmt>` for mxfp8, mxfp4, nvfp4: a weight
   `[in, out]` along axis 0, as the quantize exporter does (`kernels.quantize`
   against `numerics.formats.quantize` / `qarray.dequantize`).
@@ -22,8 +24,12 @@ each output with the reference's (f32, over every output leaf).
 
 On CPU the kernel runs in Pallas interpret mode: correctness only, its times
 say nothing of kernel speed, and by default the `full` shapes are compiled for
-their memory analysis but not run (`--time-full`). On GPU/TPU the kernel is
-compiled (`k=on`) and the memory-bound cases (quantize, decode attention) are
+their memory analysis but not run (`--time-full`). On a TPU the kernel is
+compiled (`k=on`). On a GPU our versions are retired from compiled use
+(`kernels.dispatch.RETIRED`): `--kernels retired` compiles them there all the
+same (`k=on` inside `kernels.dispatch.unretired`), to measure what they would
+give and cost against XLA's path, which is what a GPU program runs. Compiled,
+the memory-bound cases (quantize, decode attention) are
 put against the HBM roofline: bytes moved at least (arguments + outputs) over
 time against the device's bandwidth (`plan.targets` by device name, a small
 table here for others, or `--hbm-gbps`); decode adds tokens/s (one token per
@@ -34,6 +40,7 @@ model TFLOP/s (6 T D V for forward and backward) against the dense bf16 peak.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import platform
 import time
@@ -45,8 +52,8 @@ from jaxrl_lp.bench.sampler import _race  # the one alternating race of the benc
 from jaxrl_lp.kernels import KernelUnavailableError, kernel_backend
 from jaxrl_lp.kernels import quantize as kq
 from jaxrl_lp.kernels.decode_attention import decode_attention, plan_chunk
-from jaxrl_lp.kernels.dispatch import interpreting
-from jaxrl_lp.kernels.logprob import BLOCK_V, fused_logprobs
+from jaxrl_lp.kernels.dispatch import interpreting, unretired
+from jaxrl_lp.kernels.logprob import BLOCK_V, fused_logprobs, tiled_readout
 from jaxrl_lp.models.attention import attention
 from jaxrl_lp.numerics.policy import PRESETS, Policy, policy_arg
 from jaxrl_lp.plan.roofline import memory_figures
@@ -127,8 +134,11 @@ def _logprob_case(t, d, v, policy: Policy, mode: str):
     tiles = {} if mode == "on" else dict(block_t=16, block_v=BLOCK_V)
     fused = lambda pol, **kw: (lambda h, w, tokens, mask: fused_logprobs(
         h, w, tokens, TEMPERATURE, pol, mask_T=mask, **kw))
+    # What a GPU program reads out by (`readout_logprobs` where no kernel runs off the CPU).
+    tiled = lambda h, w, tokens, mask: tiled_readout(h, policy.round_params(w), tokens, mask,
+                                                     TEMPERATURE, policy)
     fns = {"plain": grads(plain), "reference": grads(fused(policy.replace(kernels="off"))),
-           "kernel": grads(fused(policy.replace(kernels=mode), **tiles))}
+           "tiled": grads(tiled), "kernel": grads(fused(policy.replace(kernels=mode), **tiles))}
     return args, inputs, fns, {"flops": 6.0 * t * d * v, "tiles": tiles}
 
 
@@ -233,7 +243,10 @@ def _measure(args, inputs, fns, extra, *, timed: bool, repeats: int, min_time: f
         if peaks and peaks["peak_flops"] and "flops" in extra:
             out[name]["model_tflops_per_s"] = round(extra["flops"] / best / 1e12, 3)
             out[name]["mfu"] = round(extra["flops"] / best / peaks["peak_flops"], 4)
-    out["kernel_speedup_vs_reference"] = round(out["reference"]["time_s"] / out["kernel"]["time_s"], 3)
+    for other in ("reference", "tiled"):
+        if other in fns:
+            out[f"kernel_speedup_vs_{other}"] = round(out[other]["time_s"]
+                                                      / out["kernel"]["time_s"], 3)
     return out
 
 
@@ -264,9 +277,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="precision policy (no matmul_format); default: bf16 where Pallas "
                              "compiles (native bf16 on GPU), fp32 on CPU. Its k= is replaced "
                              "by --kernels")
-    parser.add_argument("--kernels", default="auto", choices=("auto", "on", "interpret"),
+    parser.add_argument("--kernels", default="auto",
+                        choices=("auto", "on", "interpret", "retired"),
                         help="how the kernel side runs; auto: compiled (on) where Pallas "
-                             "compiles, interpreted elsewhere")
+                             "compiles, interpreted elsewhere; retired: on a GPU, our retired "
+                             "GPU versions compiled all the same, against XLA's path")
     parser.add_argument("--time-full", default="auto", choices=("auto", "yes", "no"),
                         help="run the 'full' shapes (not only their memory analysis); auto: "
                              "only where the kernel is compiled (interpreted they take too long)")
@@ -295,11 +310,17 @@ def run(args: argparse.Namespace) -> dict:
         raise ValueError("--repeats and --inner must be >= 1")
     # Whether this host runs compiled kernels: a question about the machine the benchmark
     # times on (the programs themselves choose by the platform they are lowered for).
-    compiles = kernel_backend() is not None
+    retired = args.kernels == "retired"
+    if retired and jax.default_backend() != "gpu":
+        raise KernelUnavailableError(f"--kernels retired compiles our retired GPU versions, on a "
+                                     f"GPU host; this one is {jax.default_backend()}: use "
+                                     "--kernels interpret (their maths, interpreted)")
+    compiles = kernel_backend() is not None or retired
     policy = args.policy or (PRESETS["bf16"] if compiles else PRESETS["fp32"])
     if policy.matmul_format is not None:
         raise ValueError(f"--policy {policy}: the fused log-prob takes no matmul_format")
-    mode = args.kernels if args.kernels != "auto" else ("on" if compiles else "interpret")
+    mode = "on" if retired else (
+        args.kernels if args.kernels != "auto" else ("on" if compiles else "interpret"))
     if mode == "on" and not compiles:
         raise KernelUnavailableError(f"--kernels on: the {jax.default_backend()} backend cannot "
                                      "compile Pallas kernels; use --kernels interpret (or auto)")
@@ -314,7 +335,9 @@ def run(args: argparse.Namespace) -> dict:
                     f"{jax.devices()[0].device_kind}",
         "jax": jax.__version__, "loadavg_start": round(os.getloadavg()[0], 2),
         "policy": str(policy.replace(kernels=mode)),
-        "kernel_mode": INTERPRET_NOTE if interpreted else f"compiled (k={mode})",
+        "kernel_mode": INTERPRET_NOTE if interpreted else (
+            "compiled, the retired GPU versions (k=on inside kernels.dispatch.unretired)"
+            if retired else f"compiled (k={mode})"),
         "peak_bytes": "plan.roofline.memory_figures of the compiled program: argument + output "
                       "- alias + temp + generated_code",
         "full_shapes": ("timed" if time_full else
@@ -327,9 +350,10 @@ def run(args: argparse.Namespace) -> dict:
                               "interpreter's, not the compiled kernel's")
     if peaks:
         out["peaks"] = peaks
-    results = {name: _shape_set(name, policy, mode, timed=name != "full" or time_full,
-                                repeats=args.repeats, min_time=args.min_time, inner=inner,
-                                peaks=peaks, only=only) for name in names}
+    with unretired() if retired else contextlib.nullcontext():
+        results = {name: _shape_set(name, policy, mode, timed=name != "full" or time_full,
+                                    repeats=args.repeats, min_time=args.min_time, inner=inner,
+                                    peaks=peaks, only=only) for name in names}
     summary = {}
     for name in names:
         for case, r in results[name].items():
@@ -337,6 +361,6 @@ def run(args: argparse.Namespace) -> dict:
                 summary[f"{name}/{case}"] = {
                     impl: {k: r[impl][k] for k in SUMMARY_KEYS if k in r[impl]}
                     | {"peak_bytes": r[impl]["memory"]["peak"]}
-                    for impl in ("plain", "reference", "kernel") if impl in r}
+                    for impl in ("plain", "reference", "tiled", "kernel") if impl in r}
     out["loadavg_end"] = round(os.getloadavg()[0], 2)
     return {**out, "summary": summary, **results}

@@ -25,7 +25,10 @@ and compiled on an H200 the quantize kernels wrote wrong codes (NVFP4 at
 production shapes, every MX format at a ragged shape), so a GPU program takes
 the reference: XLA's own fusions, cuBLAS and cuDNN. The GPU versions stay
 for `interpret` (their maths checked on CPU) until a Mosaic GPU port replaces
-them (docs/design/kernels.md, "Kernels on GPU and TPU").
+them (docs/design/kernels.md, "Kernels on GPU and TPU"). Inside `unretired()` a program
+traced for a retired platform compiles our versions as `on` would: how the retired
+kernels are measured against XLA's path on a GPU (`jaxrl-lp bench kernels --kernels
+retired`), never how a run computes.
 (`rocm` and any other platform take the reference under `auto` and are an
 error under `on`: no version of ours is tested there.) The errors of `on` are
 raised when the program is lowered for that platform (or at once, when the
@@ -42,8 +45,10 @@ implementation and the replay stays bit-equal to the sampler.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple, TypeVar
 
 import jax
@@ -54,8 +59,8 @@ from jax.interpreters import ad, batching, mlir
 from jaxrl_lp.numerics.policy import KERNEL_MODES, Policy, require
 
 __all__ = ["KERNEL_PLATFORMS", "RETIRED", "KernelUnavailableError", "Version", "by_platform",
-           "interpreting",
-           "kernel_backend", "once_per_shape", "per_shard", "pow2_misfit", "refuse", "shard_count"]
+           "interpreting", "kernel_backend", "once_per_shape", "per_shard", "pow2_misfit",
+           "refuse", "shard_count", "unretired"]
 
 T = TypeVar("T")
 
@@ -67,6 +72,28 @@ RETIRED: dict[str, str] = {
             "deprecated in JAX 0.11, and compiled on an H200 the quantize kernels wrote wrong "
             "codes); a GPU program runs XLA's fusions, cuBLAS and cuDNN",
 }
+
+
+# Whether programs traced now compile the retired platforms' versions (`unretired`).
+_UNRETIRED = contextvars.ContextVar("jaxrl_lp_unretired", default=False)
+
+
+@contextlib.contextmanager
+def unretired() -> Iterator[None]:
+    """Within it, programs traced for a platform in `RETIRED` compile our versions there as
+    they did before the retirement (`kernels=on`: the kernel where its tile fits, else the
+    one-line error; `auto`: the kernel where it fits, else the reference).
+
+    For measuring the retired kernels against XLA's path on the device itself (`jaxrl-lp
+    bench kernels --kernels retired`): the decision is taken when a program is traced, so a
+    program traced inside keeps it when it is compiled and called outside. No run, test or
+    library call takes it.
+    """
+    token = _UNRETIRED.set(True)
+    try:
+        yield
+    finally:
+        _UNRETIRED.reset(token)
 
 
 class KernelUnavailableError(ValueError):
@@ -188,13 +215,15 @@ def by_platform(name: str, policy: Policy, reference: Callable[[], T], *,
                 f"has none; use kernels=off or interpret the other platform's")
         return version.run(True)
 
+    retired = {} if _UNRETIRED.get() else RETIRED
+
     def branch(platform: str):
         version = versions.get(platform)
-        if version is not None and version.misfit is None and platform not in RETIRED:
+        if version is not None and version.misfit is None and platform not in retired:
             return lambda: version.run(False)
         if mode == "auto":
             return reference
-        if platform in RETIRED:
+        if platform in retired:
             why = (f"kernel {name!r} (kernels=on) has no compiled version for {platform}: "
                    f"{RETIRED[platform]}; use kernels=auto (the same reference, by name), or "
                    "kernels=interpret to check our GPU version's maths on CPU")
@@ -271,12 +300,14 @@ def _divides(mesh, spec, shape) -> bool:
 
 def _trace_context() -> tuple:
     """What a kernel's trace reads besides its arguments: the active mesh and rules
-    (`per_shard`) and the kernel targets its tiles are planned for (`kernels.targets`).
-    How low precision is stored is the policy's, a static argument (`numerics.policy`)."""
+    (`per_shard`), the kernel targets its tiles are planned for (`kernels.targets`) and
+    whether the retired versions compile (`unretired`). How low precision is stored is the
+    policy's, a static argument (`numerics.policy`)."""
     from jaxrl_lp.kernels.targets import current_target
     from jaxrl_lp.parallel.context import current_mesh
 
-    return current_mesh(), current_target("cuda").name, current_target("tpu").name
+    return (current_mesh(), current_target("cuda").name, current_target("tpu").name,
+            _UNRETIRED.get())
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1, 2))
@@ -287,7 +318,7 @@ def _traced_once(fn, static: tuple, context: tuple, *arrays):
 
 def once_per_shape(fn: Callable, *arrays, **static):
     """`fn(*arrays, **static)` as a nested `jax.jit`, cached by `fn`, the static arguments,
-    the arrays' shapes and dtypes, and the trace context (mesh, kernel targets).
+    the arrays' shapes and dtypes, and the trace context (mesh, kernel targets, `unretired`).
 
     A kernel called once per layer (a quantized matmul, a decode step's attention) is
     then traced once per distinct shape and lowered once per platform (JAX lowers a
