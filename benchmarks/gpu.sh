@@ -73,10 +73,14 @@
 #   kernels-retired-fp32-<device>.json  jaxrl-lp bench kernels --kernels retired --policy fp32,
 #                          the `small` shapes: each kernel's result against its reference, the
 #                          kernel tests' tolerances (correctness first)
-#   kernels-retired-<device>.json  the same in bf16 at the `small` and `full` shapes (Qwen3-0.6B's
-#                          read-out, 4096 x 1024 x 151,936): time and memory of the kernel, the
-#                          reference, the plain path and XLA's tiled read-out (what a GPU program
-#                          runs); the HBM fraction of the memory-bound ones, the log-prob's MFU
+#   kernels-retired-logprob-<device>.json  the log-prob in bf16 (`s=native`) at the `small` and
+#                          `full` shapes (Qwen3-0.6B's read-out, 4096 x 1024 x 151,936), forward
+#                          and backward and forward alone: time and memory of the Triton kernel,
+#                          the reference, the plain path, XLA's tiled read-out (what a GPU program
+#                          runs) and the tiled read-out with the Mosaic GPU forward (the port,
+#                          kernels.logprob_mgpu); MFU of each
+#   kernels-retired-memory-<device>.json  the quantizers and decode attention, the same way:
+#                          time, memory and the fraction of the HBM bound
 #
 # Needs a python3 with JAX for the GPU, flax, optax, orbax-checkpoint, ml_dtypes and pytest. What
 # it lacks (grain, tensorboardX and their needs) comes as wheels in .whl/, fetched beforehand on
@@ -167,8 +171,9 @@ if [[ -n "${QUICK:-}" ]]; then  # tiny sizes, a few seconds a step
   GRAPHS=(--sizes tiny-qwen3 --batch 2,4 --prompt-len 8 --new-tokens 8)
   FIXED_TILE=(--batch 4 --tokens 8 --widths 128x128 --repeats 2)
   FIXED_TILE_MODEL=(--model tiny-qwen3 --prompts 2 --group 2 --prompt-len 8 --new-tokens 8)
-  KERNELS=(--shapes tiny --cases logprob,quantize_nvfp4,decode --repeats 1 --min-time 0)
-  KERNELS_FP32=("${KERNELS[@]}")
+  KERNELS=(--shapes tiny --repeats 1 --min-time 0)
+  KERNELS_FP32=("${KERNELS[@]}" --cases logprob,quantize_nvfp4,decode)
+  KERNELS_MEMORY=quantize_nvfp4,decode
 else
   REPLAY=()
   TRAIN=()
@@ -273,8 +278,12 @@ if [[ "$SUITE" == kernels ]]; then
   # One at a time, alone on the GPU: correctness in f32 first, then the times in bf16.
   step kernels_fp32 120 "${JAXRL[@]}" bench kernels "${RETIRED[@]}" --policy fp32 \
     "${KERNELS_FP32[@]}" --out "$DIR/kernels-retired-fp32-$DEV.json"
-  step kernels 300 "${JAXRL[@]}" bench kernels "${RETIRED[@]}" --policy bf16 "${KERNELS[@]}" \
-    --out "$DIR/kernels-retired-$DEV.json"
+  # bf16 stored and carried (`s=native`, as a GPU run's policy): the Mosaic read-out's operands.
+  step kernels_logprob 240 "${JAXRL[@]}" bench kernels "${RETIRED[@]}" --policy bf16,s=native \
+    "${KERNELS[@]}" --cases logprob --out "$DIR/kernels-retired-logprob-$DEV.json"
+  step kernels_memory 180 "${JAXRL[@]}" bench kernels "${RETIRED[@]}" --policy bf16,s=native \
+    "${KERNELS[@]}" --cases "${KERNELS_MEMORY:-quantize,dequantize,decode}" \
+    --out "$DIR/kernels-retired-memory-$DEV.json"
 fi
 
 if [[ "$SUITE" == exactness ]]; then

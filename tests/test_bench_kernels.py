@@ -12,17 +12,19 @@ same bound. Where Pallas compiles (a TPU) a test runs the compiled kernels
 import json
 
 import jax
+import numpy as np
 import pytest
 
-from jaxrl_lp.bench.kernels import INTERPRET_NOTE
+from jaxrl_lp.bench.kernels import INTERPRET_NOTE, _logprob_cases
 from jaxrl_lp.cli.main import main
 from jaxrl_lp.kernels import kernel_backend
+from jaxrl_lp.numerics.policy import Policy
 
 IMPL_KEYS = {"compile_s", "memory"}
 TIMED_KEYS = {"time_s", "runs", "launches_per_run"}
 MEMORY_KEYS = {"argument", "output", "alias", "temp", "generated_code", "peak"}
 # Largest kernel-vs-reference difference, relative to the reference's largest value.
-REL_TOL = {"logprob_fwd_bwd": 1e-4, "decode_attention": 1e-5, "quantize": 0.0, "dequantize": 0.0}
+REL_TOL = {"logprob": 1e-4, "decode_attention": 1e-5, "quantize": 0.0, "dequantize": 0.0}
 
 
 def _bench(tmp_path, capsys, *argv) -> dict:
@@ -39,7 +41,7 @@ def _tol(case: str) -> float:
 
 def _check_case(case: str, res: dict, *, timed: bool) -> None:
     assert "error" not in res, res
-    logprob = case == "logprob_fwd_bwd"
+    logprob = case.startswith("logprob")
     impls = ["plain", "reference", "tiled", "kernel"] if logprob else ["reference", "kernel"]
     for impl in impls:
         keys = IMPL_KEYS | (TIMED_KEYS if timed else set())
@@ -65,12 +67,36 @@ def test_tiny_shapes_timed(tmp_path, capsys):
     assert out["policy"].endswith("k=interpret")
     tiny = out["tiny"]
     assert tiny["timed"] and set(tiny["shapes"]) == {"logprob", "quantize", "decode"}
-    assert set(tiny) - {"shapes", "timed"} == {"logprob_fwd_bwd", "quantize_nvfp4",
-                                               "decode_attention"}
-    for case in ("logprob_fwd_bwd", "quantize_nvfp4", "decode_attention"):
+    cases = {"logprob_fwd_bwd", "logprob_fwd", "quantize_nvfp4", "decode_attention"}
+    assert set(tiny) - {"shapes", "timed"} == cases
+    assert out["mosaic"].startswith("not run: compiled on a GPU only")
+    for case in sorted(cases):
         _check_case(case, tiny[case], timed=True)
         assert f"tiny/{case}" in out["summary"]
     assert tiny["logprob_fwd_bwd"]["tiles"]["block_v"] > 0
+
+
+def test_the_mosaic_readout_is_raced_where_its_operands_fit():
+    """What `--kernels retired` races on a GPU, interpreted here at a shape that fits it:
+    `tiled_readout` with the Mosaic GPU forward against XLA's, forward alone and with the
+    gradients (bf16 operands, so the forward's products are bf16's, summed otherwise), and
+    no Mosaic impl where the operands do not fit (f32 carried)."""
+    native = Policy.parse("bf16,s=native")
+    cases = _logprob_cases(64, 64, 256, native, "interpret", mosaic="mosaic-interpret")
+    for case, (_, inputs, fns, extra) in cases.items():
+        assert {"tiled", "mosaic"} <= set(fns) and "mosaic" not in extra, case
+        arrays = inputs()
+        want, got = fns["tiled"](*arrays), fns["mosaic"](*arrays)
+        if case == "logprob_fwd":
+            np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-6)
+        else:  # the backward is XLA's either way; the gradients bf16, from the residuals
+            np.testing.assert_allclose(got[0], want[0], rtol=1e-5)
+            for a, b in zip(got[1], want[1], strict=True):
+                np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32),
+                                           atol=2e-3, rtol=1e-2)
+    carried = _logprob_cases(64, 64, 256, Policy.parse("bf16"), "interpret", mosaic="mosaic")
+    assert all("mosaic" not in fns and extra["mosaic"].startswith("not run: its operands")
+               for _, _, fns, extra in carried.values())
 
 
 def test_full_shapes_memory_only_on_cpu(tmp_path, capsys):

@@ -30,7 +30,8 @@ SUITES = {
     "graphs": ("gpu-graphs", ["sampler-flags-none", "sampler-flags-decode_graphs",
                               "decode-flags", "replay-flags-decode_graphs"]),
     "invariant": ("gpu-invariant", ["fixed-tile", "fixed-tile-model"]),
-    "kernels": ("gpu-kernels", ["kernels-retired-fp32", "kernels-retired"]),
+    "kernels": ("gpu-kernels", ["kernels-retired-fp32", "kernels-retired-logprob",
+                                "kernels-retired-memory"]),
 }
 
 
@@ -70,10 +71,14 @@ def test_the_gpu_script_runs_each_suite_on_cpu(tmp_path, suite):
         assert model["form"]["tiles"] == "interpret-gpu" and not out["fixed-tile-model"]["cells"]
         assert model["fixed_tiles"]["tokens"] == model["plain"]["tokens"] == 2 * 2 * 8
     elif suite == "kernels":  # every case ran against the reference and XLA's read-out
-        for target, policy in (("kernels-retired-fp32", "fp32"), ("kernels-retired", "bf16")):
+        logprob, memory = {"logprob_fwd_bwd", "logprob_fwd"}, {"quantize_nvfp4",
+                                                               "decode_attention"}
+        for target, policy, cases in (("kernels-retired-fp32", "fp32", logprob | memory),
+                                      ("kernels-retired-logprob", "bf16,s=native", logprob),
+                                      ("kernels-retired-memory", "bf16,s=native", memory)):
             res = out[target]
             assert res["policy"] == str(Policy.parse(f"{policy},k=interpret")), res["policy"]
             cells = {k: v for k, v in res["tiny"].items() if k not in ("shapes", "timed")}
-            assert set(cells) == {"logprob_fwd_bwd", "quantize_nvfp4", "decode_attention"}
+            assert set(cells) == cases, (target, set(cells))
             assert all("error" not in c and c["kernel"]["time_s"] > 0 for c in cells.values())
-            assert cells["logprob_fwd_bwd"]["kernel_speedup_vs_tiled"] > 0
+            assert all(cells[c]["kernel_speedup_vs_tiled"] > 0 for c in cases & logprob)

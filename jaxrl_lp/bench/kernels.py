@@ -8,7 +8,10 @@ production sizes):
   by the kernel, by its jnp reference (a scan over vocabulary tiles, `k=off`),
   by the plain path (materialized `[T, V]` logits, `log_softmax`) and by
   `tiled_readout` (XLA's scan over wide tiles with the plain path's products:
-  what a GPU program reads out by, so the figure a GPU kernel must beat).
+  what a GPU program reads out by, so the figure a GPU kernel must beat);
+  on a GPU under `--kernels retired` also by `tiled_readout` with the Mosaic GPU
+  forward (`kernels.logprob_mgpu`, the port; `mosaic`). `logprob_fwd`: the same
+  forwards alone.
 - `quantize_<fmt>`, `dequantize_<fmt>` for mxfp8, mxfp4, nvfp4: a weight
   `[in, out]` along axis 0, as the quantize exporter does (`kernels.quantize`
   against `numerics.formats.quantize` / `qarray.dequantize`).
@@ -49,7 +52,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxrl_lp.bench.sampler import _race  # the one alternating race of the benchmarks
-from jaxrl_lp.kernels import KernelUnavailableError, kernel_backend
+from jaxrl_lp.kernels import KernelUnavailableError, kernel_backend, logprob_mgpu
 from jaxrl_lp.kernels import quantize as kq
 from jaxrl_lp.kernels.decode_attention import decode_attention, plan_chunk
 from jaxrl_lp.kernels.dispatch import interpreting, unretired
@@ -101,8 +104,14 @@ def device_peaks(hbm_gbps: float | None = None, peak_tflops: float | None = None
 
 
 # ----------------------------------------------------------------- the cases
-def _logprob_case(t, d, v, policy: Policy, mode: str):
-    """(abstract args, inputs maker, {impl: fn}, model FLOPs) of the fused log-prob fwd+bwd."""
+def _logprob_cases(t, d, v, policy: Policy, mode: str, mosaic: str | None = None) -> dict:
+    """{case: (abstract args, inputs maker, {impl: fn}, extra)} of the fused log-prob: its
+    forward and backward (`logprob_fwd_bwd`, model FLOPs 6 T D V) and its forward alone
+    (`logprob_fwd`, 2 T D V: what the behaviour and verification log-probs compute).
+
+    `mosaic` ("mosaic" compiled, "mosaic-interpret") adds `tiled_readout` with the Mosaic GPU
+    forward (`kernels.logprob_mgpu`) where the operands fit it; `extra["mosaic"]` says why
+    it is absent otherwise."""
     carrier = policy.carrier_dtype
     args = (jax.ShapeDtypeStruct((t, d), carrier), jax.ShapeDtypeStruct((d, v), jnp.float32),
             jax.ShapeDtypeStruct((t,), jnp.int32), jax.ShapeDtypeStruct((t,), jnp.bool_),
@@ -120,6 +129,9 @@ def _logprob_case(t, d, v, policy: Policy, mode: str):
             return jnp.sum(g[0] * lp + g[1] * ent)
         return jax.value_and_grad(loss, (0, 1))
 
+    def values(readout):
+        return lambda h, w, tokens, mask, g: readout(h, w, tokens, mask)
+
     def plain(h, w, tokens, mask):
         z = jnp.einsum("td,dv->tv", h, policy.round_params(w), preferred_element_type=jnp.float32,
                        precision=jax.lax.Precision.HIGHEST)  # no TF32 on GPU: as the fused paths
@@ -135,11 +147,21 @@ def _logprob_case(t, d, v, policy: Policy, mode: str):
     fused = lambda pol, **kw: (lambda h, w, tokens, mask: fused_logprobs(
         h, w, tokens, TEMPERATURE, pol, mask_T=mask, **kw))
     # What a GPU program reads out by (`readout_logprobs` where no kernel runs off the CPU).
-    tiled = lambda h, w, tokens, mask: tiled_readout(h, policy.round_params(w), tokens, mask,
-                                                     TEMPERATURE, policy)
-    fns = {"plain": grads(plain), "reference": grads(fused(policy.replace(kernels="off"))),
-           "tiled": grads(tiled), "kernel": grads(fused(policy.replace(kernels=mode), **tiles))}
-    return args, inputs, fns, {"flops": 6.0 * t * d * v, "tiles": tiles}
+    tiled = lambda forward: (lambda h, w, tokens, mask: tiled_readout(
+        h, policy.round_params(w), tokens, mask, TEMPERATURE, policy, forward=forward))
+    readouts = {"plain": plain, "reference": fused(policy.replace(kernels="off")),
+                "tiled": tiled("xla"), "kernel": fused(policy.replace(kernels=mode), **tiles)}
+    extra = {"tiles": tiles}
+    if mosaic is not None:
+        why = logprob_mgpu.misfit(d, v, carrier, policy.round_params(jnp.zeros((), jnp.float32)).dtype)
+        if why is None:
+            readouts["mosaic"] = tiled(mosaic)
+        else:
+            extra["mosaic"] = f"not run: {why}"
+    return {"logprob_fwd_bwd": (args, inputs, {k: grads(f) for k, f in readouts.items()},
+                                extra | {"flops": 6.0 * t * d * v}),
+            "logprob_fwd": (args, inputs, {k: values(f) for k, f in readouts.items()},
+                            extra | {"flops": 2.0 * t * d * v})}
 
 
 def _quantizer(fmt: str, kernels: str):
@@ -243,17 +265,19 @@ def _measure(args, inputs, fns, extra, *, timed: bool, repeats: int, min_time: f
         if peaks and peaks["peak_flops"] and "flops" in extra:
             out[name]["model_tflops_per_s"] = round(extra["flops"] / best / 1e12, 3)
             out[name]["mfu"] = round(extra["flops"] / best / peaks["peak_flops"], 4)
-    for other in ("reference", "tiled"):
-        if other in fns:
-            out[f"kernel_speedup_vs_{other}"] = round(out[other]["time_s"]
-                                                      / out["kernel"]["time_s"], 3)
+    for ours in ("kernel", "mosaic"):
+        for other in ("reference", "tiled"):
+            if ours in fns and other in fns:
+                out[f"{ours}_speedup_vs_{other}"] = round(out[other]["time_s"]
+                                                          / out[ours]["time_s"], 3)
     return out
 
 
 def _shape_set(name: str, policy: Policy, mode: str, *, timed: bool, repeats: int,
-               min_time: float, inner: int, peaks: dict | None, only: list[str] | None) -> dict:
+               min_time: float, inner: int, peaks: dict | None, only: list[str] | None,
+               mosaic: str | None = None) -> dict:
     shapes = SHAPES[name]
-    cases = {"logprob_fwd_bwd": _logprob_case(**shapes["logprob"], policy=policy, mode=mode)}
+    cases = _logprob_cases(**shapes["logprob"], policy=policy, mode=mode, mosaic=mosaic)
     cases |= _quantize_cases(**shapes["quantize"], policy=policy, mode=mode)
     cases["decode_attention"] = _decode_case(**shapes["decode"], policy=policy, mode=mode)
     res = {"shapes": shapes, "timed": timed}
@@ -350,10 +374,15 @@ def run(args: argparse.Namespace) -> dict:
                               "interpreter's, not the compiled kernel's")
     if peaks:
         out["peaks"] = peaks
+    # The Mosaic GPU read-out's forward: compiled beside the retired kernels on a GPU (it
+    # interprets each `wgmma` in Python: off a GPU its own tests run it, at small shapes).
+    mosaic = "mosaic" if retired else None
+    if not retired:
+        out["mosaic"] = "not run: compiled on a GPU only (--kernels retired)"
     with unretired() if retired else contextlib.nullcontext():
         results = {name: _shape_set(name, policy, mode, timed=name != "full" or time_full,
                                     repeats=args.repeats, min_time=args.min_time, inner=inner,
-                                    peaks=peaks, only=only) for name in names}
+                                    peaks=peaks, only=only, mosaic=mosaic) for name in names}
     summary = {}
     for name in names:
         for case, r in results[name].items():
@@ -361,6 +390,6 @@ def run(args: argparse.Namespace) -> dict:
                 summary[f"{name}/{case}"] = {
                     impl: {k: r[impl][k] for k in SUMMARY_KEYS if k in r[impl]}
                     | {"peak_bytes": r[impl]["memory"]["peak"]}
-                    for impl in ("plain", "reference", "tiled", "kernel") if impl in r}
+                    for impl in ("plain", "reference", "tiled", "kernel", "mosaic") if impl in r}
     out["loadavg_end"] = round(os.getloadavg()[0], 2)
     return {**out, "summary": summary, **results}

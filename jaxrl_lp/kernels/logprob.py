@@ -54,8 +54,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxrl_lp.kernels import logprob_gpu, logprob_tpu
-from jaxrl_lp.kernels.dispatch import Version, by_platform, per_shard, shard_count
+from jaxrl_lp.kernels import logprob_gpu, logprob_mgpu, logprob_tpu
+from jaxrl_lp.kernels.dispatch import Version, by_platform, per_shard, refuse, shard_count
 from jaxrl_lp.kernels.logprob_tiles import (  # the tile maths, shared with the kernels
     LogprobPlan,
     running_finish,
@@ -67,9 +67,9 @@ from jaxrl_lp.kernels.logprob_tiles import (  # the tile maths, shared with the 
 from jaxrl_lp.numerics.policy import Policy, require
 from jaxrl_lp.numerics.products import precision_for
 
-__all__ = ["BLOCK_V", "READOUT_TILE_BYTES", "LogprobPlan", "fused_logprobs", "fused_readout",
-           "readout_block_v", "readout_logprobs", "reference_backward", "reference_forward",
-           "tiled_readout"]
+__all__ = ["BLOCK_V", "READOUT_FORWARDS", "READOUT_TILE_BYTES", "LogprobPlan", "fused_logprobs",
+           "fused_readout", "readout_block_v", "readout_logprobs", "reference_backward",
+           "reference_forward", "tiled_readout"]
 
 BLOCK_V = 512  # vocabulary columns per tile of the reference scan
 # The largest [T, block_v] f32 tile of the read-out's scan off the CPU (`tiled_readout`).
@@ -345,13 +345,28 @@ def _stored_mm(a, b, spec):
     return jnp.einsum(spec, a, b, preferred_element_type=jnp.float32, precision=precision_for(a, b))
 
 
+def _readout_forward(h, w, tokens, mask, plan: LogprobPlan):
+    """`tiled_readout`'s forward: XLA's scan, or the Mosaic GPU kernel (`plan.impl` "mosaic":
+    compiled where lowered for cuda, refused elsewhere; or interpreted anywhere)."""
+    xla = lambda: reference_forward(h, w, tokens, mask, plan, _stored_mm)
+    if plan.impl != "mosaic":
+        return xla()
+    if plan.interpret:
+        return logprob_mgpu.mgpu_forward(h, w, tokens, mask, plan, interpret=True)
+    return jax.lax.platform_dependent(
+        cuda=lambda: logprob_mgpu.mgpu_forward(h, w, tokens, mask, plan),
+        default=lambda: refuse("tiled_readout(forward='mosaic') is a Mosaic GPU kernel, "
+                               "compiled for cuda only; forward='mosaic-interpret' runs it "
+                               "anywhere, forward='xla' is XLA's", xla()))
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
 def _tiled(h, w, tokens, mask, plan: LogprobPlan, policy: Policy):
-    return reference_forward(h, w, tokens, mask, plan, _stored_mm)[:2]
+    return _readout_forward(h, w, tokens, mask, plan)[:2]
 
 
 def _tiled_fwd(h, w, tokens, mask, plan, policy):
-    lp, ent, lse, mean = reference_forward(h, w, tokens, mask, plan, _stored_mm)
+    lp, ent, lse, mean = _readout_forward(h, w, tokens, mask, plan)
     return (lp, ent), (h, w, tokens, mask, lse, mean)
 
 
@@ -367,8 +382,11 @@ def _tiled_bwd(plan, policy, res, g):
 _tiled.defvjp(_tiled_fwd, _tiled_bwd)
 
 
+READOUT_FORWARDS = ("xla", "mosaic", "mosaic-interpret")
+
+
 def tiled_readout(h_TxD: jax.Array, w_DxV: jax.Array, tokens_T: jax.Array, mask_T: jax.Array,
-                  temperature: float, policy: Policy):
+                  temperature: float, policy: Policy, *, forward: str = "xla"):
     """`(logp [T], entropy [T])` read out by XLA over vocabulary tiles of `readout_block_v`
     columns, with no `[T, V]` array: what `readout_logprobs` runs off the CPU where no kernel
     does (every GPU program, whose kernels are retired).
@@ -380,17 +398,40 @@ def tiled_readout(h_TxD: jax.Array, w_DxV: jax.Array, tokens_T: jax.Array, mask_
     products; the weight's gradient is written per tile in its dtype, the hidden state's
     summed over the tiles in f32. Under a mesh each device reads out its rows (`per_shard`).
 
+    `forward="mosaic"` computes the forward (log-probs, entropies and the backward's
+    residuals) by the Mosaic GPU kernel instead (`kernels.logprob_mgpu`: compiled when
+    lowered for cuda, refused elsewhere; `"mosaic-interpret"` interpreted anywhere), the
+    backward still XLA's: a port measured against XLA's read-out on a GPU (`jaxrl-lp bench
+    kernels --kernels retired`), no run's path.
+
     Args:
       h_TxD: the final normed hidden state, compute precision.
       w_DxV: the lm head, already rounded to the policy's matmul input (`round_params`).
       tokens_T: int32 chosen tokens; mask_T: bool, rows read out (others give 0).
       temperature: > 0; policy: its logits dtype rounds each tile.
+      forward: one of `READOUT_FORWARDS`.
+
+    Raises:
+      ValueError: an unknown `forward`, or a Mosaic one for operands the kernel cannot take
+        (`logprob_mgpu.misfit`: bf16 or f16, the hidden size a multiple of 64, the
+        vocabulary of 128).
     """
+    if forward not in READOUT_FORWARDS:
+        raise ValueError(f"tiled_readout: forward is one of {READOUT_FORWARDS}, not {forward!r}")
     t = h_TxD.shape[0]
     shards = shard_count("batch")
     t = t // shards if t % shards == 0 else t
     plan = LogprobPlan(float(temperature), np.dtype(policy.logits_dtype), 1,
                        readout_block_v(t, w_DxV.shape[1]), 1, "reference")
+    if forward != "xla":
+        why = logprob_mgpu.misfit(*w_DxV.shape, h_TxD.dtype, w_DxV.dtype)
+        if why is not None:
+            raise ValueError(f"tiled_readout(forward={forward!r}): {why}; forward='xla' takes "
+                             "any operands")
+        plan = plan._replace(block_t=logprob_mgpu.MGPU_TILES[0],
+                             block_v=logprob_mgpu.MGPU_TILES[1],
+                             block_d=logprob_mgpu.MGPU_TILES[2], impl="mosaic",
+                             interpret=forward == "mosaic-interpret")
     rows = ("batch",)
     run = per_shard(lambda *a: _tiled(*a, plan, policy), (rows + (None,), None, rows, rows),
                     (rows, rows))

@@ -14,8 +14,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["NEG", "LogprobPlan", "Running", "running_finish", "running_init", "running_update",
-           "tempered", "tile_dlogits"]
+__all__ = ["NEG", "LogprobPlan", "Running", "running_finish", "running_init", "running_merge",
+           "running_update", "tempered", "tile_dlogits"]
 
 NEG = -1e30  # the running max before any tile: finite, so (m - m') * 0 is 0, not NaN
 
@@ -28,7 +28,8 @@ class LogprobPlan(NamedTuple):
     block_t: int  # rows per GPU kernel program
     block_v: int  # vocabulary columns per tile (the reference scan's and the GPU kernel's)
     block_d: int  # hidden columns per GPU matmul chunk (divides D)
-    impl: str  # `reference`, `cuda` (the Triton kernels) or `tpu` (the Mosaic TPU kernels)
+    impl: str  # `reference`, `cuda` (the Triton kernels), `tpu` (the Mosaic TPU kernels) or
+    # `mosaic` (the Mosaic GPU forward, `tiled_readout`'s)
     interpret: bool = False  # the kernel in Pallas interpret mode
     tpu: tuple | None = None  # the TPU kernels' `logprob_tpu.TpuLogprobTiles` (impl `tpu`)
 
@@ -53,16 +54,39 @@ def tempered(acc_TxW: jax.Array, plan: LogprobPlan) -> jax.Array:
     return z / plan.temperature
 
 
-def running_update(run: Running, s_TxW: jax.Array, v0, tokens_T: jax.Array) -> Running:
-    """`run` after the tile `s_TxW` of columns `[v0, v0 + W)`."""
-    cols = v0 + jax.lax.broadcasted_iota(jnp.int32, s_TxW.shape, 1)
+def _by_row(x_T: jax.Array, shape) -> jax.Array:
+    """`x_T` broadcast along the columns of a `[T, W]` tile (`broadcast_in_dim`: a Mosaic GPU
+    kernel's registers take no `[T, 1]` reshape)."""
+    return jax.lax.broadcast_in_dim(x_T, shape, (0,))
+
+
+def running_update(run: Running, s_TxW: jax.Array, v0, tokens_T: jax.Array,
+                   iota_TxW: jax.Array | None = None) -> Running:
+    """`run` after the tile `s_TxW` of columns `[v0, v0 + W)`; `iota_TxW` the tile's column
+    indices from 0 (default `broadcasted_iota`; a Mosaic GPU kernel passes its own, laid out
+    as its registers)."""
+    if iota_TxW is None:
+        iota_TxW = jax.lax.broadcasted_iota(jnp.int32, s_TxW.shape, 1)
+    cols = v0 + iota_TxW
     m = jnp.maximum(run.m, jnp.max(s_TxW, axis=1))
     scale = jnp.exp(run.m - m)
-    d = s_TxW - m[:, None]
+    d = s_TxW - _by_row(m, s_TxW.shape)
     e = jnp.exp(d)
     return Running(m, run.l * scale + jnp.sum(e, axis=1),
                    scale * (run.a + (run.m - m) * run.l) + jnp.sum(e * d, axis=1),
-                   run.c + jnp.sum(jnp.where(cols == tokens_T[:, None], s_TxW, 0.0), axis=1))
+                   run.c + jnp.sum(jnp.where(cols == _by_row(tokens_T, s_TxW.shape), s_TxW, 0.0),
+                                   axis=1))
+
+
+def running_merge(parts: Running) -> Running:
+    """One row's statistics from those of disjoint ranges of its columns, `[P, T]` each (the
+    same rescaling as `running_update`, applied across the ranges; a range with no column
+    holds `running_init`'s values and adds nothing)."""
+    m = jnp.max(parts.m, axis=0)
+    scale = jnp.exp(parts.m - m)
+    return Running(m, jnp.sum(parts.l * scale, axis=0),
+                   jnp.sum(scale * (parts.a + (parts.m - m) * parts.l), axis=0),
+                   jnp.sum(parts.c, axis=0))
 
 
 def running_finish(run: Running, mask_T: jax.Array):
