@@ -334,6 +334,9 @@ def _tile_places_hold() -> bool:
     return bool((np.roll(full, 7, 0).view(np.uint32) == moved.view(np.uint32)).all())
 
 
+@pytest.mark.slow  # 95 s on 2 cores: CI's slow tier; the default suite keeps the tiles' model
+@pytest.mark.ci  # wiring in test_fixed_tile.py (every product of a step and a forward the
+# kernel's, counted) and their attention plant in the attention test's `fixed_tiles` cell
 def test_fixed_tiles_give_the_learner_the_samplers_bits(monkeypatch):
     """Every product in `kernels.fixed_tile`'s fixed tiles (`InvariantForm.tiles`, the form a
     GPU or TPU would run compiled; here its TPU version interpreted): the learner's forward
