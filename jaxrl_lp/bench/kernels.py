@@ -107,7 +107,7 @@ def device_peaks(hbm_gbps: float | None = None, peak_tflops: float | None = None
 def _logprob_cases(t, d, v, policy: Policy, mode: str, mosaic: str | None = None) -> dict:
     """{case: (abstract args, inputs maker, {impl: fn}, extra)} of the fused log-prob: its
     forward and backward (`logprob_fwd_bwd`, model FLOPs 6 T D V) and its forward alone
-    (`logprob_fwd`, 2 T D V: what the behaviour and verification log-probs compute).
+    (`logprob_fwd`, 2 T D V: a learner forward's log-probs without a gradient).
 
     `mosaic` ("mosaic" compiled, "mosaic-interpret") adds `tiled_readout` with the Mosaic GPU
     forward (`kernels.logprob_mgpu`) where the operands fit it; `extra["mosaic"]` says why
