@@ -86,8 +86,8 @@ def unretired() -> Iterator[None]:
 
     For measuring the retired kernels against XLA's path on the device itself (`jaxrl-lp
     bench kernels --kernels retired`): the decision is taken when a program is traced, so a
-    program traced inside keeps it when it is compiled and called outside. No run, test or
-    library call takes it.
+    program traced inside keeps it when it is compiled and called outside. No run and no
+    library call enters it (a test lowers inside it, to check what the benchmark compiles).
     """
     token = _UNRETIRED.set(True)
     try:
