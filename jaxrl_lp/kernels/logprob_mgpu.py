@@ -114,7 +114,7 @@ def mgpu_forward(h_TxD: jax.Array, w_DxV: jax.Array, tokens_T: jax.Array, mask_T
         columns = lambda: plgpu.broadcasted_iota(jnp.int32, (bt, bv), 1,
                                                  layout=plgpu.Layout.WGMMA)
 
-    def body(h_gmem, w_gmem, tok_gmem, out_gmem, tok_smem, out_smem, barrier):
+    def logprob_fwd(h_gmem, w_gmem, tok_gmem, out_gmem, tok_smem, out_smem, barrier):
         i, part = jax.lax.axis_index("t"), jax.lax.axis_index("v")
         plgpu.copy_gmem_to_smem(tok_gmem.at[pl.ds(i * bt, bt)], tok_smem, barrier.at[0])
         plgpu.barrier_wait(barrier.at[0])
@@ -152,7 +152,7 @@ def mgpu_forward(h_TxD: jax.Array, w_DxV: jax.Array, tokens_T: jax.Array, mask_T
         from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
         options["interpret"] = InterpretGPUParams()
     parts = plgpu.kernel(
-        body, out_type=jax.ShapeDtypeStruct((n_split, len(Running._fields), rows), jnp.float32),
+        logprob_fwd, out_type=jax.ShapeDtypeStruct((n_split, len(Running._fields), rows), jnp.float32),
         scratch_types={"tok_smem": plgpu.SMEM((bt,), jnp.int32),
                        "out_smem": plgpu.SMEM((len(Running._fields), bt), jnp.float32),
                        "barrier": plgpu.Barrier(num_barriers=1)},

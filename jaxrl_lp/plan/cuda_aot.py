@@ -24,19 +24,29 @@ The plugin is not a dependency of the project (it is the GPU install's, ~480 MB)
 (`V=$(python -c 'import jax; print(jax.__version__)')`), named by `--cuda-plugin` or
 `JAXRL_LP_CUDA_PLUGIN` (`plugin_from_env`). The targets (`GPU_TARGETS`) give the
 compiler the datasheet's numbers; nothing here measures a GPU.
+
+A Mosaic GPU kernel (`plgpu.kernel`: `kernels.fixed_tile`, `kernels.logprob_mgpu`) is
+compiled in the same compile, to the end: its module to PTX by LLVM, the PTX to a cubin by
+ptxas for `sm_90a`, and its host side JIT-compiled against Mosaic GPU's runtime library
+(`libmosaic_gpu_runtime.so`, the plugin's), which the child loads first (without it the
+compile stops at "Failed to lookup host symbol"). `mosaic_kernels` reads what ptxas reports
+of each kernel (registers, spills, shared memory): what a GPU's own compile would say of
+it, on this host. Whether the kernel then runs correctly and fast only a GPU shows.
 """
 
 from __future__ import annotations
 
+import ctypes
 import importlib
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
 
-__all__ = ["GPU_TARGETS", "PLUGIN_ENV", "compiled_memory", "compiled_text", "plugin_from_env",
-           "target_config"]
+__all__ = ["GPU_TARGETS", "PLUGIN_ENV", "compiled_memory", "compiled_text", "mosaic_kernels",
+           "plugin_from_env", "target_config"]
 
 PLUGIN_ENV = "JAXRL_LP_CUDA_PLUGIN"
 
@@ -82,15 +92,12 @@ def plugin_from_env(explicit: str | None = None) -> str | None:
     return path
 
 
-def compiled_text(build: str, spec: dict, target: str, plugin_dir: str,
-                  xla_flags: str = "", timeout: float = 1200) -> str:
-    """XLA:GPU's optimized HLO text of `build(spec, sharding)` for `target`, compiled in a
-    child process with the plugin in `plugin_dir` and `xla_flags` appended to `XLA_FLAGS`.
-
-    Raises RuntimeError with the child's last lines when it fails.
-    """
+def _run_child(build: str, spec: dict, target: str, plugin_dir: str, xla_flags: str,
+               timeout: float, env: dict | None = None) -> str:
+    """The child's standard output (module docstring); RuntimeError with its last lines
+    when it fails."""
     env = dict(os.environ, JAX_PLATFORMS="cpu",
-               XLA_FLAGS=f"{os.environ.get('XLA_FLAGS', '')} {xla_flags}".strip())
+               XLA_FLAGS=f"{os.environ.get('XLA_FLAGS', '')} {xla_flags}".strip(), **(env or {}))
     payload = json.dumps({"build": build, "spec": spec, "target": target,
                           "plugin_dir": plugin_dir})
     proc = subprocess.run([sys.executable, "-m", "jaxrl_lp.plan.cuda_aot"], input=payload,
@@ -99,6 +106,47 @@ def compiled_text(build: str, spec: dict, target: str, plugin_dir: str,
         tail = "\n".join((proc.stderr or proc.stdout).strip().splitlines()[-6:])
         raise RuntimeError(f"the deviceless compile for {target} failed:\n{tail}")
     return proc.stdout
+
+
+def compiled_text(build: str, spec: dict, target: str, plugin_dir: str,
+                  xla_flags: str = "", timeout: float = 1200) -> str:
+    """XLA:GPU's optimized HLO text of `build(spec, sharding)` for `target`, compiled in a
+    child process with the plugin in `plugin_dir` and `xla_flags` appended to `XLA_FLAGS`.
+
+    Raises RuntimeError with the child's last lines when it fails.
+    """
+    return _run_child(build, spec, target, plugin_dir, xla_flags, timeout)
+
+
+# What ptxas prints of each kernel (`MOSAIC_GPU_DUMP_PTXAS`), in this order.
+_PTXAS_ENTRY = re.compile(r"Compiling entry function '(\w+)' for '(\w+)'")
+_PTXAS_FRAME = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, "
+                          r"(\d+) bytes spill loads")
+_PTXAS_USED = re.compile(r"Used (\d+) registers(?:, used (\d+) barriers)?(?:, (\d+) bytes smem)?")
+
+
+def mosaic_kernels(build: str, spec: dict, target: str, plugin_dir: str,
+                   timeout: float = 1200) -> list[dict]:
+    """What ptxas reports of each Mosaic GPU kernel in `build(spec, sharding)`'s program
+    compiled for `target` (module docstring), in compile order: `{"kernel", "arch",
+    "registers", "barriers", "static_smem_bytes", "stack_bytes", "spill_store_bytes",
+    "spill_load_bytes"}`. A program with no Mosaic GPU kernel gives `[]`. The shared memory
+    ptxas counts is the static part only: a Mosaic kernel's scratch and pipeline buffers are
+    dynamic shared memory, sized at launch.
+    """
+    out = _run_child(build, spec, target, plugin_dir, "", timeout,
+                     env={"MOSAIC_GPU_DUMP_PTXAS": "1"})
+    kernels: list[dict] = []
+    for line in out.splitlines():
+        if m := _PTXAS_ENTRY.search(line):
+            kernels.append({"kernel": m[1].removesuffix("_mosaic_gpu_kernel"), "arch": m[2]})
+        elif kernels and (m := _PTXAS_FRAME.search(line)):
+            kernels[-1].update(stack_bytes=int(m[1]), spill_store_bytes=int(m[2]),
+                               spill_load_bytes=int(m[3]))
+        elif kernels and "ptxas" in line and (m := _PTXAS_USED.search(line)):
+            kernels[-1].update(registers=int(m[1]), barriers=int(m[2] or 0),
+                               static_smem_bytes=int(m[3] or 0))
+    return kernels
 
 
 def compiled_memory(build: str, spec: dict, target: str, plugin_dir: str,
@@ -113,6 +161,9 @@ def compiled_memory(build: str, spec: dict, target: str, plugin_dir: str,
 
 def _child(job: dict) -> None:
     sys.path.insert(0, job["plugin_dir"])  # its `jax_plugins` namespace: found by jax
+    runtime = Path(job["plugin_dir"]) / "jax_cuda12_plugin" / "libmosaic_gpu_runtime.so"
+    if runtime.is_file():  # the symbols a Mosaic GPU kernel's host code calls (docstring)
+        ctypes.CDLL(str(runtime), mode=ctypes.RTLD_GLOBAL)
     from jax.experimental import topologies
     from jax.sharding import SingleDeviceSharding
 

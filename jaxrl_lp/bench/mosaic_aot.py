@@ -1,0 +1,74 @@
+"""Our Mosaic GPU kernels compiled for a Hopper GPU on a host without one: what ptxas says of
+each (registers, spills), at the shapes the models run them.
+
+`plan.cuda_aot`'s deviceless compile runs a Mosaic GPU kernel's compile to the end (its PTX
+to a cubin by ptxas for `sm_90a`), so a kernel that lowers but would not compile, or that
+spills registers, shows here before a GPU session spends its minutes on it. Cells (`CELLS`):
+
+- `fixed_tile_<K>x<N>`: `kernels.fixed_tile`'s product at Qwen3-0.6B's projection widths, a
+  decode's 32 rows, bf16;
+- `fixed_tile_scores`: its batched product at the attention's scores shape (32 sequences x 8
+  kv heads, 16 query rows of width 128 against 512 cache slots);
+- `logprob_fwd_<preset>`: the fused log-prob's forward (`kernels.logprob_mgpu`, through
+  `tiled_readout(forward="mosaic")`) at the preset's read-out, 4,096 rows, bf16.
+
+Each cell: ptxas's report of every Mosaic kernel in the program (`cuda_aot.mosaic_kernels`)
+and the compile's seconds. Nothing runs on a GPU: whether the kernels are correct and fast
+there is `SUITE=kernels` / `SUITE=invariant` of `benchmarks/gpu.sh`.
+"""
+
+from __future__ import annotations
+
+import time
+
+import jax
+import jax.numpy as jnp
+
+__all__ = ["CELLS", "build", "run"]
+
+# cell -> spec (`build`'s)
+CELLS: dict[str, dict] = {
+    **{f"fixed_tile_{k}x{n}": {"kind": "fixed_tile", "x": [32, k], "w": [k, n]}
+       for k, n in ((1024, 2048), (1024, 3072), (3072, 1024), (2048, 1024))},
+    "fixed_tile_scores": {"kind": "fixed_tile", "x": [32, 8, 16, 128], "w": [32, 8, 128, 512]},
+    "logprob_fwd_qwen3-0.6b": {"kind": "logprob_fwd", "t": 4096, "d": 1024, "v": 151936},
+    "logprob_fwd_ouro-1.4b": {"kind": "logprob_fwd", "t": 4096, "d": 2048, "v": 49152},
+}
+
+
+def build(spec: dict, sharding):
+    """The traced program of one cell (`plan.cuda_aot`'s `build` contract)."""
+    from jaxrl_lp.kernels.fixed_tile import fixed_tile_product
+    from jaxrl_lp.kernels.logprob import tiled_readout
+    from jaxrl_lp.numerics.policy import Policy
+
+    arg = lambda shape, dtype=jnp.bfloat16: jax.ShapeDtypeStruct(tuple(shape), dtype,
+                                                                 sharding=sharding)
+    if spec["kind"] == "fixed_tile":
+        return jax.jit(lambda x, w: fixed_tile_product(x, w)).trace(arg(spec["x"]),
+                                                                      arg(spec["w"]))
+    t, d, v = spec["t"], spec["d"], spec["v"]
+    native = Policy.parse("bf16,s=native")
+    readout = lambda h, w, tokens, mask: tiled_readout(h, w, tokens, mask, 1.0, native,
+                                                       forward="mosaic")
+    return jax.jit(readout).trace(arg((t, d)), arg((d, v)), arg((t,), jnp.int32),
+                                  arg((t,), jnp.bool_))
+
+
+def run(plugin_dir: str, targets: list[str], cells: list[str]) -> dict:
+    """`{"targets": {target: {cell: {"kernels": [...], "compile_s"}}}}` (module docstring);
+    a cell whose compile fails records its error beside the others."""
+    from jaxrl_lp.plan.cuda_aot import mosaic_kernels
+
+    out: dict = {}
+    for target in targets:
+        row = out.setdefault(target, {})
+        for cell in cells:
+            t0 = time.perf_counter()
+            try:
+                kernels = mosaic_kernels(f"{__name__}:build", CELLS[cell], target, plugin_dir)
+                row[cell] = {"kernels": kernels,
+                             "compile_s": round(time.perf_counter() - t0, 1)}
+            except RuntimeError as e:
+                row[cell] = {"error": str(e)[-1500:]}
+    return {"targets": out}
