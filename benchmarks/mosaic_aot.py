@@ -56,7 +56,7 @@ def main(argv=None) -> int:
     git = lambda *a: subprocess.run(["git", *a], capture_output=True, text=True,
                                     cwd=Path(__file__).parent).stdout.strip()
     commit = git("rev-parse", "--short", "HEAD") + ("+" if git("status", "--porcelain") else "")
-    out = {"target": "mosaic-aot", "date": datetime.date.today().isoformat(),
+    out = {"target": "benchmarks/mosaic_aot.py", "date": datetime.date.today().isoformat(),
            "machine": f"{platform.machine()} {platform.system().lower()}, {os.cpu_count()} "
                       "cores (nothing runs on a GPU)",
            "jax": jax.__version__, "commit": commit,

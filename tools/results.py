@@ -165,6 +165,12 @@ HEADLINES: dict[str, list] = {
                               ("sampler", "loop_weight_converts"),
                               ("grpo_step_hybrid", "mixed_flop_share"),
                               ("grpo_step_hybrid", "f32_operand_flop_share"), "problems"))],
+    "benchmarks/mosaic_aot.py": [
+        Figures(("ok",)),
+        Grid(("targets", "*", "*"), ("compile_s", ("kernels", "*", "kernel"),
+                                     ("kernels", "*", "registers"),
+                                     ("kernels", "*", "spill_store_bytes"))),
+    ],
     "jaxrl-lp bench decode": [
         Figures(("ok",)), Figures(("preset",)), Figures(("rows",)),
         Figures(("lowered", "total")), Figures(("lowered", "products")),
