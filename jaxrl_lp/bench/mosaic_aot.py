@@ -31,25 +31,25 @@ CELLS: dict[str, dict] = {
     **{f"fixed_tile_{k}x{n}": {"kind": "fixed_tile", "x": [32, k], "w": [k, n]}
        for k, n in ((1024, 2048), (1024, 3072), (3072, 1024), (2048, 1024))},
     "fixed_tile_scores": {"kind": "fixed_tile", "x": [32, 8, 16, 128], "w": [32, 8, 128, 512]},
-    "logprob_fwd_qwen3-0.6b": {"kind": "logprob_fwd", "t": 4096, "d": 1024, "v": 151936},
-    "logprob_fwd_ouro-1.4b": {"kind": "logprob_fwd", "t": 4096, "d": 2048, "v": 49152},
+    **{f"logprob_fwd_{preset}": {"kind": "logprob_fwd", "t": 4096, "d": d, "v": v,
+                                  "policy": "bf16,s=native"}  # by name: parsed in the child
+       for preset, d, v in (("qwen3-0.6b", 1024, 151936), ("ouro-1.4b", 2048, 49152))},
 }
 
 
 def build(spec: dict, sharding):
-    """The traced program of one cell (`plan.cuda_aot`'s `build` contract)."""
+    """The traced program of one cell (`plan.cuda_aot`'s `build` contract; a cell's policy
+    arrives parsed)."""
     from jaxrl_lp.kernels.fixed_tile import fixed_tile_product
     from jaxrl_lp.kernels.logprob import tiled_readout
-    from jaxrl_lp.numerics.policy import Policy
 
     arg = lambda shape, dtype=jnp.bfloat16: jax.ShapeDtypeStruct(tuple(shape), dtype,
                                                                  sharding=sharding)
     if spec["kind"] == "fixed_tile":
         return jax.jit(lambda x, w: fixed_tile_product(x, w)).trace(arg(spec["x"]),
                                                                       arg(spec["w"]))
-    t, d, v = spec["t"], spec["d"], spec["v"]
-    native = Policy.parse("bf16,s=native")
-    readout = lambda h, w, tokens, mask: tiled_readout(h, w, tokens, mask, 1.0, native,
+    t, d, v, policy = spec["t"], spec["d"], spec["v"], spec["policy"]
+    readout = lambda h, w, tokens, mask: tiled_readout(h, w, tokens, mask, 1.0, policy,
                                                        forward="mosaic")
     return jax.jit(readout).trace(arg((t, d)), arg((d, v)), arg((t,), jnp.int32),
                                   arg((t,), jnp.bool_))
