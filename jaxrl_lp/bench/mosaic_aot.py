@@ -10,7 +10,10 @@ spills registers, shows here before a GPU session spends its minutes on it. Cell
 - `fixed_tile_scores`: its batched product at the attention's scores shape (32 sequences x 8
   kv heads, 16 query rows of width 128 against 512 cache slots);
 - `logprob_fwd_<preset>`: the fused log-prob's forward (`kernels.logprob_mgpu`, through
-  `tiled_readout(forward="mosaic")`) at the preset's read-out, 4,096 rows, bf16.
+  `tiled_readout(forward="mosaic")`) at the preset's read-out, 4,096 rows, bf16;
+- `decode_step_fixed_tiles_qwen3-0.6b`, `learner_forward_fixed_tiles_qwen3-0.6b`: whole
+  programs in the invariant forms' fixed tiles at Qwen3-0.6B's widths (2 layers, 32 rows;
+  the learner's of 32 + 32 tokens), XLA's part and every Mosaic kernel compiled.
 
 Each cell: ptxas's report of every Mosaic kernel in the program (`cuda_aot.mosaic_kernels`)
 and the compile's seconds. Nothing runs on a GPU: whether the kernels are correct and fast
@@ -34,6 +37,11 @@ CELLS: dict[str, dict] = {
     **{f"logprob_fwd_{preset}": {"kind": "logprob_fwd", "t": 4096, "d": d, "v": v,
                                   "policy": "bf16,s=native"}  # by name: parsed in the child
        for preset, d, v in (("qwen3-0.6b", 1024, 151936), ("ouro-1.4b", 2048, 49152))},
+    # The invariant forms in fixed tiles (`InvariantForm(tiles="compiled")`), whole programs at
+    # Qwen3-0.6B's widths (2 of its layers): what `SUITE=invariant`'s model cell runs.
+    **{f"{kind}_fixed_tiles_qwen3-0.6b": {"kind": kind, "preset": "qwen3-0.6b", "layers": 2,
+                                          "rows": 32, "policy": "bf16,s=native"}
+       for kind in ("decode_step", "learner_forward")},
 }
 
 
@@ -48,6 +56,8 @@ def build(spec: dict, sharding):
     if spec["kind"] == "fixed_tile":
         return jax.jit(lambda x, w: fixed_tile_product(x, w)).trace(arg(spec["x"]),
                                                                       arg(spec["w"]))
+    if spec["kind"] in ("decode_step", "learner_forward"):
+        return _in_fixed_tiles(spec, sharding)
     t, d, v, policy = spec["t"], spec["d"], spec["v"], spec["policy"]
     readout = lambda h, w, tokens, mask: tiled_readout(h, w, tokens, mask, 1.0, policy,
                                                        forward="mosaic")
@@ -72,3 +82,38 @@ def run(plugin_dir: str, targets: list[str], cells: list[str]) -> dict:
             except RuntimeError as e:
                 row[cell] = {"error": str(e)[-1500:]}
     return {"targets": out}
+
+
+def _in_fixed_tiles(spec: dict, sharding):
+    """A decode step, or the learner's invariant forward of a rollout, with every product in
+    fixed tiles (`numerics.invariant`, `InvariantForm(tiles="compiled")`), abstract inputs
+    placed by `sharding`."""
+    import dataclasses
+
+    from jaxrl_lp.models.config import get_preset
+    from jaxrl_lp.numerics.invariant import InvariantForm, invariant_forms, opaque_zero
+    from jaxrl_lp.plan.programs import ProgramShapes, _params, _rollout, _sampler_state
+    from jaxrl_lp.rl.logprobs import learner_logprobs
+    from jaxrl_lp.rollout.step import LoopSpec, decode_step, fused_readout, step_logits
+
+    cfg = get_preset(spec["preset"]).replace(num_layers=spec["layers"])
+    policy, loop = spec["policy"], LoopSpec().resolve(cfg)
+    form = InvariantForm(0, None, "compiled")
+    shapes = ProgramShapes(rows=spec["rows"], prompt_len=32, max_new=32)
+    placed = lambda tree: jax.tree.map(
+        lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding), tree)
+    if spec["kind"] == "decode_step":
+        def step(params, tokens_B, positions_B, cache, index):
+            with invariant_forms(opaque_zero(index), form):
+                out = decode_step(params, cfg, policy, loop, tokens_B, positions_B, cache, index,
+                                  hidden=fused_readout(policy))[0]
+                return step_logits(params, cfg, policy, out)
+
+        params, cache = _sampler_state(cfg, policy, shapes)
+        rows = jax.ShapeDtypeStruct((spec["rows"],), jnp.int32)
+        return jax.jit(step).trace(*placed((params, rows, rows, cache,
+                                            jax.ShapeDtypeStruct((), jnp.int32))))
+    rollout = dataclasses.replace(_rollout(cfg, policy, loop, shapes), decode_layout="invariant",
+                                  invariant_form=form)
+    forward = lambda p, r: learner_logprobs(p, cfg, policy, r, "invariant", loop=loop)[0]
+    return jax.jit(forward).trace(*placed((_params(cfg), rollout)))
