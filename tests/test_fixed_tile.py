@@ -147,33 +147,15 @@ def test_the_forms_programs_in_fixed_tiles_lower_at_qwen3_shapes(platform, call)
     and the attention's two, none refused (an f32 operand would be, on cuda). The learner's
     program is traced directly: on a CPU host `jit_learner_logprobs` would take the replay
     (compiled tiles run on a GPU or TPU)."""
-    import dataclasses
-
+    from jaxrl_lp.bench.mosaic_aot import fixed_tiles_programs
     from jaxrl_lp.models.config import get_preset
-    from jaxrl_lp.numerics.invariant import InvariantForm, invariant_forms, opaque_zero
     from jaxrl_lp.numerics.policy import Policy
-    from jaxrl_lp.plan.programs import ProgramShapes, _params, _rollout, _sampler_state, native
-    from jaxrl_lp.rl.logprobs import learner_logprobs
-    from jaxrl_lp.rollout.step import LoopSpec, decode_step, fused_readout, step_logits
+    from jaxrl_lp.plan.programs import native
 
     cfg = get_preset("qwen3-0.6b").replace(num_layers=2)
-    policy, loop = native(Policy.parse("bf16")), LoopSpec().resolve(cfg)
-    form = InvariantForm(0, None, "compiled")
-    shapes = ProgramShapes(rows=8, prompt_len=32, max_new=32)
-
-    def step(params, tokens_B, positions_B, cache, index):
-        with invariant_forms(opaque_zero(index), form):
-            out = decode_step(params, cfg, policy, loop, tokens_B, positions_B, cache, index,
-                              hidden=fused_readout(policy))[0]
-            return step_logits(params, cfg, policy, out)
-
-    params, cache = _sampler_state(cfg, policy, shapes)
-    i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)
-    text = lower_for((step, (params, i32(8), i32(8), cache, i32())), platform)
+    programs = fixed_tiles_programs(cfg, native(Policy.parse("bf16")), rows=8)
+    text = lower_for(programs["decode_step"], platform)
     # 7 weight products and the attention's 2 a layer, and the head: all the kernel's
     assert text.count(call) == 9 * cfg.num_layers + 1, text.count(call)
-    ro = dataclasses.replace(_rollout(cfg, policy, loop, shapes), decode_layout="invariant",
-                             invariant_form=form)
-    forward = lambda p, r: learner_logprobs(p, cfg, policy, r, "invariant", loop=loop)[0]
-    text = lower_for((forward, (_params(cfg), ro)), platform)
+    text = lower_for(programs["learner_forward"], platform)
     assert text.count(call) == 9 + 1, text.count(call)  # the layers one scanned body

@@ -27,7 +27,7 @@ import time
 import jax
 import jax.numpy as jnp
 
-__all__ = ["CELLS", "build", "run"]
+__all__ = ["CELLS", "build", "fixed_tiles_programs", "run"]
 
 # cell -> spec (`build`'s)
 CELLS: dict[str, dict] = {
@@ -84,36 +84,45 @@ def run(plugin_dir: str, targets: list[str], cells: list[str]) -> dict:
     return {"targets": out}
 
 
-def _in_fixed_tiles(spec: dict, sharding):
-    """A decode step, or the learner's invariant forward of a rollout, with every product in
-    fixed tiles (`numerics.invariant`, `InvariantForm(tiles="compiled")`), abstract inputs
-    placed by `sharding`."""
+def fixed_tiles_programs(cfg, policy, rows: int) -> dict:
+    """`{"decode_step": (fn, args), "learner_forward": (fn, args)}`: a decode step of `rows`
+    rows, and the learner's invariant forward of a rollout of `rows` x (32 + 32) tokens, with
+    every product in fixed tiles (`numerics.invariant`, `InvariantForm(tiles="compiled")`),
+    on abstract inputs: what `SUITE=invariant`'s model cell runs, compiled here and lowered
+    in tests/test_fixed_tile.py."""
     import dataclasses
 
-    from jaxrl_lp.models.config import get_preset
     from jaxrl_lp.numerics.invariant import InvariantForm, invariant_forms, opaque_zero
     from jaxrl_lp.plan.programs import ProgramShapes, _params, _rollout, _sampler_state
     from jaxrl_lp.rl.logprobs import learner_logprobs
     from jaxrl_lp.rollout.step import LoopSpec, decode_step, fused_readout, step_logits
 
-    cfg = get_preset(spec["preset"]).replace(num_layers=spec["layers"])
-    policy, loop = spec["policy"], LoopSpec().resolve(cfg)
+    loop = LoopSpec().resolve(cfg)
     form = InvariantForm(0, None, "compiled")
-    shapes = ProgramShapes(rows=spec["rows"], prompt_len=32, max_new=32)
-    placed = lambda tree: jax.tree.map(
-        lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding), tree)
-    if spec["kind"] == "decode_step":
-        def step(params, tokens_B, positions_B, cache, index):
-            with invariant_forms(opaque_zero(index), form):
-                out = decode_step(params, cfg, policy, loop, tokens_B, positions_B, cache, index,
-                                  hidden=fused_readout(policy))[0]
-                return step_logits(params, cfg, policy, out)
+    shapes = ProgramShapes(rows=rows, prompt_len=32, max_new=32)
 
-        params, cache = _sampler_state(cfg, policy, shapes)
-        rows = jax.ShapeDtypeStruct((spec["rows"],), jnp.int32)
-        return jax.jit(step).trace(*placed((params, rows, rows, cache,
-                                            jax.ShapeDtypeStruct((), jnp.int32))))
+    def step(params, tokens_B, positions_B, cache, index):
+        with invariant_forms(opaque_zero(index), form):
+            out = decode_step(params, cfg, policy, loop, tokens_B, positions_B, cache, index,
+                              hidden=fused_readout(policy))[0]
+            return step_logits(params, cfg, policy, out)
+
+    params, cache = _sampler_state(cfg, policy, shapes)
+    positions = jax.ShapeDtypeStruct((rows,), jnp.int32)
     rollout = dataclasses.replace(_rollout(cfg, policy, loop, shapes), decode_layout="invariant",
                                   invariant_form=form)
     forward = lambda p, r: learner_logprobs(p, cfg, policy, r, "invariant", loop=loop)[0]
-    return jax.jit(forward).trace(*placed((_params(cfg), rollout)))
+    return {"decode_step": (step, (params, positions, positions, cache,
+                                   jax.ShapeDtypeStruct((), jnp.int32))),
+            "learner_forward": (forward, (_params(cfg), rollout))}
+
+
+def _in_fixed_tiles(spec: dict, sharding):
+    """`fixed_tiles_programs`' program of `spec["kind"]`, its inputs placed by `sharding`."""
+    from jaxrl_lp.models.config import get_preset
+
+    cfg = get_preset(spec["preset"]).replace(num_layers=spec["layers"])
+    fn, args = fixed_tiles_programs(cfg, spec["policy"], spec["rows"])[spec["kind"]]
+    placed = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding),
+                          args)
+    return jax.jit(fn).trace(*placed)
