@@ -82,6 +82,17 @@
 #   kernels-retired-memory-<device>.json  the quantizers and decode attention, the same way:
 #                          time, memory and the fraction of the HBM bound
 #
+# SUITE=fp8 races the per-tensor FP8 policy, whose products are FP8 GEMMs on a GPU and whose
+# decode reads FP8 codes (kernels.fake_quant.FP8_GEMM_FORMATS), against bf16 in the same call
+# (issue 52's "FP8 policies as real FP8 GEMMs on Hopper, measured against bf16"; under 9
+# minutes), writing gpu-fp8-<device>.json and .log beside:
+#   sampler-fp8-<device>.json, sampler-bf16-<device>.json  jaxrl-lp bench sampler at Qwen3-0.6B,
+#                          B 32 and 256, 128 + 256 tokens: tokens/s and the fraction of the HBM
+#                          bound (the fp8 loop reads 1 byte a weight)
+#   learner-fp8-<device>.json, learner-bf16-<device>.json  jaxrl-lp bench learner, the dense
+#                          GRPO update at Qwen3-0.6B, 32 x 384 tokens: time and MFU (the fp8
+#                          update's forward products FP8 GEMMs, its backward's f32)
+#
 # Needs a python3 with JAX for the GPU, flax, optax, orbax-checkpoint, ml_dtypes and pytest. What
 # it lacks (grain, tensorboardX and their needs) comes as wheels in .whl/, fetched beforehand on
 # a machine with PyPI by benchmarks/fetch_wheels.sh and installed with --no-index --no-deps into a
@@ -96,6 +107,7 @@
 #   SUITE=graphs benchmarks/gpu.sh                       # decode without and with the GPU flags
 #   SUITE=invariant benchmarks/gpu.sh                    # a decode's product against the learner's
 #   SUITE=kernels benchmarks/gpu.sh                      # the retired kernels against XLA's path
+#   SUITE=fp8 benchmarks/gpu.sh                          # the fp8 policy against bf16
 #   QUICK=1 ALLOW_CPU=1 benchmarks/gpu.sh /tmp/x        # the script's own check on a CPU
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -128,7 +140,8 @@ case "$SUITE" in
   graphs) TAG=gpu-graphs ;;
   invariant) TAG=gpu-invariant ;;
   kernels) TAG=gpu-kernels ;;
-  *) echo "$0: SUITE must be exactness, speed, iteration, profile, graphs, invariant or kernels, got '$SUITE'" >&2
+  fp8) TAG=gpu-fp8 ;;
+  *) echo "$0: SUITE must be exactness, speed, iteration, profile, graphs, invariant, kernels or fp8, got '$SUITE'" >&2
      exit 2 ;;
 esac
 LOG="$DIR/$TAG-$DEV.log"
@@ -284,6 +297,18 @@ if [[ "$SUITE" == kernels ]]; then
   step kernels_memory 180 "${JAXRL[@]}" bench kernels "${RETIRED[@]}" --policy bf16,s=native \
     "${KERNELS[@]}" --cases "${KERNELS_MEMORY:-quantize,dequantize,decode}" \
     --out "$DIR/kernels-retired-memory-$DEV.json"
+fi
+
+if [[ "$SUITE" == fp8 ]]; then
+  # One at a time, alone on the GPU: each policy's sampler, then each policy's update.
+  for POLICY in fp8 bf16; do
+    step "sampler_$POLICY" 150 "${JAXRL[@]}" bench sampler "${SAMPLER[@]}" --looped-sizes "" \
+      --policy "$POLICY" --no-hf --repeats 2 --min-time 0 --out "$DIR/sampler-$POLICY-$DEV.json"
+  done
+  for POLICY in fp8 bf16; do
+    step "learner_$POLICY" 110 "${JAXRL[@]}" bench learner "${LEARNER[@]}" --policy "$POLICY" \
+      --no-tunix --methods dense --repeats 2 --min-time 0 --out "$DIR/learner-$POLICY-$DEV.json"
+  done
 fi
 
 if [[ "$SUITE" == exactness ]]; then

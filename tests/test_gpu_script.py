@@ -32,6 +32,7 @@ SUITES = {
     "invariant": ("gpu-invariant", ["fixed-tile", "fixed-tile-model"]),
     "kernels": ("gpu-kernels", ["kernels-retired-fp32", "kernels-retired-logprob",
                                 "kernels-retired-memory"]),
+    "fp8": ("gpu-fp8", ["sampler-fp8", "sampler-bf16", "learner-fp8", "learner-bf16"]),
 }
 
 
@@ -70,6 +71,12 @@ def test_the_gpu_script_runs_each_suite_on_cpu(tmp_path, suite):
         model = out["fixed-tile-model"]["model"]  # both pairs compared over the same tokens
         assert model["form"]["tiles"] == "interpret-gpu" and not out["fixed-tile-model"]["cells"]
         assert model["fixed_tiles"]["tokens"] == model["plain"]["tokens"] == 2 * 2 * 8
+    elif suite == "fp8":  # each policy's sampler and update, the fp8 loop reading codes
+        for policy in ("fp8", "bf16"):
+            assert out[f"sampler-{policy}"]["policy"] == policy
+            assert out[f"learner-{policy}"]["policy"] == str(Policy.parse(policy))
+        step = lambda p: out[f"sampler-{p}"]["dense"]["tiny-qwen3_batch_2"]
+        assert step("fp8")["weight_bytes_per_step"] < step("bf16")["weight_bytes_per_step"] / 2
     elif suite == "kernels":  # every case ran against the reference and XLA's read-out
         logprob, memory = {"logprob_fwd_bwd", "logprob_fwd"}, {"quantize_nvfp4",
                                                                "decode_attention"}

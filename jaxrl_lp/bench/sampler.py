@@ -73,7 +73,8 @@ def weight_bytes(cfg: ModelConfig, params: dict, loop_steps: float | None = None
         params = jax.eval_shape(lambda p: decode_weights(p, policy), params)
     nbytes = lambda tree: sum(x.size * x.dtype.itemsize for x in jax.tree_util.tree_leaves(tree))
     layers = nbytes(params["layers"])
-    head = nbytes(params["embed"] if cfg.tie_embeddings else params["lm_head"])
+    # A decode copy may give a tied head a copy of its own (a quantized one: `decode_weights`).
+    head = nbytes(params["lm_head"] if "lm_head" in params else params["embed"])
     other = nbytes(params["final_norm"]) + (nbytes(params["exit_gate"]) if cfg.is_looped else 0)
     steps = cfg.loop_steps if loop_steps is None else loop_steps
     return int(round(layers * steps + head + other * steps))

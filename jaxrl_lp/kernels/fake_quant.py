@@ -22,6 +22,15 @@ policy's backward-state rule (docs/design/studies.md, "Numerics studies"):
 Both modes give the plain f32 gradients when `fmt` is None. For block formats
 they differ, because a block along K (forward) is not a block along N or T.
 
+The forward product: `Q(x) @ Q(w)` of the rebuilt f32 values at `HIGHEST`, the reference,
+on every platform but one. Lowered for `cuda`, a per-tensor FP8 format (`FP8_GEMM_FORMATS`)
+multiplies the codes themselves, an FP8 x FP8 product accumulated in f32 (XLA:GPU's FP8
+GEMM: 1 byte an operand element, the tensor cores' FP8 rate on Hopper and later), and
+scales the result, `s_x[t] * s_w * (c_x @ c_w)` (`fp8_codes_product`): the same value up to
+the order of f32 roundings (each code product is exact in f32). The policy's `kernels=off`
+keeps the reference there too (what the FP8 GEMM is measured against). The backward's
+products stay the reference's (f32 values).
+
 Kernels: every quantize and dequantize here goes through
 `jaxrl_lp.kernels.quantize`, whose `kernels` mode (`auto`, `on`, `off`,
 `interpret`; a policy's `kernels` field) picks the Pallas kernel or the jnp
@@ -42,9 +51,12 @@ from jaxrl_lp.kernels.quantize import dequantize, kernels_mode, quantize
 from jaxrl_lp.numerics.formats import FORMATS, QArray
 from jaxrl_lp.numerics.policy import BACKWARD_MODES
 
-__all__ = ["fake_quant", "quantized_matmul"]
+__all__ = ["FP8_GEMM_FORMATS", "fake_quant", "fp8_codes_product", "quantized_matmul"]
 
 _HIGHEST = jax.lax.Precision.HIGHEST
+# The formats whose forward product is an FP8 GEMM of the codes where lowered for cuda
+# (module docstring): one f32 scale per tensor (per token for the activations).
+FP8_GEMM_FORMATS: tuple[str, ...] = ("fp8", "fp8_e5m2")
 
 
 def fake_quant(
@@ -89,7 +101,7 @@ def _fake_quant_jvp(fmt, axis, batch_axes, kernels, primals, tangents):
 
 def quantized_matmul(
     x_xK: jax.Array,
-    w_KxN: jax.Array,
+    w_KxN: jax.Array | QArray,
     fmt: str | None,
     backward: str = "reuse",
     batch_axes: Sequence[int] = (),
@@ -104,7 +116,10 @@ def quantized_matmul(
 
     Args:
       x_xK: activations `[..., K]` (any leading axes; `x` in the text).
-      w_KxN: weight `[K, N]` (one tensor; scan or vmap over stacked layers).
+      w_KxN: weight `[K, N]` (one tensor; scan or vmap over stacked layers), or that
+        weight quantized already (a `QArray` of `fmt`, one of `FP8_GEMM_FORMATS`: the
+        decode's copy, `models.blocks.decode_weights`), taken as `Q(w)`: `Q` of its value
+        is the same codes and scale. It gets no gradient (zeros).
       fmt: a key of `FORMATS`, or None for a plain f32 matmul.
       backward: `reuse` or `fresh`.
       batch_axes: leading axes of `x` whose indices are independent tensors for
@@ -128,7 +143,11 @@ def quantized_matmul(
         raise ValueError(f"backward {backward!r} is not one of {list(BACKWARD_MODES)}")
     if fmt is not None and fmt not in FORMATS:
         raise ValueError(f"unknown number format {fmt!r}; allowed: None or {list(FORMATS)}")
-    if w_KxN.ndim != 2 or x_xK.ndim < 1 or x_xK.shape[-1] != w_KxN.shape[0]:
+    if isinstance(w_KxN, QArray) and (w_KxN.format != fmt or fmt not in FP8_GEMM_FORMATS):
+        raise ValueError(f"quantized_matmul: a quantized weight is taken as Q(w) in its own "
+                         f"format, one of {FP8_GEMM_FORMATS}: got a {w_KxN.format} weight for "
+                         f"fmt {fmt!r}; pass its value (dequantize) instead")
+    if len(w_KxN.shape) != 2 or x_xK.ndim < 1 or x_xK.shape[-1] != w_KxN.shape[0]:
         raise ValueError(
             f"quantized_matmul: x must be [..., K] and w [K, N]; got x {x_xK.shape}, "
             f"w {w_KxN.shape}"
@@ -148,7 +167,7 @@ def quantized_matmul(
         backward,
         tuple(sorted(set(batch))),
         np.dtype(x_xK.dtype),
-        np.dtype(w_KxN.dtype),
+        None if isinstance(w_KxN, QArray) else np.dtype(w_KxN.dtype),  # None: no gradient
         kernels_mode(kernels),
     )
 
@@ -196,10 +215,38 @@ def _qmm(x, w, fmt, backward, batch_axes, x_dtype, w_dtype, kernels):
     return _qmm_fwd(x, w, fmt, backward, batch_axes, x_dtype, w_dtype, kernels)[0]
 
 
+def fp8_codes_product(xq: QArray, wq: QArray) -> jax.Array:
+    """`dequantize(xq) @ dequantize(wq)` as an FP8 GEMM: `(c_x @ c_w) * s_x * s_w`, f32.
+
+    `xq`: a per-tensor FP8 `QArray` `[..., K]` (one scale per token, or one for all); `wq`:
+    one of `[K, N]` with one scale. The codes' product accumulates in f32 (each product of
+    two codes is exact there); the scales multiply the sum, the token's first. The module
+    docstring says where it runs.
+    """
+    if xq.format not in FP8_GEMM_FORMATS or wq.format not in FP8_GEMM_FORMATS:
+        raise ValueError(f"fp8_codes_product: per-tensor FP8 operands ({FP8_GEMM_FORMATS}), "
+                         f"not {xq.format} x {wq.format}")
+    if wq.codes.ndim != 2 or wq.scales.size != 1:
+        raise ValueError(f"fp8_codes_product: a [K, N] weight with one scale, not codes "
+                         f"{wq.codes.shape} and scales {wq.scales.shape}")
+    y = jax.lax.dot_general(xq.codes, wq.codes, (((xq.codes.ndim - 1,), (0,)), ((), ())),
+                            preferred_element_type=jnp.float32)
+    return y * xq.scales * wq.scales.reshape(())
+
+
+def _forward_product(xq, wq, fmt: str | None, kernels: str) -> jax.Array:
+    """The forward's `Q(x) @ Q(w)`: the reference, or lowered for cuda the FP8 GEMM of the codes
+    (module docstring)."""
+    reference = lambda: _dot(_value(xq, kernels), _value(wq, kernels), -1, 0)
+    if fmt not in FP8_GEMM_FORMATS or kernels == "off" or not isinstance(xq, QArray):
+        return reference()
+    return jax.lax.platform_dependent(cuda=lambda: fp8_codes_product(xq, wq), default=reference)
+
+
 def _qmm_fwd(x, w, fmt, backward, batch_axes, x_dtype, w_dtype, kernels):
     xq = _q(x, fmt, -1, batch_axes, kernels) if _quantizes_x(fmt) else x
-    wq = _q(w, fmt, 0, (), kernels)
-    y = _dot(_value(xq, kernels), _value(wq, kernels), -1, 0)
+    wq = w if isinstance(w, QArray) else _q(w, fmt, 0, (), kernels)
+    y = _forward_product(xq, wq, fmt, kernels)
     # reuse keeps the rounded operands (codes + scales); fresh keeps x and w.
     res = (xq, wq) if backward == "reuse" else (x, w)
     return y, res
@@ -214,7 +261,7 @@ def _qmm_bwd(fmt, backward, batch_axes, x_dtype, w_dtype, kernels, res, g):
         x_dw = xv.reshape(-1, xv.shape[-1])
         g_dw = g.reshape(-1, n)
     else:
-        x, w = a, b
+        x, w = a, (b if w_dtype is not None else _value(b, kernels))
         act = _quantizes_x(fmt)
         # dx reduces over N: w along axis 1, g along its last axis.
         w_dx = _fq_padded(w, fmt, 1, kernels)
@@ -227,6 +274,8 @@ def _qmm_bwd(fmt, backward, batch_axes, x_dtype, w_dtype, kernels, res, g):
     dx = _dot(g_dx, w_dx, -1, 1)
     dw = _dot(x_dw, g_dw, 0, 0)
     # Rounding site: cotangents take the primal dtypes (a bf16 carrier rounds here).
+    if w_dtype is None:  # a weight quantized already (`b` is it): no gradient
+        return dx.astype(x_dtype), jax.tree.map(jnp.zeros_like, b)
     return dx.astype(x_dtype), dw.astype(w_dtype)
 
 

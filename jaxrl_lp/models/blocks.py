@@ -12,6 +12,8 @@ import numpy as np
 # The module, not its function: the kernel module imports `models.layers`, so either
 # package may be the one still initializing when the other is imported.
 from jaxrl_lp.kernels import decode_attention as decode_kernel
+from jaxrl_lp.kernels.fake_quant import FP8_GEMM_FORMATS
+from jaxrl_lp.kernels.quantize import quantize
 from jaxrl_lp.models.attention import attention
 from jaxrl_lp.models.config import ModelConfig
 from jaxrl_lp.models.layers import TransposedWeight, dot, rms_norm, rope, swiglu
@@ -19,6 +21,7 @@ from jaxrl_lp.models.packing import Packing, pack, unpack
 from jaxrl_lp.models.recorded import LAYER_PRODUCTS
 from jaxrl_lp.numerics import invariant
 from jaxrl_lp.numerics.policy import Policy
+from jaxrl_lp.numerics.qarray import QArray
 from jaxrl_lp.parallel.context import constrain
 
 # Logical axes of the activations (`parallel.rules`): the residual stream is
@@ -87,9 +90,14 @@ def decode_weights(params: dict, policy: Policy) -> dict:
     kernel (its bias is read in f32 and kept). Rounding is idempotent here
     (`param_dtype` is f32 or the compute dtype), so the forward computes the
     same bits from the copy as from `params`; it only stops re-rounding the
-    master inside a decode loop. LoRA and quantized leaves pass as they are;
-    so do the params under another `param_dtype` (f16 params for bf16
-    compute would round twice otherwise).
+    master inside a decode loop. Under a per-tensor FP8 `matmul_format`
+    (`kernels.fake_quant.FP8_GEMM_FORMATS`) each layer's matmul weights
+    (`MATMUL_WEIGHTS`) and the head are also quantized once, one scale a layer:
+    the `QArray` `Q(w)` that `dot` would compute on every step, which it reads as
+    codes (an FP8 GEMM on a GPU), so the loop reads 1 byte a weight and quantizes
+    nothing (a tied head gets a quantized `lm_head` of its own, `[D, V]`). LoRA and
+    quantized leaves pass as they are; so do the params under another `param_dtype`
+    (f16 params for bf16 compute would round twice otherwise).
     """
     if policy.param_dtype not in (np.dtype(np.float32), policy.compute_dtype) or (
             not policy.is_low_precision and policy.param_dtype == np.dtype(np.float32)):
@@ -99,8 +107,16 @@ def decode_weights(params: dict, policy: Policy) -> dict:
         plain = isinstance(x, jax.Array) and jnp.issubdtype(x.dtype, jnp.floating)
         return policy.round_params(x) if plain else x
 
+    fmt = policy.matmul_format if policy.matmul_format in FP8_GEMM_FORMATS else None
+
+    def rnd_weight(x):  # a matmul weight `[..., in, out]`, one scale per layer
+        if fmt is None or not isinstance(x, jax.Array):
+            return rnd(x)
+        return quantize(rnd(x), fmt, x.ndim - 2, tuple(range(x.ndim - 2)),
+                        kernels=policy.kernels)
+
     def rnd_layer(lp: dict) -> dict:
-        return {k: rnd(v) for k, v in lp.items()}
+        return {k: rnd_weight(v) if k in MATMUL_WEIGHTS else rnd(v) for k, v in lp.items()}
 
     layers = params["layers"]
     out = {**params, "layers": (tuple(rnd_layer(lp) for lp in layers)
@@ -108,6 +124,9 @@ def decode_weights(params: dict, policy: Policy) -> dict:
     for k in ("embed", "lm_head", "final_norm"):
         if k in params:
             out[k] = rnd(params[k])
+    head = params["lm_head"] if "lm_head" in params else params["embed"].T
+    if fmt is not None and isinstance(head, jax.Array):
+        out["lm_head"] = rnd_weight(head)  # a tied head gets a quantized copy `[D, V]` of its own
     if "exit_gate" in params:
         out["exit_gate"] = {**params["exit_gate"], "kernel": rnd(params["exit_gate"]["kernel"])}
     return out
@@ -290,10 +309,11 @@ def mlp(lp: dict, x_BxTxD: jax.Array, policy: Policy, tape: dict | None = None) 
 def lm_head(params: dict, cfg: ModelConfig) -> jax.Array:
     """The output matrix `[D, V]`: `lm_head`, or the embedding transposed when tied.
 
-    In a decode copy (`unstack_layers(transpose=True)`) the head is the
-    `TransposedWeight` there, tied or not.
+    In a decode copy the head is the one there, tied or not: the
+    `TransposedWeight` of `unstack_layers(transpose=True)`, or the quantized `QArray`
+    of `decode_weights` under a per-tensor FP8 `matmul_format`.
     """
-    if isinstance(params.get("lm_head"), TransposedWeight):
+    if isinstance(params.get("lm_head"), (TransposedWeight, QArray)):
         return params["lm_head"]
     return params["embed"].T if cfg.tie_embeddings else params["lm_head"]
 

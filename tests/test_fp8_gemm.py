@@ -1,0 +1,169 @@
+"""Per-tensor FP8 products as FP8 GEMMs on a GPU, and the decode's weights quantized once.
+
+A program lowered for cuda multiplies the FP8 codes themselves (`fake_quant.fp8_codes_product`,
+XLA:GPU's FP8 GEMM) where every other platform keeps the reference product of the rebuilt
+f32 values; the decode copy (`blocks.decode_weights`) holds each matmul weight as its `QArray`
+`Q(w)`, so the decode loop reads codes and quantizes nothing, with the same bits on CPU.
+Each mechanism is also removed here (planted) and the check watched to fail.
+"""
+
+import dataclasses
+import re
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxrl_lp.bench.decode import report
+from jaxrl_lp.kernels.fake_quant import (
+    FP8_GEMM_FORMATS,
+    _dot,
+    _value,
+    fp8_codes_product,
+    quantized_matmul,
+)
+from jaxrl_lp.kernels.quantize import quantize
+from jaxrl_lp.models.blocks import MATMUL_WEIGHTS, unstack_layers
+from jaxrl_lp.models.config import get_preset
+from jaxrl_lp.models.model import forward, init_params
+from jaxrl_lp.numerics.policy import Policy
+from jaxrl_lp.numerics.qarray import QArray
+from jaxrl_lp.plan.cuda_aot import plugin_from_env
+
+FP8 = Policy.parse("fp8")
+_BLOCKS = "jaxrl_lp.models.blocks"
+
+
+def _operands(seed=0):
+    rng = np.random.default_rng(seed)
+    x = jnp.asarray(rng.standard_normal((3, 5, 256)).astype(np.float32))
+    w = jnp.asarray((rng.standard_normal((256, 96)) * 0.05).astype(np.float32))
+    return x, w
+
+
+def _bits(a) -> np.ndarray:
+    return np.asarray(a, np.float32).view(np.uint32)
+
+
+@pytest.mark.parametrize("fmt", FP8_GEMM_FORMATS)
+def test_the_codes_product_is_the_reference_within_f32_rounding(fmt):
+    """What a GPU runs, computed here: `(c_x @ c_w) * s_x * s_w` against the f32 product of
+    the rebuilt values. Each code product is exact in f32, so they differ by the order of f32
+    roundings only (measured 1.5e-7 of the sum of magnitudes; bound 1e-6)."""
+    x, w = _operands()
+    xq, wq = quantize(x, fmt, -1, (0, 1)), quantize(w, fmt, 0, ())
+    ref = _dot(_value(xq, "auto"), _value(wq, "auto"), -1, 0)
+    mag = _dot(jnp.abs(_value(xq, "auto")), jnp.abs(_value(wq, "auto")), -1, 0)
+    got = jax.jit(fp8_codes_product)(xq, wq)
+    assert float(jnp.max(jnp.abs(got - ref) / mag)) < 1e-6
+    # The per-token scales matter: one token's scale for every token is far off.
+    one = dataclasses.replace(xq, scales=jnp.broadcast_to(xq.scales[:1, :1], xq.scales.shape))
+    assert float(jnp.max(jnp.abs(fp8_codes_product(one, wq) - ref) / mag)) > 1e-2
+
+
+def _f8_dots(fn, *args, platform: str) -> tuple[int, int]:
+    """(dot_generals with FP8 operands, all dot_generals) of `fn` lowered for `platform`."""
+    text = jax.jit(fn).trace(*args).lower(lowering_platforms=(platform,)).as_text()
+    dots = re.findall(r"stablehlo\.dot_general.*", text)
+    return sum("xf8E" in d for d in dots), len(dots)
+
+
+@pytest.mark.parametrize("fmt", FP8_GEMM_FORMATS)
+def test_the_forward_is_an_fp8_gemm_lowered_for_cuda_only(fmt):
+    """The loss and its gradient: lowered for cuda the forward's one product takes FP8
+    operands (the backward's two stay f32); for cpu and tpu, under `kernels=off` on cuda,
+    and in a block format none does."""
+    x, w = _operands()
+
+    def loss(x, w, fmt=fmt, kernels="auto"):
+        f = lambda x, w: quantized_matmul(x, w, fmt, "reuse", (0, 1), kernels=kernels)
+        return jax.value_and_grad(lambda x, w: jnp.sum(f(x, w) ** 2), argnums=(0, 1))(x, w)
+
+    assert _f8_dots(loss, x, w, platform="cuda") == (1, 3)
+    for platform in ("cpu", "tpu"):
+        assert _f8_dots(loss, x, w, platform=platform) == (0, 3)
+    assert _f8_dots(lambda x, w: loss(x, w, kernels="off"), x, w, platform="cuda") == (0, 3)
+    assert _f8_dots(lambda x, w: loss(x, w, fmt="mxfp8"), x, w, platform="cuda") == (0, 3)
+
+
+@pytest.mark.parametrize("backward", ["reuse", "fresh"])
+def test_a_weight_quantized_already_is_taken_as_its_codes(backward):
+    """`quantized_matmul(x, Q(w))` is `quantized_matmul(x, w)`: the same value and input
+    gradient bit for bit; the quantized weight gets a zero gradient."""
+    x, w = _operands()
+    g = jnp.ones((3, 5, 96), jnp.float32)
+
+    def vjp(w_or_q):
+        y, pull = jax.vjp(lambda x, w: quantized_matmul(x, w, "fp8", backward, (0, 1)), x, w_or_q)
+        return y, pull(g)
+
+    y, (dx, _) = jax.jit(vjp)(w)
+    wq = quantize(w, "fp8", 0, ())
+    y_q, (dx_q, dwq) = jax.jit(vjp)(wq)
+    assert (_bits(y_q) == _bits(y)).all() and (_bits(dx_q) == _bits(dx)).all()
+    assert isinstance(dwq, QArray) and not any(np.asarray(a).any() for a in jax.tree.leaves(dwq))
+    with pytest.raises(ValueError, match="its own format"):
+        quantized_matmul(x, quantize(w, "mxfp8", 0, ()), "mxfp8")
+    with pytest.raises(ValueError, match="its own format"):
+        quantized_matmul(x, wq, "fp8_e5m2")
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_the_decode_copy_quantizes_each_layer_once_with_the_same_bits(tied, monkeypatch):
+    """Under `fp8` the decode copy holds every layer's matmul weights and the head as FP8
+    `QArray`s, one scale a layer, and a forward reading it gives the master's logits bit for
+    bit (the format quantizes the master's weights the same way on every step). The plant:
+    one scale for the stacked layers together changes the logits."""
+    cfg = dataclasses.replace(get_preset("tiny-qwen3"), tie_embeddings=tied)
+    params = init_params(cfg, jax.random.PRNGKey(1))
+    copy = unstack_layers(params, policy=FP8)
+    layer = copy["layers"][1]
+    assert len(MATMUL_WEIGHTS) == 7
+    assert all(isinstance(layer[k], QArray) and layer[k].codes.dtype == jnp.float8_e4m3fn
+               and layer[k].scales.size == 1 for k in MATMUL_WEIGHTS)
+    assert isinstance(copy["lm_head"], QArray)
+    assert copy["lm_head"].shape == (cfg.hidden_size, cfg.vocab_size)
+    tokens = jnp.asarray(np.random.default_rng(0).integers(1, cfg.vocab_size, (2, 7)), jnp.int32)
+    positions = jnp.broadcast_to(jnp.arange(7, dtype=jnp.int32), (2, 7))
+    logits = lambda p: jax.jit(lambda p: forward(p, cfg, FP8, tokens, positions)[0])(p)
+    want = _bits(logits(params))
+    assert (_bits(logits(copy)) == want).all()
+
+    blocks = sys.modules[_BLOCKS]
+    real = blocks.quantize
+    monkeypatch.setattr(blocks, "quantize",
+                        lambda x, fmt, axis, batch_axes, kernels: real(x, fmt, axis, (), kernels=kernels))
+    assert (_bits(logits(unstack_layers(params, policy=FP8))) != want).any()
+
+
+SPEC = {"preset": "tiny-qwen3", "policy": FP8, "layers": None, "rows": 2, "prompt_len": 8,
+        "new_tokens": 4}
+
+
+def test_the_fp8_decode_loop_reads_codes_and_converts_no_weight(monkeypatch):
+    """The sampler under `fp8` lowered for cuda: the loop carries FP8 codes, converts no
+    weight on any step, and its products take FP8 operands. The plant: the decode copy left
+    unquantized (each step quantizes every weight again)."""
+    got = report({**SPEC, "rows": 3})
+    low = got["lowered"]
+    assert got["ok"] and low["weight_ops"] == (), got["problems"]
+    assert "f8e4m3fn" in low["weight_bytes"]
+    monkeypatch.setattr(sys.modules[_BLOCKS], "FP8_GEMM_FORMATS", ())
+    got = report({**SPEC, "rows": 5})
+    low = got["lowered"]
+    assert not got["ok"] and "f8e4m3fn" not in low["weight_bytes"]
+    assert low["weight_ops"] and all("convert" in line for line in low["weight_ops"])
+
+
+@pytest.mark.skipif(plugin_from_env() is None, reason="needs the CUDA PJRT plugin "
+                    "($JAXRL_LP_CUDA_PLUGIN, plan.cuda_aot)")
+def test_xla_gpu_compiles_the_fp8_decode_step_without_a_weight_convert():
+    """XLA:GPU's program for an H200 (deviceless) at Qwen3-0.6B's widths, 2 layers: the loop
+    reads the FP8 codes as they are, no weight converted or copied on any step."""
+    spec = {**SPEC, "preset": "qwen3-0.6b", "layers": 2, "rows": 8, "prompt_len": 16}
+    got = report(spec, "h200", plugin_from_env(), ("none",))
+    assert got["ok"], got["problems"]
+    step = got["compiled"]["none"]
+    assert step["weight_ops"] == () and "f8e4m3fn" in step["weight_bytes"]
