@@ -47,20 +47,38 @@ def _bits(a) -> np.ndarray:
     return np.asarray(a, np.float32).view(np.uint32)
 
 
+def _operand_pairs(fmt):
+    """(a, b, a_axis, b_axis) as the three products quantize them: the forward's `x @ w` (a
+    scale a token), the `fresh` backward's `dx = Q(g) @ Q(w).T` (a scale a token) and
+    `dw = Q(x).T @ Q(g)` (over the tokens, one scale each)."""
+    x, w = _operands()
+    g = jnp.asarray(np.random.default_rng(1).standard_normal((3, 5, 96)).astype(np.float32))
+    x2, g2 = x.reshape(15, 256), g.reshape(15, 96)
+    return [(quantize(x, fmt, -1, (0, 1)), quantize(w, fmt, 0, ()), -1, 0),
+            (quantize(g, fmt, -1, (0, 1)), quantize(w, fmt, 1, ()), -1, 1),
+            (quantize(x2, fmt, 0, ()), quantize(g2, fmt, 0, ()), 0, 0)]
+
+
 @pytest.mark.parametrize("fmt", FP8_GEMM_FORMATS)
 def test_the_codes_product_is_the_reference_within_f32_rounding(fmt):
-    """What a GPU runs, computed here: `(c_x @ c_w) * s_x * s_w` against the f32 product of
-    the rebuilt values. Each code product is exact in f32, so they differ by the order of f32
-    roundings only (measured 1.5e-7 of the sum of magnitudes; bound 1e-6)."""
-    x, w = _operands()
-    xq, wq = quantize(x, fmt, -1, (0, 1)), quantize(w, fmt, 0, ())
+    """What a GPU runs, computed here: `(c_a . c_b) * s_a * s_b` against the f32 product of
+    the rebuilt values, for each of the three products. Each code product is exact in f32,
+    so they differ by the order of f32 roundings only (measured 1.5e-7 of the sum of
+    magnitudes; bound 1e-6)."""
+    for aq, bq, a_axis, b_axis in _operand_pairs(fmt):
+        ref = _dot(_value(aq, "auto"), _value(bq, "auto"), a_axis, b_axis)
+        mag = _dot(jnp.abs(_value(aq, "auto")), jnp.abs(_value(bq, "auto")), a_axis, b_axis)
+        got = jax.jit(fp8_codes_product, static_argnums=(2, 3))(aq, bq, a_axis, b_axis)
+        assert got.shape == ref.shape
+        assert float(jnp.max(jnp.abs(got - ref) / mag)) < 1e-6
+    # The per-token scales matter: one token's scale for every token is far off.
+    xq, wq, _, _ = _operand_pairs(fmt)[0]
+    one = dataclasses.replace(xq, scales=jnp.broadcast_to(xq.scales[:1, :1], xq.scales.shape))
     ref = _dot(_value(xq, "auto"), _value(wq, "auto"), -1, 0)
     mag = _dot(jnp.abs(_value(xq, "auto")), jnp.abs(_value(wq, "auto")), -1, 0)
-    got = jax.jit(fp8_codes_product)(xq, wq)
-    assert float(jnp.max(jnp.abs(got - ref) / mag)) < 1e-6
-    # The per-token scales matter: one token's scale for every token is far off.
-    one = dataclasses.replace(xq, scales=jnp.broadcast_to(xq.scales[:1, :1], xq.scales.shape))
     assert float(jnp.max(jnp.abs(fp8_codes_product(one, wq) - ref) / mag)) > 1e-2
+    with pytest.raises(ValueError, match="one scale for the second operand"):
+        fp8_codes_product(wq, xq)
 
 
 def _f8_dots(fn, *args, platform: str) -> tuple[int, int]:
@@ -70,18 +88,19 @@ def _f8_dots(fn, *args, platform: str) -> tuple[int, int]:
     return sum("xf8E" in d for d in dots), len(dots)
 
 
+@pytest.mark.parametrize("backward", ["reuse", "fresh"])
 @pytest.mark.parametrize("fmt", FP8_GEMM_FORMATS)
-def test_the_forward_is_an_fp8_gemm_lowered_for_cuda_only(fmt):
-    """The loss and its gradient: lowered for cuda the forward's one product takes FP8
-    operands (the backward's two stay f32); for cpu and tpu, under `kernels=off` on cuda,
-    and in a block format none does."""
+def test_the_products_are_fp8_gemms_lowered_for_cuda_only(fmt, backward):
+    """The loss and its gradient: lowered for cuda the forward's product takes FP8 operands,
+    and under `fresh` the backward's two as well (`reuse`'s multiply the f32 cotangent); for
+    cpu and tpu, under `kernels=off` on cuda, and in a block format none does."""
     x, w = _operands()
 
     def loss(x, w, fmt=fmt, kernels="auto"):
-        f = lambda x, w: quantized_matmul(x, w, fmt, "reuse", (0, 1), kernels=kernels)
+        f = lambda x, w: quantized_matmul(x, w, fmt, backward, (0, 1), kernels=kernels)
         return jax.value_and_grad(lambda x, w: jnp.sum(f(x, w) ** 2), argnums=(0, 1))(x, w)
 
-    assert _f8_dots(loss, x, w, platform="cuda") == (1, 3)
+    assert _f8_dots(loss, x, w, platform="cuda") == ((1, 3) if backward == "reuse" else (3, 3))
     for platform in ("cpu", "tpu"):
         assert _f8_dots(loss, x, w, platform=platform) == (0, 3)
     assert _f8_dots(lambda x, w: loss(x, w, kernels="off"), x, w, platform="cuda") == (0, 3)

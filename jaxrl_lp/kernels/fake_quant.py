@@ -22,14 +22,16 @@ policy's backward-state rule (docs/design/studies.md, "Numerics studies"):
 Both modes give the plain f32 gradients when `fmt` is None. For block formats
 they differ, because a block along K (forward) is not a block along N or T.
 
-The forward product: `Q(x) @ Q(w)` of the rebuilt f32 values at `HIGHEST`, the reference,
+The products of two quantized operands: the rebuilt f32 values at `HIGHEST`, the reference,
 on every platform but one. Lowered for `cuda`, a per-tensor FP8 format (`FP8_GEMM_FORMATS`)
 multiplies the codes themselves, an FP8 x FP8 product accumulated in f32 (XLA:GPU's FP8
 GEMM: 1 byte an operand element, the tensor cores' FP8 rate on Hopper and later), and
 scales the result, `s_x[t] * s_w * (c_x @ c_w)` (`fp8_codes_product`): the same value up to
-the order of f32 roundings (each code product is exact in f32). The policy's `kernels=off`
-keeps the reference there too (what the FP8 GEMM is measured against). The backward's
-products stay the reference's (f32 values).
+the order of f32 roundings (each code product is exact in f32). That is the forward's
+product, and under `fresh` the backward's two as well (each operand quantized there); the
+`reuse` backward multiplies the unquantized cotangent, so its products stay the
+reference's. The policy's `kernels=off` keeps the reference on a GPU too (what the FP8
+GEMMs are measured against).
 
 Kernels: every quantize and dequantize here goes through
 `jaxrl_lp.kernels.quantize`, whose `kernels` mode (`auto`, `on`, `off`,
@@ -195,15 +197,18 @@ def _value(q: QArray | jax.Array, kernels) -> jax.Array:
     return dequantize(q, kernels=kernels) if isinstance(q, QArray) else q.astype(jnp.float32)
 
 
-def _fq_padded(x: jax.Array, fmt: str | None, axis: int, kernels, batch_axes=()) -> jax.Array:
-    """Fake-quantizes along `axis`, zero-padding it to a multiple of the block size."""
+def _q_padded(x: jax.Array, fmt: str | None, axis: int, kernels,
+              batch_axes=()) -> QArray | jax.Array:
+    """Quantizes along `axis`: the `QArray` where the axis holds whole blocks (every
+    per-tensor format), else the values quantized with the axis zero-padded to a multiple of
+    the block size and sliced back."""
     if fmt is None:
         # Upcast: unquantized operands enter the matmul in f32.
         return x.astype(jnp.float32)
     axis %= x.ndim
     n, bs = x.shape[axis], FORMATS[fmt].block_size
     if bs is None or n % bs == 0:
-        return _value(quantize(x, fmt, axis, batch_axes, kernels=kernels), kernels)
+        return quantize(x, fmt, axis, batch_axes, kernels=kernels)
     pad = [(0, 0)] * x.ndim
     pad[axis] = (0, bs - n % bs)
     y = _value(quantize(jnp.pad(x, pad), fmt, axis, batch_axes, kernels=kernels), kernels)
@@ -215,38 +220,46 @@ def _qmm(x, w, fmt, backward, batch_axes, x_dtype, w_dtype, kernels):
     return _qmm_fwd(x, w, fmt, backward, batch_axes, x_dtype, w_dtype, kernels)[0]
 
 
-def fp8_codes_product(xq: QArray, wq: QArray) -> jax.Array:
-    """`dequantize(xq) @ dequantize(wq)` as an FP8 GEMM: `(c_x @ c_w) * s_x * s_w`, f32.
+def fp8_codes_product(aq: QArray, bq: QArray, a_axis: int = -1, b_axis: int = 0) -> jax.Array:
+    """`dequantize(aq)` contracted with `dequantize(bq)` as an FP8 GEMM of their codes, f32.
 
-    `xq`: a per-tensor FP8 `QArray` `[..., K]` (one scale per token, or one for all); `wq`:
-    one of `[K, N]` with one scale. The codes' product accumulates in f32 (each product of
-    two codes is exact there); the scales multiply the sum, the token's first. The module
-    docstring says where it runs.
+    Axis `a_axis` of `aq` against axis `b_axis` of `bq` (the output: `aq`'s other axes, then
+    `bq`'s, as `lax.dot_general`), `(c_a . c_b) * s_a * s_b`: per-tensor FP8 `QArray`s, `aq`
+    with one scale per index of its other axes or one for all (a token's, or the tensor's),
+    `bq` with one scale. The codes' product accumulates in f32 (each product of two codes is
+    exact there); the scales multiply the sum, `aq`'s first. The module docstring says where
+    it runs: the forward's `x @ w` (the defaults) and the `fresh` backward's two products.
     """
-    if xq.format not in FP8_GEMM_FORMATS or wq.format not in FP8_GEMM_FORMATS:
+    if aq.format not in FP8_GEMM_FORMATS or bq.format not in FP8_GEMM_FORMATS:
         raise ValueError(f"fp8_codes_product: per-tensor FP8 operands ({FP8_GEMM_FORMATS}), "
-                         f"not {xq.format} x {wq.format}")
-    if wq.codes.ndim != 2 or wq.scales.size != 1:
-        raise ValueError(f"fp8_codes_product: a [K, N] weight with one scale, not codes "
-                         f"{wq.codes.shape} and scales {wq.scales.shape}")
-    y = jax.lax.dot_general(xq.codes, wq.codes, (((xq.codes.ndim - 1,), (0,)), ((), ())),
+                         f"not {aq.format} x {bq.format}")
+    a_axis, b_axis = a_axis % aq.codes.ndim, b_axis % bq.codes.ndim
+    if bq.scales.size != 1 or aq.scales.shape[a_axis] != 1:
+        raise ValueError(f"fp8_codes_product: one scale for the second operand and none along "
+                         f"the contracted axis of the first, not scales {aq.scales.shape} and "
+                         f"{bq.scales.shape}")
+    y = jax.lax.dot_general(aq.codes, bq.codes, (((a_axis,), (b_axis,)), ((), ())),
                             preferred_element_type=jnp.float32)
-    return y * xq.scales * wq.scales.reshape(())
+    s_a = jnp.squeeze(aq.scales, a_axis).reshape(
+        *aq.scales.shape[:a_axis], *aq.scales.shape[a_axis + 1:], *[1] * (bq.codes.ndim - 1))
+    return y * s_a * bq.scales.reshape(())
 
 
-def _forward_product(xq, wq, fmt: str | None, kernels: str) -> jax.Array:
-    """The forward's `Q(x) @ Q(w)`: the reference, or lowered for cuda the FP8 GEMM of the codes
-    (module docstring)."""
-    reference = lambda: _dot(_value(xq, kernels), _value(wq, kernels), -1, 0)
-    if fmt not in FP8_GEMM_FORMATS or kernels == "off" or not isinstance(xq, QArray):
+def _product(aq, bq, a_axis: int, b_axis: int, fmt: str | None, kernels: str) -> jax.Array:
+    """`Q(a)` contracted with `Q(b)` (`aq`, `bq`: `QArray`s or arrays taken as they are): the
+    reference, or lowered for cuda the FP8 GEMM of the codes (module docstring)."""
+    reference = lambda: _dot(_value(aq, kernels), _value(bq, kernels), a_axis, b_axis)
+    if (fmt not in FP8_GEMM_FORMATS or kernels == "off"
+            or not (isinstance(aq, QArray) and isinstance(bq, QArray))):
         return reference()
-    return jax.lax.platform_dependent(cuda=lambda: fp8_codes_product(xq, wq), default=reference)
+    return jax.lax.platform_dependent(cuda=lambda: fp8_codes_product(aq, bq, a_axis, b_axis),
+                                      default=reference)
 
 
 def _qmm_fwd(x, w, fmt, backward, batch_axes, x_dtype, w_dtype, kernels):
     xq = _q(x, fmt, -1, batch_axes, kernels) if _quantizes_x(fmt) else x
     wq = w if isinstance(w, QArray) else _q(w, fmt, 0, (), kernels)
-    y = _forward_product(xq, wq, fmt, kernels)
+    y = _product(xq, wq, -1, 0, fmt, kernels)
     # reuse keeps the rounded operands (codes + scales); fresh keeps x and w.
     res = (xq, wq) if backward == "reuse" else (x, w)
     return y, res
@@ -256,23 +269,22 @@ def _qmm_bwd(fmt, backward, batch_axes, x_dtype, w_dtype, kernels, res, g):
     a, b = res
     n = g.shape[-1]
     if backward == "reuse":
-        xv, wv = _value(a, kernels), _value(b, kernels)
-        g_dx, w_dx = g, wv
-        x_dw = xv.reshape(-1, xv.shape[-1])
-        g_dw = g.reshape(-1, n)
+        dx = _dot(g, _value(b, kernels), -1, 1)
+        xv = _value(a, kernels)
+        dw = _dot(xv.reshape(-1, xv.shape[-1]), g.reshape(-1, n), 0, 0)
     else:
         x, w = a, (b if w_dtype is not None else _value(b, kernels))
         act = _quantizes_x(fmt)
         # dx reduces over N: w along axis 1, g along its last axis.
-        w_dx = _fq_padded(w, fmt, 1, kernels)
-        g_dx = _fq_padded(g, fmt, -1, kernels, batch_axes) if act else g
+        w_dx = _q_padded(w, fmt, 1, kernels)
+        g_dx = _q_padded(g, fmt, -1, kernels, batch_axes) if act else g
         # dw reduces over the tokens: flatten leading axes, quantize along axis 0.
         x_TxK = x.reshape(-1, x.shape[-1])
         g_TxN = g.reshape(-1, n)
-        x_dw = _fq_padded(x_TxK, fmt, 0, kernels) if act else _value(x_TxK, kernels)
-        g_dw = _fq_padded(g_TxN, fmt, 0, kernels) if act else g_TxN
-    dx = _dot(g_dx, w_dx, -1, 1)
-    dw = _dot(x_dw, g_dw, 0, 0)
+        x_dw = _q_padded(x_TxK, fmt, 0, kernels) if act else _value(x_TxK, kernels)
+        g_dw = _q_padded(g_TxN, fmt, 0, kernels) if act else g_TxN
+        dx = _product(g_dx, w_dx, -1, 1, fmt, kernels)
+        dw = _product(x_dw, g_dw, 0, 0, fmt, kernels)
     # Rounding site: cotangents take the primal dtypes (a bf16 carrier rounds here).
     if w_dtype is None:  # a weight quantized already (`b` is it): no gradient
         return dx.astype(x_dtype), jax.tree.map(jnp.zeros_like, b)
