@@ -84,14 +84,15 @@
 #
 # SUITE=fp8 races the per-tensor FP8 policy, whose products are FP8 GEMMs on a GPU and whose
 # decode reads FP8 codes (kernels.fake_quant.FP8_GEMM_FORMATS), against bf16 in the same call
-# (issue 52's "FP8 policies as real FP8 GEMMs on Hopper, measured against bf16"; under 9
+# (issue 52's "FP8 policies as real FP8 GEMMs on Hopper, measured against bf16"; under 10
 # minutes), writing gpu-fp8-<device>.json and .log beside:
 #   sampler-fp8-<device>.json, sampler-bf16-<device>.json  jaxrl-lp bench sampler at Qwen3-0.6B,
 #                          B 32 and 256, 128 + 256 tokens: tokens/s and the fraction of the HBM
 #                          bound (the fp8 loop reads 1 byte a weight)
-#   learner-fp8-<device>.json, learner-bf16-<device>.json  jaxrl-lp bench learner, the dense
-#                          GRPO update at Qwen3-0.6B, 32 x 384 tokens: time and MFU (the fp8
-#                          update's forward products FP8 GEMMs, its backward's f32)
+#   learner-fp8-<device>.json, learner-fp8-fresh-<device>.json, learner-bf16-<device>.json
+#                          jaxrl-lp bench learner, the dense GRPO update at Qwen3-0.6B, 32 x 384
+#                          tokens: time and MFU (fp8: the forward's products FP8 GEMMs, the
+#                          `reuse` backward's f32; fp8,bwd=fresh: all three FP8 GEMMs)
 #
 # Needs a python3 with JAX for the GPU, flax, optax, orbax-checkpoint, ml_dtypes and pytest. What
 # it lacks (grain, tensorboardX and their needs) comes as wheels in .whl/, fetched beforehand on
@@ -302,12 +303,14 @@ fi
 if [[ "$SUITE" == fp8 ]]; then
   # One at a time, alone on the GPU: each policy's sampler, then each policy's update.
   for POLICY in fp8 bf16; do
-    step "sampler_$POLICY" 150 "${JAXRL[@]}" bench sampler "${SAMPLER[@]}" --looped-sizes "" \
+    step "sampler_$POLICY" 140 "${JAXRL[@]}" bench sampler "${SAMPLER[@]}" --looped-sizes "" \
       --policy "$POLICY" --no-hf --repeats 2 --min-time 0 --out "$DIR/sampler-$POLICY-$DEV.json"
   done
-  for POLICY in fp8 bf16; do
-    step "learner_$POLICY" 110 "${JAXRL[@]}" bench learner "${LEARNER[@]}" --policy "$POLICY" \
-      --no-tunix --methods dense --repeats 2 --min-time 0 --out "$DIR/learner-$POLICY-$DEV.json"
+  # The update under each backward rule (`fresh`: all three products FP8 GEMMs), then bf16.
+  for NAME in fp8 fp8-fresh bf16; do
+    POLICY=${NAME/-fresh/,bwd=fresh}
+    step "learner_$NAME" 100 "${JAXRL[@]}" bench learner "${LEARNER[@]}" --policy "$POLICY" \
+      --no-tunix --methods dense --repeats 2 --min-time 0 --out "$DIR/learner-$NAME-$DEV.json"
   done
 fi
 

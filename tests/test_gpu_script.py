@@ -32,7 +32,8 @@ SUITES = {
     "invariant": ("gpu-invariant", ["fixed-tile", "fixed-tile-model"]),
     "kernels": ("gpu-kernels", ["kernels-retired-fp32", "kernels-retired-logprob",
                                 "kernels-retired-memory"]),
-    "fp8": ("gpu-fp8", ["sampler-fp8", "sampler-bf16", "learner-fp8", "learner-bf16"]),
+    "fp8": ("gpu-fp8", ["sampler-fp8", "sampler-bf16", "learner-fp8", "learner-fp8-fresh",
+                        "learner-bf16"]),
 }
 
 
@@ -75,6 +76,7 @@ def test_the_gpu_script_runs_each_suite_on_cpu(tmp_path, suite):
         for policy in ("fp8", "bf16"):
             assert out[f"sampler-{policy}"]["policy"] == policy
             assert out[f"learner-{policy}"]["policy"] == str(Policy.parse(policy))
+        assert out["learner-fp8-fresh"]["policy"] == str(Policy.parse("fp8,bwd=fresh"))
         step = lambda p: out[f"sampler-{p}"]["dense"]["tiny-qwen3_batch_2"]
         assert step("fp8")["weight_bytes_per_step"] < step("bf16")["weight_bytes_per_step"] / 2
     elif suite == "kernels":  # every case ran against the reference and XLA's read-out
