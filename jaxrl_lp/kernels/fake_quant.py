@@ -56,8 +56,8 @@ from jaxrl_lp.numerics.policy import BACKWARD_MODES
 __all__ = ["FP8_GEMM_FORMATS", "fake_quant", "fp8_codes_product", "quantized_matmul"]
 
 _HIGHEST = jax.lax.Precision.HIGHEST
-# The formats whose forward product is an FP8 GEMM of the codes where lowered for cuda
-# (module docstring): one f32 scale per tensor (per token for the activations).
+# The formats whose products are FP8 GEMMs of the codes where lowered for cuda (module
+# docstring): one f32 scale per tensor (per token for the activations).
 FP8_GEMM_FORMATS: tuple[str, ...] = ("fp8", "fp8_e5m2")
 
 

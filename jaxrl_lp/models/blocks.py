@@ -124,9 +124,10 @@ def decode_weights(params: dict, policy: Policy) -> dict:
     for k in ("embed", "lm_head", "final_norm"):
         if k in params:
             out[k] = rnd(params[k])
-    head = params["lm_head"] if "lm_head" in params else params["embed"].T
+    head = params.get("lm_head", params["embed"])
     if fmt is not None and isinstance(head, jax.Array):
-        out["lm_head"] = rnd_weight(head)  # a tied head gets a quantized copy `[D, V]` of its own
+        # The head `[D, V]` quantized; a tied one (the embedding) gets a copy of its own.
+        out["lm_head"] = rnd_weight(head if "lm_head" in params else head.T)
     if "exit_gate" in params:
         out["exit_gate"] = {**params["exit_gate"], "kernel": rnd(params["exit_gate"]["kernel"])}
     return out
