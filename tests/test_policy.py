@@ -181,3 +181,16 @@ def test_cast_params_touches_floating_leaves_only():
     out = p.cast_params(tree)
     assert out["w"].dtype == jnp.bfloat16
     assert out["ids"].dtype == jnp.int32
+
+
+def test_a_list_of_policies_takes_presets_by_commas_and_any_policy_by_semicolons():
+    import argparse
+
+    from jaxrl_lp.numerics.policy import policy_list_arg
+
+    assert policy_list_arg("bf16,fp32") == (Policy.parse("bf16"), Policy.parse("fp32"))
+    fresh = Policy.parse("fp8,bwd=fresh")
+    assert fresh.backward == "fresh"
+    assert policy_list_arg("fp8;fp8,bwd=fresh") == (Policy.parse("fp8"), fresh)
+    with pytest.raises(argparse.ArgumentTypeError, match="separate policies of any form by ';'"):
+        policy_list_arg("fp8,bwd=fresh")  # by commas: "fp8" and "bwd=fresh" over the default

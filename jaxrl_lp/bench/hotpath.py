@@ -70,7 +70,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--presets", default="qwen3-0.6b,ouro-1.4b",
                         help="comma-separated model presets (default: %(default)s)")
     parser.add_argument("--policies", default="bf16,fp32", type=policy_list_arg,
-                        help="comma-separated precision policies (default: %(default)s)")
+                        help="comma-separated precision presets, or policies of any form "
+                             "separated by ';' (default: %(default)s)")
     parser.add_argument("--platform", default="cuda", choices=("cuda", "tpu", "cpu"),
                         help="the platform whose branches are read (default: %(default)s)")
     parser.add_argument("--rows", type=int, default=32, help="B (default: %(default)s)")

@@ -347,7 +347,17 @@ def policy_arg(text: str) -> Policy:
 
 
 def policy_list_arg(text: str) -> tuple[Policy, ...]:
-    """An argparse `type`: comma-separated preset names (`bf16,fp32`), each parsed."""
+    """An argparse `type`: comma-separated preset names (`bf16,fp32`), or policies of any
+    form separated by semicolons (`fp8;fp8,bwd=fresh`: a policy string holds commas), each
+    parsed. A comma-separated item that is no preset is refused: `fp8,bwd=fresh` would
+    otherwise read as two policies."""
+    if ";" in text:
+        return tuple(policy_arg(p) for p in text.split(";") if p)
+    for p in text.split(","):
+        if p and p not in PRESETS:
+            raise argparse.ArgumentTypeError(
+                f"{p!r} in {text!r} is no preset ({', '.join(sorted(PRESETS))}); separate "
+                "policies of any form by ';', e.g. 'fp8;fp8,bwd=fresh'")
     return tuple(policy_arg(p) for p in text.split(",") if p)
 
 
