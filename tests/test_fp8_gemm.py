@@ -123,6 +123,14 @@ def test_a_weight_quantized_already_is_taken_as_its_codes(backward):
     y_q, (dx_q, dwq) = jax.jit(vjp)(wq)
     assert (_bits(y_q) == _bits(y)).all() and (_bits(dx_q) == _bits(dx)).all()
     assert isinstance(dwq, QArray) and not any(np.asarray(a).any() for a in jax.tree.leaves(dwq))
+    # A served weight's codes are `Q` of its value: quantizing the rebuilt value gives back
+    # its codes and scale, across 9 decades of scale and both formats.
+    for fmt in FP8_GEMM_FORMATS:
+        for scale in 10.0 ** np.arange(-6, 4):
+            q = quantize(w * scale, fmt, 0, ())
+            again = quantize(_value(q, "auto"), fmt, 0, ())
+            assert (np.asarray(again.codes).view(np.uint8) == np.asarray(q.codes).view(np.uint8)).all()
+            assert (_bits(again.scales) == _bits(q.scales)).all()
     with pytest.raises(ValueError, match="its own format"):
         quantized_matmul(x, quantize(w, "mxfp8", 0, ()), "mxfp8")
     with pytest.raises(ValueError, match="its own format"):

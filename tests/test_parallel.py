@@ -83,36 +83,11 @@ def test_sampler_on_a_mesh_equals_one_device_and_replay_is_exact(mesh_spec, kind
     assert np.array_equal(np.asarray(replay)[mask], np.asarray(ro.logprobs)[mask])
 
 
-@pytest.mark.slow
-@pytest.mark.ci
-@pytest.mark.parametrize("kind", ["dense", "looped_deferred"])
-def test_an_fp8_decode_copy_on_a_mesh_gives_one_devices_tokens_and_an_exact_replay(kind):
-    """Under `fp8` the sampler quantizes its sharded weights once a call
-    (`blocks.decode_weights`: one scale a layer, across the shards) and reads the codes: on
-    `data=2,fsdp=2,tensor=2` one device's greedy tokens (log-probs within 1e-5), and its
-    replay on the mesh bit-equal to it."""
+def _mesh_matches_one_device(kind: str, policy: Policy, check_replay=None) -> None:
+    """The sampler under `policy` on `data=2,fsdp=2,tensor=2`: one device's greedy tokens
+    (log-probs within 1e-5), and its replay on the mesh bit-equal to it. `check_replay(fn,
+    sharded, rollout)` may read the replay's program first."""
     cfg, params, loop = model(kind)
-    policy = Policy.parse("fp8")
-    mesh = make_mesh("data=2,fsdp=2,tensor=2")
-    sharded = shard_params(params, cfg, mesh)
-    greedy = dict(sampling=SamplingConfig(greedy=True), max_new_tokens=N, num_samples=G,
-                  eos_id=3, loop=loop, policy=policy)
-    one = generate(params, cfg, PROMPTS, **greedy)
-    many = generate(sharded, cfg, PROMPTS, mesh=mesh, **greedy)
-    np.testing.assert_array_equal(np.asarray(many.completion_tokens),
-                                  np.asarray(one.completion_tokens))
-    np.testing.assert_allclose(np.asarray(many.logprobs), np.asarray(one.logprobs), atol=1e-5)
-    replay = jit_learner_logprobs(cfg, policy, "replay", mesh=mesh)(sharded, many)
-    mask = np.asarray(many.completion_mask) > 0
-    assert np.array_equal(np.asarray(replay)[mask], np.asarray(many.logprobs)[mask])
-
-
-def test_kernels_run_per_shard_on_a_mesh():
-    """Under a mesh every kernel runs in a `shard_map` on its device's rows (and heads): the
-    interpreted kernels' sampler on `data=2,fsdp=2,tensor=2` gives one device's greedy tokens
-    (log-probs within 1e-5), and its replay on the mesh is bit-equal to it."""
-    cfg, params, loop = model("dense")
-    policy = Policy.parse("fp32,k=interpret")
     mesh = make_mesh("data=2,fsdp=2,tensor=2")
     sharded = shard_params(params, cfg, mesh)
     greedy = dict(sampling=SamplingConfig(greedy=True), max_new_tokens=N, num_samples=G,
@@ -123,10 +98,31 @@ def test_kernels_run_per_shard_on_a_mesh():
                                   np.asarray(one.completion_tokens))
     np.testing.assert_allclose(np.asarray(many.logprobs), np.asarray(one.logprobs), atol=1e-5)
     replay_fn = jit_learner_logprobs(cfg, policy, "replay", mesh=mesh)
-    assert "shard_map" in str(replay_fn.trace(sharded, many).jaxpr)
+    if check_replay is not None:
+        check_replay(replay_fn, sharded, many)
     replay = replay_fn(sharded, many)
     mask = np.asarray(many.completion_mask) > 0
     assert np.array_equal(np.asarray(replay)[mask], np.asarray(many.logprobs)[mask])
+
+
+@pytest.mark.slow
+@pytest.mark.ci
+@pytest.mark.parametrize("kind", ["dense", "looped_deferred"])
+def test_an_fp8_decode_copy_on_a_mesh_gives_one_devices_tokens_and_an_exact_replay(kind):
+    """Under `fp8` the sampler quantizes its sharded weights once a call
+    (`blocks.decode_weights`: one scale a layer, across the shards) and reads the codes: on
+    a mesh one device's greedy tokens and an exact replay (`_mesh_matches_one_device`)."""
+    _mesh_matches_one_device(kind, Policy.parse("fp8"))
+
+
+def test_kernels_run_per_shard_on_a_mesh():
+    """Under a mesh every kernel runs in a `shard_map` on its device's rows (and heads): the
+    interpreted kernels' sampler on `data=2,fsdp=2,tensor=2` gives one device's greedy tokens
+    (log-probs within 1e-5), and its replay on the mesh is bit-equal to it."""
+    def in_shard_map(replay_fn, sharded, rollout):
+        assert "shard_map" in str(replay_fn.trace(sharded, rollout).jaxpr)
+
+    _mesh_matches_one_device("dense", Policy.parse("fp32,k=interpret"), in_shard_map)
 
 
 def _grpo_inputs(cfg, params, loop):
