@@ -27,8 +27,9 @@ Three parts (`--parts`), one JSON object:
 - `cost`: the small preset (8 rows, 16 + 112 tokens, f32): the sampler in the
   `transposed` layout (the default on CPU) against `invariant` in this CPU's form
   (`invariant.form_for`, recorded) and, where that form is weights-major, in the row
-  chunks, and one learner forward of a 2-row minibatch, `dense` (packed) against
-  `invariant` (packed) in the same forms, alternating, the fastest of `--repeats`.
+  chunks and, where it pads to half a column tile, in whole tiles, and one learner forward
+  of a 2-row minibatch, `dense` (packed) against `invariant` (packed) in the same forms,
+  alternating, the fastest of `--repeats`.
 """
 
 import argparse
@@ -59,7 +60,7 @@ def _differ(a, b) -> int:
 
 
 def _ops(quick: bool) -> dict:
-    from jaxrl_lp.numerics.invariant import column_tile
+    from jaxrl_lp.numerics.invariant import column_residues, column_tile, padded_rows
 
     rng = np.random.default_rng(0)
     out = {}
@@ -73,7 +74,7 @@ def _ops(quick: bool) -> dict:
     shapes = [(512, 1408)] if quick else [(512, 1408), (1408, 512), (512, 32000)]
     rows = [1, 2, 8, 16, 32, 33, 40, 64, 1024]
     tile = column_tile()
-    out["column_tile"] = tile
+    out["column_tile"], out["column_residues"] = tile, list(column_residues())
     for k, n in shapes:
         x = rng.standard_normal((1024, k)).astype(np.float32)
         w = (rng.standard_normal((k, n)) * 0.05).astype(np.float32)
@@ -93,11 +94,14 @@ def _ops(quick: bool) -> dict:
         counts = [*range(1, 18), 24, 25, 32, 40, 48, 64, 200, 256]
         out[f"W@x.T K={k} N={n}: row counts whose rows differ from 1024 rows'"] = [
             c for c in counts if _differ(cols(x[:c], wt), ref[:c])]
-        if tile is not None:  # the weights-major form: rows padded to whole column tiles
-            padded = lambda m, x=x, wt=wt: cols(np.pad(x[:m], ((0, -m % tile), (0, 0))), wt)[:m]
-            out[f"W@x.T K={k} N={n}, padded to the column tile ({tile}): row counts whose "
-                "rows differ from 1024 rows'"] = [c for c in counts
-                                                 if _differ(padded(c), ref[:c])]
+        for r in column_residues():  # the weights-major form: rows padded to the residue
+            whole = padded_rows(1000, tile, r)
+            ref = np.asarray(cols(x[:whole], wt))
+            padded = lambda m, x=x, wt=wt, r=r: cols(
+                np.pad(x[:m], ((0, padded_rows(m, tile, r) - m), (0, 0))), wt)[:m]
+            out[f"W@x.T K={k} N={n}, padded to {r} rows over whole column tiles ({tile}): "
+                f"row counts whose rows differ from {whole} rows'"] = [
+                    c for c in counts if _differ(padded(c), ref[:c])]
     reductions = {"sum": lambda s: jnp.sum(s, -1),
                   "log_softmax": lambda s: jax.nn.log_softmax(s, -1),
                   "rms": lambda s: s * jax.lax.rsqrt(jnp.mean(s * s, -1, keepdims=True) + 1e-6)}
@@ -266,7 +270,9 @@ def _cost(repeats: int, quick: bool) -> dict:
     # Each sampler: (decode layout, invariant form); the row chunks beside a weights-major form.
     samplers = {"transposed": ("transposed", None), "invariant": ("invariant", form)}
     if form.columns is not None:
-        samplers["invariant_row_chunks"] = ("invariant", form._replace(columns=None))
+        samplers["invariant_row_chunks"] = ("invariant", form._replace(columns=None, residue=0))
+    if form.residue:  # the same weights-major form padding to whole tiles
+        samplers["invariant_whole_tiles"] = ("invariant", form._replace(residue=0))
 
     def sample(name, i=0):
         layout, f = samplers[name]
@@ -297,11 +303,12 @@ def _cost(repeats: int, quick: bool) -> dict:
         out["sampler_invariant_s"] / out["sampler_transposed_s"], 3)
     out["forward_invariant_over_dense"] = round(
         out["forward_2_rows_invariant_s"] / out["forward_2_rows_dense_s"], 3)
-    if "sampler_invariant_row_chunks_s" in out:
-        out["sampler_row_chunks_over_transposed"] = round(
-            out["sampler_invariant_row_chunks_s"] / out["sampler_transposed_s"], 3)
-        out["forward_row_chunks_over_dense"] = round(
-            out["forward_2_rows_invariant_row_chunks_s"] / out["forward_2_rows_dense_s"], 3)
+    for other in ("row_chunks", "whole_tiles"):
+        if f"sampler_invariant_{other}_s" in out:
+            out[f"sampler_{other}_over_transposed"] = round(
+                out[f"sampler_invariant_{other}_s"] / out["sampler_transposed_s"], 3)
+            out[f"forward_{other}_over_dense"] = round(
+                out[f"forward_2_rows_invariant_{other}_s"] / out["forward_2_rows_dense_s"], 3)
     out.update(preset="tiny-qwen3" if quick else "small-qwen3", rows=8, prompt_len=16,
                new_tokens=new, repeats=repeats, form=form._asdict())
     return out

@@ -95,10 +95,12 @@ def test_batch_invariance_ops_hold_the_invariant_forms_on_this_cpu():
     norm = res["norm of h + a product (hidden 32), one row vs 32: values differing"]
     assert norm["fixed tree (invariant.total)"] == 0, norm
     assert res["a*b + c*d: values differing from the separately rounded sum (FMA contraction)"] > 0
-    tile = res["column_tile"]  # the weights-major form: rows padded to whole column tiles
-    if tile is not None:
-        assert res[f"W@x.T K=512 N=1408, padded to the column tile ({tile}): row counts whose "
-                   "rows differ from 1024 rows'"] == [], res
+    tile = res["column_tile"]  # the weights-major form: rows padded to each residue
+    assert (tile is None) == (res["column_residues"] == []), res
+    for r in res["column_residues"]:
+        whole = 1008 if r == 0 else 1000 + (r - 1000) % tile
+        assert res[f"W@x.T K=512 N=1408, padded to {r} rows over whole column tiles ({tile}): "
+                   f"row counts whose rows differ from {whole} rows'"] == [], res
 
 
 @pytest.mark.slow

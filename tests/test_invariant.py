@@ -26,9 +26,15 @@ from jaxrl_lp.models.model import init_params
 from jaxrl_lp.numerics.invariant import (
     COLUMN_TILES,
     COMPILER_OPTIONS,
+    MAX_COLUMN_TILE,
     InvariantForm,
+    column_residues,
     column_tile,
     form_for,
+    form_holds,
+    invariant_forms,
+    opaque_zero,
+    padded_rows,
     row_chunk,
     unsupported,
 )
@@ -293,7 +299,8 @@ def test_the_weight_products_back_to_the_plain_form_break_the_equality(monkeypat
     attention's is planted in the test below, at a cache where it matters). In the
     weights-major form (this CPU's where its column tile is small), the learner's products
     not padded to whole tiles (a row summed by the kernel of a narrow last tile) break it
-    too."""
+    too, and where the sampler padded its 8 rows to half a tile (`InvariantForm.residue`),
+    the learner's padded to whole tiles do."""
     import jaxrl_lp.models.layers as layers
     import jaxrl_lp.numerics.invariant as inv
 
@@ -317,8 +324,11 @@ def test_the_weight_products_back_to_the_plain_form_break_the_equality(monkeypat
         "the products reverted to the plain form, yet every log-prob is the sampler's"
     if ro.invariant_form.columns is not None:
         columns_product = inv.columns_product
-        assert differing(columns_product=lambda x, w, columns: columns_product(x, w, 1)) > 0, \
-            "the columns unpadded, yet every log-prob is the sampler's"
+        assert differing(columns_product=lambda x, w, columns, residue: columns_product(
+            x, w, 1)) > 0, "the columns unpadded, yet every log-prob is the sampler's"
+    if ro.invariant_form.residue:  # sampled padding 8 rows to half a tile, read in whole tiles
+        assert differing(columns_product=lambda x, w, columns, residue: columns_product(
+            x, w, columns)) > 0, "the residue dropped, yet every log-prob is the sampler's"
 
 
 def _tile_places_hold() -> bool:
@@ -561,3 +571,28 @@ def test_jaxrl_lp_config_prints_auto_resolved(extra, method, capsys):
     want = ({"replaying": 0, "recorded": 1, "dense": minibatches - 1} if method == "invariant"
             else {"replaying": minibatches - 1, "recorded": 1})
     assert {k: counts[k] for k in want} == want, counts
+
+
+def test_the_weights_major_form_pads_a_decodes_rows_least():
+    """`form_for` takes the residue of `column_residues` that pads the decode's rows least
+    (8 rows to 8 where half a tile holds, 32 to 32), the probe's residues are the only ones a
+    rollout may carry, and a form with a residue but no columns is refused in one line."""
+    tile = column_tile()
+    if tile is None or tile > MAX_COLUMN_TILE:
+        pytest.skip(f"no column tile of at most {MAX_COLUMN_TILE} holds on this CPU")
+    residues = column_residues()
+    assert residues[0] == 0 and set(residues) <= {0, tile // 2}, residues
+    for rows in (1, 2, 8, 12, tile, 24, 32, 34):
+        form = form_for(rows)
+        assert form.residue in residues
+        assert padded_rows(rows, tile, form.residue) == min(
+            padded_rows(rows, tile, r) for r in residues), (rows, form)
+    if tile // 2 in residues:
+        assert form_for(8).residue == tile // 2 and form_for(2 * tile).residue == 0
+    assert [padded_rows(m, 16, 8) for m in (1, 8, 9, 256)] == [8, 8, 24, 264]
+    assert [padded_rows(m, 16, 0) for m in (1, 16, 17)] == [16, 16, 32]
+    odd = form_for(8)._replace(residue=tile // 2 - 1)
+    assert "pads its weight products to" in form_holds(odd)
+    with pytest.raises(ValueError, match="a residue is a count of rows under one column tile"):
+        with invariant_forms(opaque_zero(0), InvariantForm(row_chunk(), None, residue=8)):
+            pass

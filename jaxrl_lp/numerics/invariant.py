@@ -23,12 +23,14 @@ The invariant forms fix each of these:
   `numerics.invariant_probe`, `row_chunk` and `column_tile`):
   - weights-major (`columns`): each weight read `[out, in]` (the `transposed`
     layout's copy) as the product's row operand, `w @ x.T`, all the rows at
-    once. The kernel sums a column (a row of `x`) by the width of the tile of
-    columns it lands in, so the rows are padded with zeros to a multiple of the
-    CPU's column tile (`column_tile`, found by a probe; docs/design/invariant.md
-    names it by CPU); then a row's bits do not depend on the rows beside it,
-    their number or its place. A decode of fewer rows than a tile computes a
-    whole tile, the learner's B x T rows the next multiple of it: one whole
+    once. The kernel sums a column (a row of `x`) by the count of columns
+    over whole tiles of the CPU's column tile (`column_tile`, found by a probe;
+    docs/design/invariant.md names it by CPU), so the rows are padded with zeros
+    to whole tiles and the form's `residue` rows more (`column_residues`: 0, or
+    half a tile where that holds too); then a row's bits do not depend on the
+    rows beside it, their number or its place. A decode of 8 rows computes 8
+    columns where half a tile of 16 holds (a whole tile where the residue is 0),
+    the learner's B x T rows the next count with that residue: one whole
     product each. Taken where the tile is at most `MAX_COLUMN_TILE`;
   - row chunks (`columns` None): every product runs over chunks of 2 to
     `chunk` rows (`row_chunk`, found by a probe), in which a row's bits do not
@@ -74,17 +76,20 @@ from jaxrl_lp.numerics.invariant_probe import (
     COLUMN_TILES,
     COMPILER_OPTIONS,
     ROW_CHUNKS,
+    column_residues,
     column_tile,
     columns_product,
+    padded_rows,
     row_chunk,
 )
 from jaxrl_lp.numerics.policy import Policy
 from jaxrl_lp.numerics.products import precision_for, product
 
 __all__ = ["COLUMN_TILES", "COMPILER_OPTIONS", "FIXED_TILES", "MAX_COLUMN_TILE", "ROW_CHUNKS",
-           "InvariantForm", "active", "apart", "attention_scores", "attention_values", "column_tile",
-           "form_for", "form_holds", "invariant_dot", "invariant_forms", "opaque_zero", "row_chunk", "rsqrt",
-           "total", "unsupported", "weights_major_product", "weights_product"]
+           "InvariantForm", "active", "apart", "attention_scores", "attention_values",
+           "column_residues", "column_tile", "form_for", "form_holds", "invariant_dot",
+           "invariant_forms", "opaque_zero", "padded_rows", "row_chunk", "rsqrt", "total",
+           "unsupported", "weights_major_product", "weights_product"]
 
 # The largest column tile the decode takes the weights-major form at: a decode of B rows pads
 # them to a multiple of the tile, which a small tile hides behind the weight read and a large
@@ -102,16 +107,20 @@ class InvariantForm(NamedTuple):
       is None, run over chunks of 2 to `chunk` rows, each a product of its own.
     columns: the weight products read each weight `[out, in]` (the `transposed` layout's
       copy) as the product's row operand, `w @ x.T`, over all the rows at once, padded with
-      zero rows to a multiple of `columns`, this CPU's column tile (`column_tile`). None: the
-      weights read as stored, `[in, out]`, their products in row chunks.
+      zero rows to whole tiles of `columns`, this CPU's column tile (`column_tile`), and
+      `residue` rows more. None: the weights read as stored, `[in, out]`, their products in
+      row chunks.
     tiles: every product (the weights' and the attention's) is `kernels.fixed_tile`'s, whose
       tiles fix a row's bits by construction: `compiled` (Mosaic GPU on a GPU, Mosaic TPU on
       a TPU), `interpret-gpu` / `interpret-tpu` (that version in Pallas's interpreter, any
       host). `chunk` and `columns` are then unused. None: XLA's products, as above.
+    residue: with `columns`, the rows over whole tiles every weight product is padded to, one
+      of `column_residues` (0: whole tiles; half a tile, where the decode's rows fill it).
     """
     chunk: int
     columns: int | None = None
     tiles: str | None = None
+    residue: int = 0
 
 
 class _State(NamedTuple):
@@ -139,6 +148,10 @@ def invariant_forms(zero: jax.Array, form: InvariantForm | None) -> Iterator[Non
     if form is not None and form.tiles is not None and form.tiles not in FIXED_TILES:
         raise ValueError(f"invariant_forms: tiles is one of {list(FIXED_TILES)} or None, not "
                          f"{form.tiles!r}")
+    if form is not None and form.residue and not (
+            form.columns is not None and 0 < form.residue < form.columns):
+        raise ValueError(f"invariant_forms: {form}: a residue is a count of rows under one "
+                         "column tile, for a form with columns")
     token = _ACTIVE.set(None if form is None else _State(zero, form))
     try:
         yield
@@ -192,14 +205,18 @@ def form_for(rows: int) -> InvariantForm | None:
 
     The weight products take the weights-major form where this CPU's column tile is at most
     `MAX_COLUMN_TILE` (`column_tile`), the row chunks elsewhere; the attention's products run
-    in row chunks in both.
+    in row chunks in both. The weights-major form pads the products' rows to the residue of
+    `column_residues` that pads the decode's `rows` least (8 rows to 8, not 16, where half a
+    tile holds), the smaller residue where two pad alike.
     """
-    del rows  # every row count runs in this CPU's form
     chunk = row_chunk()
     if chunk is None:
         return None
     tile = column_tile()
-    return InvariantForm(chunk, tile if tile is not None and tile <= MAX_COLUMN_TILE else None)
+    if tile is None or tile > MAX_COLUMN_TILE:
+        return InvariantForm(chunk)
+    residue = min(column_residues(), key=lambda r: (padded_rows(rows, tile, r), r))
+    return InvariantForm(chunk, tile, residue=residue)
 
 
 def form_holds(form: InvariantForm) -> str | None:
@@ -222,6 +239,9 @@ def form_holds(form: InvariantForm) -> str | None:
         return (f"the form sums its weight products in column tiles of {form.columns}; this "
                 + ("CPU's weights-major products hold in no tile of "
                    f"{COLUMN_TILES}" if tile is None else f"CPU's hold in tiles of {tile}"))
+    if form.columns is not None and form.residue not in column_residues():
+        return (f"the form pads its weight products to {form.residue} rows over whole column "
+                f"tiles; this CPU's hold at {', '.join(map(str, column_residues()))}")
     return None
 
 
@@ -329,7 +349,7 @@ def weights_major_product(x_MxK: jax.Array, w_NxK: jax.Array) -> jax.Array:
         raise ValueError("invariant forms: a weight read [out, in] is for a form with columns; "
                          "this form reads the weights as stored")
     with jax.named_scope("invariant_columns"):
-        return columns_product(x_MxK, w_NxK, columns)
+        return columns_product(x_MxK, w_NxK, columns, _form().residue)
 
 
 def _fixed_tiles(form: InvariantForm, x_xMxK: jax.Array, w_xKxN: jax.Array) -> jax.Array:
@@ -348,7 +368,7 @@ def weights_product(x_MxK: jax.Array, w_KxN: jax.Array) -> jax.Array:
             return _fixed_tiles(form, x_MxK, w_KxN)
     if form.columns is not None:
         with jax.named_scope("invariant_columns"):
-            return columns_product(x_MxK, w_KxN.T, form.columns)
+            return columns_product(x_MxK, w_KxN.T, form.columns, form.residue)
     dot = lambda x: jax.lax.dot_general(x, w_KxN, (((1,), (0,)), ((), ())),
                                         precision=precision_for(x_MxK, w_KxN),
                                         preferred_element_type=jnp.float32)

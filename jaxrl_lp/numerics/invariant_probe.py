@@ -19,8 +19,8 @@ import numpy as np
 
 from jaxrl_lp.numerics.products import precision_for
 
-__all__ = ["COLUMN_TILES", "COMPILER_OPTIONS", "ROW_CHUNKS", "column_tile", "columns_product",
-           "row_chunk"]
+__all__ = ["COLUMN_TILES", "COMPILER_OPTIONS", "ROW_CHUNKS", "column_residues", "column_tile",
+           "columns_product", "padded_rows", "row_chunk"]
 
 # YNNPACK fusions for dots only: reductions and elementwise ops are XLA's own loops, whose
 # bits per row do not depend on the row count (with YNNPACK's reductions and `exp` they do).
@@ -82,16 +82,24 @@ def row_chunk() -> int | None:
     return None
 
 
-def columns_product(x_MxK: jax.Array, w_NxK: jax.Array, columns: int) -> jax.Array:
+def padded_rows(m: int, columns: int, residue: int = 0) -> int:
+    """The fewest rows, at least `m`, whose count leaves `residue` over whole tiles of
+    `columns` (at least `columns` rows where `residue` is 0)."""
+    return m + (residue - m) % columns if m > residue else residue or columns
+
+
+def columns_product(x_MxK: jax.Array, w_NxK: jax.Array, columns: int,
+                    residue: int = 0) -> jax.Array:
     """`x @ w_NxK.T` in f32, `[M, N]`, computed as `w_NxK @ x.T` over all the rows at once, the
-    rows padded with zeros to a multiple of `columns`.
+    rows padded with zeros to a count that leaves `residue` over whole tiles of `columns`
+    (`padded_rows`).
 
     The barriers keep the product `[N, M]` in memory as computed and the weight's copy as
     given: without them XLA lays the product out as the transpose wants it, or folds a
     transposed copy back into the stored weight's read, and sums otherwise.
     """
     m = x_MxK.shape[0]
-    x = jnp.pad(x_MxK, ((0, -m % columns), (0, 0)))
+    x = jnp.pad(x_MxK, ((0, padded_rows(m, columns, residue) - m), (0, 0)))
     w = jax.lax.optimization_barrier(w_NxK)
     y = jax.lax.dot_general(w, x, (((1,), (1,)), ((), ())), precision=precision_for(x, w),
                             preferred_element_type=jnp.float32)
@@ -109,6 +117,31 @@ def _columns_cases(rng) -> list[tuple[np.ndarray, np.ndarray]]:
     return cases
 
 
+def _columns_hold(tile: int, residue: int) -> bool:
+    """Whether weights-major products of rows padded to `residue` over whole tiles of `tile`
+    (`columns_product`) give every row the bits it has in the product of its own group of
+    `residue` rows (of `tile` rows where `residue` is 0), whatever the other rows of the group
+    (zeros included), the number of tiles or the row's group (`_columns_cases`' products)."""
+    bits = lambda y: np.asarray(y, np.float32).view(np.uint32)
+    unit = residue or tile
+    with jax.ensure_compile_time_eval():
+        product = jax.jit(columns_product, static_argnums=(2, 3),
+                          compiler_options=COMPILER_OPTIONS)
+
+        def holds(x, w):  # lazily, so a tile that fails stops compiling early
+            many = x[:64 * tile + residue]
+            full = bits(product(many, w, tile, residue))
+            pairs = itertools.chain(
+                ((many[i * unit:(i + 1) * unit], full[i * unit:(i + 1) * unit])
+                 for i in range(3)),                                          # a group alone
+                ((many[:m], full[:m]) for m in (1, 2, unit - 1)),             # padded
+                [(np.roll(many, 5, 0), np.roll(full, 5, 0))])                 # rolled
+            return all((bits(product(rows, w, tile, residue)) == want).all()
+                       for rows, want in pairs)
+
+        return all(holds(x, w) for x, w in _columns_cases(np.random.default_rng(1)))
+
+
 @functools.cache
 def column_tile() -> int | None:
     """The smallest tile of `COLUMN_TILES` at which a weights-major product (`w @ x.T`,
@@ -120,20 +153,22 @@ def column_tile() -> int | None:
     product's rows are padded to a multiple of the tile. Probed once a process, as
     `row_chunk` is.
     """
-    bits = lambda y: np.asarray(y, np.float32).view(np.uint32)
-    with jax.ensure_compile_time_eval():
-        product = jax.jit(columns_product, static_argnums=2, compiler_options=COMPILER_OPTIONS)
-        cases = _columns_cases(np.random.default_rng(1))
-        for tile in COLUMN_TILES:
-            def holds(x, w, tile=tile):  # lazily, so a tile that fails stops compiling early
-                many = x[:64 * tile]
-                full = bits(product(many, w, tile))
-                pairs = itertools.chain(
-                    ((many[i * tile:(i + 1) * tile], full[i * tile:(i + 1) * tile])
-                     for i in range(3)),                                      # a tile alone
-                    ((many[:m], full[:m]) for m in (1, 2, tile - 1)),         # padded
-                    [(np.roll(many, 5, 0), np.roll(full, 5, 0))])             # rolled
-                return all((bits(product(rows, w, tile)) == want).all() for rows, want in pairs)
-            if all(holds(x, w) for x, w in cases):
-                return tile
-    return None
+    return next((tile for tile in COLUMN_TILES if _columns_hold(tile, 0)), None)
+
+
+@functools.cache
+def column_residues() -> tuple[int, ...]:
+    """The counts of rows over whole column tiles (`column_tile`) to which a weights-major
+    product's rows may be padded, every row then keeping the bits it has in the product of its
+    own group of that many rows: 0 (whole tiles) and half a tile where that holds too; () where
+    no tile holds.
+
+    The kernel sums every column of a product by the count of its columns: on a 2-core Zen 3
+    (tile 16) products of 16k + 1 to 16k + 8 rows sum each row as a product of 8 rows does,
+    16k + 9 to 16k + 16 as one of 16 (docs/design/invariant.md). A decode of 8 rows then
+    computes 8 columns, not 16. Probed once a process.
+    """
+    tile = column_tile()
+    if tile is None:
+        return ()
+    return (0,) + ((tile // 2,) if _columns_hold(tile, tile // 2) else ())
