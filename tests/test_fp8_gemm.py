@@ -19,6 +19,7 @@ import pytest
 from jaxrl_lp.bench.decode import report
 from jaxrl_lp.kernels.fake_quant import (
     FP8_GEMM_FORMATS,
+    QUANTIZED_WEIGHT_FORMATS,
     _dot,
     _value,
     fp8_codes_product,
@@ -108,23 +109,41 @@ def test_the_products_are_fp8_gemms_lowered_for_cuda_only(fmt, backward):
 
 
 @pytest.mark.parametrize("backward", ["reuse", "fresh"])
-def test_a_weight_quantized_already_is_taken_as_its_codes(backward):
-    """`quantized_matmul(x, Q(w))` is `quantized_matmul(x, w)`: the same value and input
-    gradient bit for bit; the quantized weight gets a zero gradient."""
+@pytest.mark.parametrize("fmt", QUANTIZED_WEIGHT_FORMATS)
+def test_a_weight_quantized_already_is_taken_as_its_codes(fmt, backward):
+    """`quantized_matmul(x, Q(w))` is `quantized_matmul(x, w)` in value bit for bit,
+    per-tensor FP8 and MX formats, and its input gradient is that of `Q(w)`'s value as a
+    plain weight: `w`'s too except under `fresh` in a block format (which quantizes the
+    weight along N). The quantized weight's codes get a zero gradient. A layer of a stacked
+    `[L, K, N]` QArray (its block axis the stack's) too."""
     x, w = _operands()
     g = jnp.ones((3, 5, 96), jnp.float32)
 
     def vjp(w_or_q):
-        y, pull = jax.vjp(lambda x, w: quantized_matmul(x, w, "fp8", backward, (0, 1)), x, w_or_q)
+        y, pull = jax.vjp(lambda x, w: quantized_matmul(x, w, fmt, backward, (0, 1)), x, w_or_q)
         return y, pull(g)
 
     y, (dx, _) = jax.jit(vjp)(w)
-    wq = quantize(w, "fp8", 0, ())
-    y_q, (dx_q, dwq) = jax.jit(vjp)(wq)
-    assert (_bits(y_q) == _bits(y)).all() and (_bits(dx_q) == _bits(dx)).all()
-    assert isinstance(dwq, QArray) and not any(np.asarray(a).any() for a in jax.tree.leaves(dwq))
-    # A served weight's codes are `Q` of its value: quantizing the rebuilt value gives back
-    # its codes and scale, across 9 decades of scale and both formats.
+    stacked = quantize(jnp.stack([w * 3.0, w]), fmt, 1, (0,))
+    for wq in (quantize(w, fmt, 0, ()), jax.tree.map(lambda a: a[1], stacked)):
+        y_q, (dx_q, dwq) = jax.jit(vjp)(wq)
+        value = _value(dataclasses.replace(wq, axis=0), "auto")  # a layer's blocks: axis 0
+        y_v, (dx_v, _) = jax.jit(vjp)(value)  # its value as a plain weight
+        assert (_bits(y_q) == _bits(y)).all() and (_bits(y_v) == _bits(y)).all()
+        assert (_bits(dx_q) == _bits(dx_v)).all()
+        # `fresh` quantizes the weight along N for dx: a block format's `Q(w)` there is not
+        # `w` (per-tensor, the axis does not matter).
+        assert (_bits(dx_q) == _bits(dx)).all() == (fmt in FP8_GEMM_FORMATS or backward == "reuse")
+        # Zeros for the codes (E8M0 block scales have no zero: theirs is zeros_like's).
+        assert isinstance(dwq, QArray) and not np.asarray(dwq.codes, np.float32).any()
+
+
+def test_a_served_fp8_weight_is_its_own_q_and_misfits_are_refused():
+    """A served FP8 weight's codes are `Q` of its value: quantizing the rebuilt value gives
+    back its codes and scale, across 10 decades of scale and both formats. A weight in a
+    format not taken as quantized, another format than the product's, or blocked along N is
+    refused in one line."""
+    x, w = _operands()
     for fmt in FP8_GEMM_FORMATS:
         for scale in 10.0 ** np.arange(-6, 4):
             q = quantize(w * scale, fmt, 0, ())
@@ -132,9 +151,40 @@ def test_a_weight_quantized_already_is_taken_as_its_codes(backward):
             assert (np.asarray(again.codes).view(np.uint8) == np.asarray(q.codes).view(np.uint8)).all()
             assert (_bits(again.scales) == _bits(q.scales)).all()
     with pytest.raises(ValueError, match="its own format"):
-        quantized_matmul(x, quantize(w, "mxfp8", 0, ()), "mxfp8")
+        quantized_matmul(x, quantize(w, "nvfp4", 0, ()), "nvfp4")
     with pytest.raises(ValueError, match="its own format"):
-        quantized_matmul(x, wq, "fp8_e5m2")
+        quantized_matmul(x, quantize(w, "fp8", 0, ()), "fp8_e5m2")
+    with pytest.raises(ValueError, match=r"block scales \[8, 96\], not \[256, 3\]"):
+        quantized_matmul(x, quantize(w, "mxfp8", 1, ()), "mxfp8")  # blocks along N
+
+
+def _requantized_values_differ(fmt: str, trials: int = 40) -> int:
+    """Of `trials` random tensors (normal, heavy-tailed, cubed uniform, powers of two near
+    the formats' edges; scales over 10 decades), how many quantize to a value whose value
+    quantizes to another one: `Q(dequantize(Q(w))) != Q(w)` in value."""
+    rng = np.random.default_rng(0)
+    differ = 0
+    for t in range(trials):
+        scale, shape = 10.0 ** rng.uniform(-6, 4), (256, 96)
+        w = [rng.standard_normal(shape), rng.standard_t(2, shape), rng.uniform(-1, 1, shape) ** 3,
+             np.sign(rng.standard_normal(shape)) * 2.0 ** rng.integers(-3, 3, shape)
+             * rng.choice([1, 0.999, 1.001, 1.75, 1.875, 1.99], shape)][t % 4]
+        q = quantize(jnp.asarray(w * scale, jnp.float32), fmt, 0, ())
+        again = quantize(_value(q, "auto"), fmt, 0, ())
+        differ += bool((_bits(_value(again, "auto")) != _bits(_value(q, "auto"))).any())
+    return differ
+
+
+def test_the_formats_taken_as_quantized_are_those_whose_values_quantize_to_themselves():
+    """`QUANTIZED_WEIGHT_FORMATS` takes a `QArray` as `Q(w)` whoever made it (the decode's
+    copy, a served weight, a LoRA base): in those formats `Q` of a quantized value is that
+    value (none of 40 tensors moved); NVFP4, ternary and binary move some, so theirs are
+    dequantized and quantized again (the reason they are left out)."""
+    from jaxrl_lp.numerics.formats import FORMATS
+
+    for fmt in FORMATS:
+        differ = _requantized_values_differ(fmt)
+        assert (differ == 0) == (fmt in QUANTIZED_WEIGHT_FORMATS), (fmt, differ)
 
 
 @pytest.mark.parametrize("tied", [False, True])
@@ -165,6 +215,53 @@ def test_the_decode_copy_quantizes_each_layer_once_with_the_same_bits(tied, monk
     assert (_bits(logits(unstack_layers(params, policy=FP8))) != want).any()
 
 
+@pytest.mark.parametrize("fmt", ["mxfp8", "mxfp4"])
+def test_an_mx_decode_copy_gives_the_masters_bits_and_its_loop_quantizes_no_weight(
+        fmt, monkeypatch):
+    """Under an MX policy the decode copy holds each layer's matmul weights and the (tied)
+    head as `QArray`s blocked along their contraction axis, a forward reading it gives the
+    master's logits bit for bit, and the sampler's program quantizes activations only (every
+    weight once, before it, in the copy). The plant: the copy left unquantized, the sampler
+    quantizes every weight again inside its program."""
+    import jaxrl_lp.kernels.fake_quant as fake_quant
+    from jaxrl_lp.rollout import SamplingConfig, generate
+
+    policy = Policy.parse(fmt)
+    cfg = dataclasses.replace(get_preset("tiny-qwen3"), tie_embeddings=True)
+    params = init_params(cfg, jax.random.PRNGKey(1))
+    copy = unstack_layers(params, policy=policy)
+    for k in MATMUL_WEIGHTS:
+        q = copy["layers"][0][k]
+        assert isinstance(q, QArray) and q.format == fmt and q.axis == 0
+        assert q.scales.shape == (q.shape[0] // 32, q.shape[1])
+    assert isinstance(copy["lm_head"], QArray)
+    assert copy["lm_head"].shape == (cfg.hidden_size, cfg.vocab_size)
+    tokens = jnp.asarray(np.random.default_rng(0).integers(1, cfg.vocab_size, (2, 7)), jnp.int32)
+    positions = jnp.broadcast_to(jnp.arange(7, dtype=jnp.int32), (2, 7))
+    logits = lambda p: jax.jit(lambda p: forward(p, cfg, policy, tokens, positions)[0])(p)
+    assert (_bits(logits(copy)) == _bits(logits(params))).all()
+
+    def weights_quantized_in_the_sampler(rows):  # traced anew: a row count of its own
+        shapes, real = [], fake_quant.quantize
+        weight_shapes = {tuple(x.shape[-2:]) for x in jax.tree.leaves(params) if x.ndim >= 2}
+
+        def counting(x, fmt, axis=0, batch_axes=(), **kw):
+            if x.ndim == 2 and axis % 2 == 0 and tuple(x.shape) in weight_shapes:
+                shapes.append(tuple(x.shape))
+            return real(x, fmt, axis, batch_axes, **kw)
+
+        with monkeypatch.context() as m:
+            m.setattr(fake_quant, "quantize", counting)
+            generate(params, cfg, [[3, 4, 5]] * rows, policy=policy, max_new_tokens=3,
+                     sampling=SamplingConfig(temperature=1.0), eos_id=None,
+                     key=jax.random.PRNGKey(0))
+        return shapes
+
+    assert weights_quantized_in_the_sampler(3) == []
+    monkeypatch.setattr(sys.modules[_BLOCKS], "QUANTIZED_WEIGHT_FORMATS", ())
+    assert len(weights_quantized_in_the_sampler(5)) >= len(MATMUL_WEIGHTS)
+
+
 SPEC = {"preset": "tiny-qwen3", "policy": FP8, "layers": None, "rows": 2, "prompt_len": 8,
         "new_tokens": 4}
 
@@ -177,7 +274,7 @@ def test_the_fp8_decode_loop_reads_codes_and_converts_no_weight(monkeypatch):
     low = got["lowered"]
     assert got["ok"] and low["weight_ops"] == (), got["problems"]
     assert "f8e4m3fn" in low["weight_bytes"]
-    monkeypatch.setattr(sys.modules[_BLOCKS], "FP8_GEMM_FORMATS", ())
+    monkeypatch.setattr(sys.modules[_BLOCKS], "QUANTIZED_WEIGHT_FORMATS", ())
     got = report({**SPEC, "rows": 5})
     low = got["lowered"]
     assert not got["ok"] and "f8e4m3fn" not in low["weight_bytes"]

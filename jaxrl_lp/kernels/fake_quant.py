@@ -42,6 +42,7 @@ reference. The two are bit-equal, so values and gradients do not depend on it;
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Sequence
 
@@ -53,12 +54,22 @@ from jaxrl_lp.kernels.quantize import dequantize, kernels_mode, quantize
 from jaxrl_lp.numerics.formats import FORMATS, QArray
 from jaxrl_lp.numerics.policy import BACKWARD_MODES
 
-__all__ = ["FP8_GEMM_FORMATS", "fake_quant", "fp8_codes_product", "quantized_matmul"]
+__all__ = ["FP8_GEMM_FORMATS", "QUANTIZED_WEIGHT_FORMATS", "fake_quant", "fp8_codes_product",
+           "quantized_matmul"]
 
 _HIGHEST = jax.lax.Precision.HIGHEST
 # The formats whose products are FP8 GEMMs of the codes where lowered for cuda (module
 # docstring): one f32 scale per tensor (per token for the activations).
 FP8_GEMM_FORMATS: tuple[str, ...] = ("fp8", "fp8_e5m2")
+# The formats whose `QArray` a product takes as `Q(w)` as it is (`quantized_matmul`,
+# `models.layers.dot`; the decode's copy, `models.blocks.decode_weights`, quantizes in them
+# once): those whose quantizer gives a quantized value back unchanged (`Q(dequantize(Q(w)))`
+# has `Q(w)`'s value), so a weight quantized already is the same operand whether it is the
+# decode's copy, a served weight or a LoRA base. The MX formats hold it by construction (a
+# rebuilt block's largest value has the block's exponent: its scale is the same); NVFP4's
+# block scale, `amax / 6` rounded to E4M3, may round otherwise for a rebuilt block, and the
+# mean-abs scales of `ternary` and `binary` move (tests/test_fp8_gemm.py counts both).
+QUANTIZED_WEIGHT_FORMATS: tuple[str, ...] = (*FP8_GEMM_FORMATS, "mxfp8", "mxfp4")
 
 
 def fake_quant(
@@ -119,9 +130,11 @@ def quantized_matmul(
     Args:
       x_xK: activations `[..., K]` (any leading axes; `x` in the text).
       w_KxN: weight `[K, N]` (one tensor; scan or vmap over stacked layers), or that
-        weight quantized already (a `QArray` of `fmt`, one of `FP8_GEMM_FORMATS`: the
-        decode's copy, `models.blocks.decode_weights`), taken as `Q(w)`: `Q` of its value
-        is the same codes and scale. It gets no gradient (zeros).
+        weight quantized already along K (a `QArray` of `fmt`, one of
+        `QUANTIZED_WEIGHT_FORMATS`: the decode's copy, `models.blocks.decode_weights`), taken
+        as `Q(w)`: `Q` of its value is the same value. It gets no gradient (zeros). Under
+        `fresh` the input gradient quantizes its value along N, as that of a plain weight
+        holding it (a block format's differs there from the master `w`'s).
       fmt: a key of `FORMATS`, or None for a plain f32 matmul.
       backward: `reuse` or `fresh`.
       batch_axes: leading axes of `x` whose indices are independent tensors for
@@ -145,10 +158,8 @@ def quantized_matmul(
         raise ValueError(f"backward {backward!r} is not one of {list(BACKWARD_MODES)}")
     if fmt is not None and fmt not in FORMATS:
         raise ValueError(f"unknown number format {fmt!r}; allowed: None or {list(FORMATS)}")
-    if isinstance(w_KxN, QArray) and (w_KxN.format != fmt or fmt not in FP8_GEMM_FORMATS):
-        raise ValueError(f"quantized_matmul: a quantized weight is taken as Q(w) in its own "
-                         f"format, one of {FP8_GEMM_FORMATS}: got a {w_KxN.format} weight for "
-                         f"fmt {fmt!r}; pass its value (dequantize) instead")
+    if isinstance(w_KxN, QArray):
+        w_KxN = _as_q_of_weight(w_KxN, fmt)
     if len(w_KxN.shape) != 2 or x_xK.ndim < 1 or x_xK.shape[-1] != w_KxN.shape[0]:
         raise ValueError(
             f"quantized_matmul: x must be [..., K] and w [K, N]; got x {x_xK.shape}, "
@@ -172,6 +183,23 @@ def quantized_matmul(
         None if isinstance(w_KxN, QArray) else np.dtype(w_KxN.dtype),  # None: no gradient
         kernels_mode(kernels),
     )
+
+
+def _as_q_of_weight(wq: QArray, fmt: str | None) -> QArray:
+    """`wq`, a weight `[K, N]` quantized already, checked to be `Q(w)` in `fmt` along K, its
+    block axis 0 (a layer sliced off a stacked `[L, K, N]` keeps the stack's axis)."""
+    if wq.format != fmt or fmt not in QUANTIZED_WEIGHT_FORMATS:
+        raise ValueError(f"quantized_matmul: a quantized weight is taken as Q(w) in its own "
+                         f"format, one of {QUANTIZED_WEIGHT_FORMATS}: got a {wq.format} weight "
+                         f"for fmt {fmt!r}; pass its value (dequantize) instead")
+    bs = FORMATS[fmt].block_size
+    if bs is None:
+        return wq
+    k, n = wq.codes.shape
+    if wq.scales.shape != (k // bs, n):
+        raise ValueError(f"quantized_matmul: a {fmt} weight [{k}, {n}] quantized along K has "
+                         f"block scales [{k // bs}, {n}], not {list(wq.scales.shape)}")
+    return dataclasses.replace(wq, axis=0, batch_axes=())
 
 
 def _quantizes_x(fmt: str | None) -> bool:

@@ -5,6 +5,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -12,7 +14,7 @@ import numpy as np
 # The module, not its function: the kernel module imports `models.layers`, so either
 # package may be the one still initializing when the other is imported.
 from jaxrl_lp.kernels import decode_attention as decode_kernel
-from jaxrl_lp.kernels.fake_quant import FP8_GEMM_FORMATS
+from jaxrl_lp.kernels.fake_quant import QUANTIZED_WEIGHT_FORMATS
 from jaxrl_lp.kernels.quantize import quantize
 from jaxrl_lp.models.attention import attention
 from jaxrl_lp.models.config import ModelConfig
@@ -37,6 +39,15 @@ __all__ = [
 # A layer's matmul weights `[in, out]`, the ones `unstack_layers(transpose=True)` copies
 # `[out, in]`: the seven whose products the sampler can record.
 MATMUL_WEIGHTS = LAYER_PRODUCTS
+
+
+def _layer_of(x, i: int):
+    """Layer `i` of a stacked leaf; a `QArray`'s block axis and batch axes then count from
+    the layer's own axes (one axis fewer)."""
+    if not isinstance(x, QArray):
+        return x[i]
+    return dataclasses.replace(jax.tree.map(lambda a: a[i], x), axis=max(x.axis - 1, 0),
+                               batch_axes=tuple(b - 1 for b in x.batch_axes if b > 0))
 
 
 def unstack_layers(params: dict, *, transpose: bool = False, policy: Policy | None = None) -> dict:
@@ -66,7 +77,8 @@ def unstack_layers(params: dict, *, transpose: bool = False, policy: Policy | No
     n = jax.tree_util.tree_leaves(layers)[0].shape[0]
 
     def layer(i):
-        lp = jax.tree.map(lambda x: x[i], layers)
+        lp = jax.tree.map(lambda x: _layer_of(x, i), layers,
+                          is_leaf=lambda x: isinstance(x, QArray))
         if transpose:
             lp = {k: TransposedWeight(jnp.swapaxes(layers[k][i], 0, 1))
                   if k in MATMUL_WEIGHTS and isinstance(layers[k], jax.Array) else v
@@ -90,14 +102,17 @@ def decode_weights(params: dict, policy: Policy) -> dict:
     kernel (its bias is read in f32 and kept). Rounding is idempotent here
     (`param_dtype` is f32 or the compute dtype), so the forward computes the
     same bits from the copy as from `params`; it only stops re-rounding the
-    master inside a decode loop. Under a per-tensor FP8 `matmul_format`
-    (`kernels.fake_quant.FP8_GEMM_FORMATS`) each layer's matmul weights
-    (`MATMUL_WEIGHTS`) and the head are also quantized once, one scale a layer:
-    the `QArray` `Q(w)` that `dot` would compute on every step, which it reads as
-    codes (an FP8 GEMM on a GPU), so the loop reads 1 byte a weight and quantizes
-    nothing (a tied head gets a quantized `lm_head` of its own, `[D, V]`). LoRA and
-    quantized leaves pass as they are; so do the params under another `param_dtype`
-    (f16 params for bf16 compute would round twice otherwise).
+    master inside a decode loop. Under a `matmul_format` of
+    `kernels.fake_quant.QUANTIZED_WEIGHT_FORMATS` (per-tensor FP8, MXFP8, MXFP4) each
+    layer's matmul weights (`MATMUL_WEIGHTS`) and the head are also quantized once along
+    their contraction axis (a per-tensor format: one scale a layer): the `QArray` `Q(w)`
+    that `dot` would compute on every step, which it takes as it is (an FP8 format's as
+    codes, an FP8 GEMM on a GPU; the others' values rebuilt from the codes), so the loop
+    reads the codes (1 byte a weight, half a byte in MXFP4) and quantizes no weight (a tied
+    head gets a quantized `lm_head` of its own, `[D, V]`). NVFP4 keeps quantizing each step
+    (`QUANTIZED_WEIGHT_FORMATS` says why). LoRA and quantized leaves pass as they are; so
+    do the params under another `param_dtype` (f16 params for bf16 compute would round twice
+    otherwise).
     """
     if policy.param_dtype not in (np.dtype(np.float32), policy.compute_dtype) or (
             not policy.is_low_precision and policy.param_dtype == np.dtype(np.float32)):
@@ -107,9 +122,9 @@ def decode_weights(params: dict, policy: Policy) -> dict:
         plain = isinstance(x, jax.Array) and jnp.issubdtype(x.dtype, jnp.floating)
         return policy.round_params(x) if plain else x
 
-    fmt = policy.matmul_format if policy.matmul_format in FP8_GEMM_FORMATS else None
+    fmt = policy.matmul_format if policy.matmul_format in QUANTIZED_WEIGHT_FORMATS else None
 
-    def rnd_weight(x):  # a matmul weight `[..., in, out]`, one scale per layer
+    def rnd_weight(x):  # a matmul weight `[..., in, out]` along `in`, a layer a tensor
         if fmt is None or not isinstance(x, jax.Array):
             return rnd(x)
         return quantize(rnd(x), fmt, x.ndim - 2, tuple(range(x.ndim - 2)),

@@ -21,7 +21,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from jaxrl_lp.kernels.fake_quant import FP8_GEMM_FORMATS, quantized_matmul
+from jaxrl_lp.kernels.fake_quant import QUANTIZED_WEIGHT_FORMATS, quantized_matmul
 from jaxrl_lp.models.lora import LoraWeight, adapter_product, base_value
 from jaxrl_lp.models.recorded import RecordedWeight
 from jaxrl_lp.numerics import invariant
@@ -61,9 +61,10 @@ def dot(x_xK: jax.Array, w_KxN: jax.Array, policy: Policy) -> jax.Array:
 
     A LoRA weight (`models.lora.LoraWeight`) adds its adapter to the accumulator,
     `x W + ((x A) B) * scale`; a quantized frozen weight (`QArray`, a LoRA base)
-    is dequantized here first, except one in the policy's per-tensor FP8 format
-    (`kernels.fake_quant.FP8_GEMM_FORMATS`: the decode's copy, `blocks.decode_weights`),
-    which is `Q(w)` itself (the same codes and scale) and enters the product as codes.
+    is dequantized here first, except one in the policy's `matmul_format` where that is one
+    of `kernels.fake_quant.QUANTIZED_WEIGHT_FORMATS` (the decode's copy,
+    `blocks.decode_weights`), which is `Q(w)` itself (`Q` of its value is its value) and
+    enters the product as it is (an FP8 format's as codes).
     Plain arrays take the path they always took.
 
     A `RecordedWeight` (`models.recorded`) returns its recorded product, with
@@ -89,9 +90,10 @@ def dot(x_xK: jax.Array, w_KxN: jax.Array, policy: Policy) -> jax.Array:
     if isinstance(w_KxN, LoraWeight):
         return (dot(x_xK, w_KxN.base, policy)
                 + adapter_product(x_xK, w_KxN.a, w_KxN.b, w_KxN.scale, policy))
-    if isinstance(w_KxN, QArray) and w_KxN.format == policy.matmul_format in FP8_GEMM_FORMATS:
-        # Quantized already in the policy's per-tensor FP8 format (the decode's copy,
-        # `blocks.decode_weights`, or a served weight): Q(w) as it is, read as codes.
+    if (isinstance(w_KxN, QArray)
+            and w_KxN.format == policy.matmul_format in QUANTIZED_WEIGHT_FORMATS):
+        # Quantized already in the policy's format (the decode's copy,
+        # `blocks.decode_weights`, or a served weight): Q(w) as it is.
         return quantized_matmul(x_xK, w_KxN, policy.matmul_format, backward=policy.backward,
                                 batch_axes=tuple(range(x_xK.ndim - 1)), kernels=policy.kernels)
     if isinstance(w_KxN, QArray):
