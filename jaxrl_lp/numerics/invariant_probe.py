@@ -150,8 +150,8 @@ def column_tile() -> int | None:
     row's tile; None when none holds (XLA:CPU's product kernel under `COMPILER_OPTIONS`).
 
     The kernel may sum a narrow last tile of columns otherwise than a full one, so every
-    product's rows are padded to a multiple of the tile. Probed once a process, as
-    `row_chunk` is.
+    product's rows are padded to whole tiles (and a residue, `column_residues`). Probed once
+    a process, as `row_chunk` is.
     """
     return next((tile for tile in COLUMN_TILES if _columns_hold(tile, 0)), None)
 
@@ -163,10 +163,11 @@ def column_residues() -> tuple[int, ...]:
     own group of that many rows: 0 (whole tiles) and half a tile where that holds too; () where
     no tile holds.
 
-    The kernel sums every column of a product by the count of its columns: on a 2-core Zen 3
-    (tile 16) products of 16k + 1 to 16k + 8 rows sum each row as a product of 8 rows does,
-    16k + 9 to 16k + 16 as one of 16 (docs/design/invariant.md). A decode of 8 rows then
-    computes 8 columns, not 16. Probed once a process.
+    Where the kernel sums every column of a product by the count of its columns over whole
+    tiles (docs/design/invariant.md names a CPU where it does), products of `k * tile + 1` to
+    `k * tile + tile / 2` rows sum each row as one of `tile / 2` rows, the rest as one of
+    `tile`: a decode of half a tile of rows then computes half a tile of columns, not a whole
+    one. Probed once a process.
     """
     tile = column_tile()
     if tile is None:
