@@ -92,8 +92,8 @@ __all__ = ["COLUMN_TILES", "COMPILER_OPTIONS", "FIXED_TILES", "MAX_COLUMN_TILE",
            "unsupported", "weights_major_product", "weights_product"]
 
 # The largest column tile the decode takes the weights-major form at: a decode of B rows pads
-# them to a multiple of the tile, which a small tile hides behind the weight read and a large
-# one does not (docs/design/invariant.md, "The forms", measures both).
+# them to whole tiles (or half a tile, `column_residues`), which a small tile hides behind the
+# weight read and a large one does not (docs/design/invariant.md, "The forms", measures both).
 MAX_COLUMN_TILE = 16
 # The `tiles` of an `InvariantForm` whose products are `kernels.fixed_tile`'s, and the
 # interpreter each names (None: compiled for the platform lowered for).
