@@ -215,7 +215,8 @@ def test_the_decode_copy_quantizes_each_layer_once_with_the_same_bits(tied, monk
     assert (_bits(logits(unstack_layers(params, policy=FP8))) != want).any()
 
 
-@pytest.mark.parametrize("fmt", ["mxfp8", "mxfp4"])
+@pytest.mark.parametrize("fmt", [  # mxfp4's cell (15 s cold, the same path) in the slow tier
+    "mxfp8", pytest.param("mxfp4", marks=pytest.mark.slow)])
 def test_an_mx_decode_copy_gives_the_masters_bits_and_its_loop_quantizes_no_weight(
         fmt, monkeypatch):
     """Under an MX policy the decode copy holds each layer's matmul weights and the (tied)
