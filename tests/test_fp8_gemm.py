@@ -282,6 +282,19 @@ def test_the_fp8_decode_loop_reads_codes_and_converts_no_weight(monkeypatch):
     assert low["weight_ops"] and all("convert" in line for line in low["weight_ops"])
 
 
+def test_the_mx_decode_loop_rebuilds_codes_and_converts_no_master_weight(monkeypatch):
+    """The sampler under `mxfp8` lowered for cuda: the loop carries E4M3 codes and rebuilds
+    their values for the reference product on each step (`code_rebuilds`), converting no
+    master weight. The plant: the copy left unquantized, each step converts the weights."""
+    mx = {**SPEC, "policy": Policy.parse("mxfp8")}
+    low = report({**mx, "rows": 3})["lowered"]
+    assert low["weight_ops"] == () and "f8e4m3fn" in low["weight_bytes"], low["weight_ops"]
+    assert low["code_rebuilds"] and all("f8e4m3fn codes" in line for line in low["code_rebuilds"])
+    monkeypatch.setattr(sys.modules[_BLOCKS], "QUANTIZED_WEIGHT_FORMATS", ())
+    got = report({**mx, "rows": 5})
+    assert not got["ok"] and got["lowered"]["weight_ops"] and not got["lowered"]["code_rebuilds"]
+
+
 @pytest.mark.skipif(plugin_from_env() is None, reason="needs the CUDA PJRT plugin "
                     "($JAXRL_LP_CUDA_PLUGIN, plan.cuda_aot)")
 def test_xla_gpu_compiles_the_fp8_decode_step_without_a_weight_convert():

@@ -20,7 +20,9 @@ step (expected: none; a scan over stacked layers would be one).
     jaxrl-lp bench decode                                  # qwen3-0.6b bf16, B 32, lowered
     JAXRL_LP_CUDA_PLUGIN=DIR jaxrl-lp bench decode --xla-gpu-flags none,decode_graphs
 
-Exit status 1 when a step converts, slices or copies a weight, or nests a loop.
+Exit status 1 when a step converts, slices or copies a weight, or nests a loop. An op that
+rebuilds a weight's values from its quantized codes (an MX format's decode copy, whose products
+on Hopper multiply the values) is listed in `code_rebuilds` and not counted.
 What it cannot say: how long a kernel takes (a GPU's profile does: `benchmarks/gpu.sh`,
 `SUITE=profile`), or what autotuning on a device would pick for each product. XLA
 forms CUDA graphs (command buffers) after the HLO passes, from the thunks, so the

@@ -20,6 +20,10 @@ products. `weight_ops` lists every op that instead makes a weight-sized array
 out of one on each step: a `convert`, `slice`, `dynamic-slice`, `copy` or
 `transpose` of it (the lowered text), or any fusion other than a product that
 reads one and writes as many elements as `min_weight_elems` (the compiled text).
+Such an op that reads quantized codes (an FP8 or FP4 weight: the decode's copy under a
+low-bit format, `models.blocks.decode_weights`) is listed apart, in `code_rebuilds`: the
+codes' values rebuilt for a product that cannot take codes (a block format's on Hopper),
+which only a GEMM of the codes would remove, where `weight_ops` are work a step need not do.
 A scan over stacked layers inside the loop shows as both: a nested loop whose
 body slices each layer's weights (SkyRL's Qwen3 decode lost half its bandwidth
 to that; XLA does not hoist it). An embedding lookup reads a weight and writes
@@ -46,6 +50,8 @@ _COPIES = {"convert", "slice", "dynamic-slice", "copy", "transpose"}
 # Views: a weight seen through one is still the weight.
 _VIEWS = {"bitcast", "reshape", "get-tuple-element"}
 _FLOAT = re.compile(r"^(bf16|f16|f32|f64|f8\w*|f4\w*)\[")
+# A weight of quantized codes (FP8, FP4).
+_CODES = re.compile(r"^(f8\w*|f4\w*)\[")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,6 +64,8 @@ class StepOps:
     products: the products among them (`dot` lowered; `gemm` compiled).
     weight_bytes: {dtype: bytes} of the weights the loop carries unchanged.
     weight_ops: one line per op that copies, slices or converts a weight each step.
+    code_rebuilds: one line per such op whose weight is quantized codes (their values
+      rebuilt each step for a product of the values).
     transposes_into_products: transposes of a weight read only by products (lowered: a
       tied head's `embed.T`); XLA:GPU folds them into the product's operand layout, which
       the compiled text shows (a copy there would be in `weight_ops`).
@@ -71,6 +79,7 @@ class StepOps:
     products: int
     weight_bytes: dict[str, int]
     weight_ops: tuple[str, ...]
+    code_rebuilds: tuple[str, ...]
     transposes_into_products: int
     nested_loops: int
     logits_passes: dict[str, int]
@@ -166,6 +175,7 @@ def decode_step_ops(text: str, min_weight_elems: int, compiled: bool,
 
     ops: Counter = Counter()
     weight_ops: list[str] = []
+    code_rebuilds: list[str] = []
     weight_bytes: Counter = Counter()
     nested = [0]
     folded = [0]
@@ -216,8 +226,10 @@ def decode_step_ops(text: str, min_weight_elems: int, compiled: bool,
                 continue
             if (i.op in _COPIES) or (compiled and i.op == "fusion" and kind != "gemm"):
                 src = next(o for o in i.operands if o in weights)
-                weight_ops.append(f"{comp}: {i.name} = {i.op}[{kind}] {_strip(i.shape)} "
-                                  f"of a weight ({src})")
+                codes = _CODES.match(shapes[comp].get(src, ""))
+                (code_rebuilds if codes else weight_ops).append(
+                    f"{comp}: {i.name} = {i.op}[{kind}] {_strip(i.shape)} of a weight ({src}"
+                    + (f", {codes.group(1)} codes)" if codes else ")"))
 
     def _weights_of(comp: str) -> set[str]:
         """The loop-invariant weights of a `while` body, as its get-tuple-element names."""
@@ -234,7 +246,7 @@ def decode_step_ops(text: str, min_weight_elems: int, compiled: bool,
     visit(cond, set())
     return StepOps(dict(sorted(ops.items(), key=lambda kv: -kv[1])), sum(ops.values()),
                    _products(comps, body, compiled), dict(weight_bytes), tuple(weight_ops),
-                   folded[0], nested[0], dict(passes))
+                   tuple(code_rebuilds), folded[0], nested[0], dict(passes))
 
 
 def program_ops(text: str, logits_elems: int) -> dict:
