@@ -575,8 +575,9 @@ def test_jaxrl_lp_config_prints_auto_resolved(extra, method, capsys):
 
 def test_the_weights_major_form_pads_a_decodes_rows_least():
     """`form_for` takes the residue of `column_residues` that pads the decode's rows least
-    (8 rows to 8 where half a tile holds, 32 to 32), the probe's residues are the only ones a
-    rollout may carry, and a form with a residue but no columns is refused in one line."""
+    (half a tile of rows to half a tile where that holds, two tiles to two), the probe's
+    residues are the only ones a rollout may carry, and a form with a residue but no columns
+    is refused in one line."""
     tile = column_tile()
     if tile is None or tile > MAX_COLUMN_TILE:
         pytest.skip(f"no column tile of at most {MAX_COLUMN_TILE} holds on this CPU")
@@ -588,7 +589,7 @@ def test_the_weights_major_form_pads_a_decodes_rows_least():
         assert padded_rows(rows, tile, form.residue) == min(
             padded_rows(rows, tile, r) for r in residues), (rows, form)
     if tile // 2 in residues:
-        assert form_for(8).residue == tile // 2 and form_for(2 * tile).residue == 0
+        assert form_for(tile // 2).residue == tile // 2 and form_for(2 * tile).residue == 0
     assert [padded_rows(m, 16, 8) for m in (1, 8, 9, 256)] == [8, 8, 24, 264]
     assert [padded_rows(m, 16, 0) for m in (1, 16, 17)] == [16, 16, 32]
     odd = form_for(8)._replace(residue=tile // 2 - 1)
