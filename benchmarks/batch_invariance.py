@@ -96,12 +96,12 @@ def _ops(quick: bool) -> dict:
             c for c in counts if _differ(cols(x[:c], wt), ref[:c])]
         for r in column_residues():  # the weights-major form: rows padded to the residue
             whole = padded_rows(1000, tile, r)
-            ref = np.asarray(cols(x[:whole], wt))
+            want = np.asarray(cols(x[:whole], wt))
             padded = lambda m, x=x, wt=wt, r=r: cols(
                 np.pad(x[:m], ((0, padded_rows(m, tile, r) - m), (0, 0))), wt)[:m]
             out[f"W@x.T K={k} N={n}, padded to {r} rows over whole column tiles ({tile}): "
                 f"row counts whose rows differ from {whole} rows'"] = [
-                    c for c in counts if _differ(padded(c), ref[:c])]
+                    c for c in counts if _differ(padded(c), want[:c])]
     reductions = {"sum": lambda s: jnp.sum(s, -1),
                   "log_softmax": lambda s: jax.nn.log_softmax(s, -1),
                   "rms": lambda s: s * jax.lax.rsqrt(jnp.mean(s * s, -1, keepdims=True) + 1e-6)}

@@ -82,7 +82,7 @@ def test_batch_invariance_ops_hold_the_invariant_forms_on_this_cpu():
     # whichever CPU runs it, the forms are what makes a row's bits independent of its batch
     # (products of 2 to `row_chunk` rows give a row the bits it has among 32: 32 on the
     # AMD EPYC CPUs measured), where the plain forms are not.
-    from jaxrl_lp.numerics.invariant import row_chunk
+    from jaxrl_lp.numerics.invariant import padded_rows, row_chunk
 
     res = _run("batch_invariance.py", "--parts", "ops", "--quick")["ops"]
     rows = res["x@W K=512 N=1408: rows' bits vs 8 rows / vs 32 rows / vs 1024 rows"]
@@ -98,7 +98,7 @@ def test_batch_invariance_ops_hold_the_invariant_forms_on_this_cpu():
     tile = res["column_tile"]  # the weights-major form: rows padded to each residue
     assert (tile is None) == (res["column_residues"] == []), res
     for r in res["column_residues"]:
-        whole = 1008 if r == 0 else 1000 + (r - 1000) % tile
+        whole = padded_rows(1000, tile, r)
         assert res[f"W@x.T K=512 N=1408, padded to {r} rows over whole column tiles ({tile}): "
                    f"row counts whose rows differ from {whole} rows'"] == [], res
 

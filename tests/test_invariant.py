@@ -37,6 +37,7 @@ from jaxrl_lp.numerics.invariant import (
     padded_rows,
     row_chunk,
     unsupported,
+    weights_major_product,
 )
 from jaxrl_lp.numerics.policy import Policy
 from jaxrl_lp.rl.logprob_programs import jit_learner_logprobs
@@ -590,6 +591,16 @@ def test_the_weights_major_form_pads_a_decodes_rows_least():
             padded_rows(rows, tile, r) for r in residues), (rows, form)
     if tile // 2 in residues:
         assert form_for(tile // 2).residue == tile // 2 and form_for(2 * tile).residue == 0
+    # The product a decode of half a tile of rows runs: that many columns, no padding.
+    half = form_for(tile // 2)
+    with invariant_forms(opaque_zero(0), half):
+        jaxpr = jax.make_jaxpr(weights_major_product)(jnp.ones((tile // 2, 64)),
+                                                      jnp.ones((32, 64)))
+    columns = [e.invars[1].aval.shape[0] for e in jaxpr.jaxpr.eqns
+               if e.primitive.name == "dot_general"]
+    assert columns == [padded_rows(tile // 2, tile, half.residue)], columns
+    if tile // 2 in residues:
+        assert columns == [tile // 2]
     assert [padded_rows(m, 16, 8) for m in (1, 8, 9, 256)] == [8, 8, 24, 264]
     assert [padded_rows(m, 16, 0) for m in (1, 16, 17)] == [16, 16, 32]
     odd = form_for(8)._replace(residue=tile // 2 - 1)
