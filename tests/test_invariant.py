@@ -5,7 +5,8 @@ batch-invariant forms) is read by the learner's `invariant` program, one
 packed parallel forward over every token: on the whole batch, on 2- and 4-way
 row slices, and inside a gradient's program, its log-probs are the sampler's
 bit for bit; under weights moved by a step they are the replay's (which stays
-the reference). Dense and looped deferred models, fp32 and bf16 policies.
+the reference). Dense and looped deferred models, fp32 and bf16 policies, and the
+quantized ones whose quantizer sums nothing (FP8, MXFP8, MXFP4, NVFP4).
 
 The model is wider than the tiny presets (hidden 256, head width 64): at a
 hidden size of 64 XLA:CPU's products give a row the same bits at every row
@@ -101,6 +102,16 @@ CASES = [pytest.param(kind, pol, form, marks=() if (kind, pol, form) == ("dense"
                       else pytest.mark.slow)
          for form in ("this_cpu", "row_chunks") for kind in ("dense", "looped_deferred")
          for pol in ("fp32", "bf16")]
+# The quantized policies (`kernels.fake_quant.INVARIANT_FORMATS`): per-tensor FP8 in the
+# default suite, dense in this CPU's form (its products summed in the plain form differ here,
+# `test_a_quantized_policys_plants_break_the_equality`; MXFP8's happened to give the same bits
+# at these widths); MXFP8, the configs' policy, in every model and form, and the other
+# formats, in the slow tier.
+CASES += [pytest.param(kind, pol, form, marks=() if (kind, pol, form) == (
+    "dense", "fp8", "this_cpu") else pytest.mark.slow)
+          for form in ("this_cpu", "row_chunks") for kind in ("dense", "looped_deferred")
+          for pol in ("mxfp8", "fp8", "mxfp4", "nvfp4")
+          if pol == "mxfp8" or (kind, form) == ("dense", "this_cpu")]
 
 
 @pytest.mark.parametrize(("kind", "policy", "form"), CASES)
@@ -109,6 +120,8 @@ def test_the_parallel_forward_is_the_samplers_bits(kind, policy, form):
     inside a gradient's program: the sampler's bits; under moved weights the replay's."""
     policy = Policy.parse(policy)
     cfg, params, loop = _model(kind)
+    if policy.matmul_format == "mxfp4":  # its 4-bit head needs more to end some rows early
+        params["lm_head"] = params["lm_head"].at[:, EOS].multiply(3.0)
     ro = _rollout(cfg, params, loop, policy, form=_form(form))
     assert ro.invariant_form == _form(form)
     lengths = np.asarray(ro.completion_mask).sum(1)
@@ -176,9 +189,11 @@ def test_a_decode_of_more_rows_than_a_chunk_or_a_tile_runs_in_its_form(form):
         sample(other)
 
 
-@pytest.mark.parametrize("kind", [  # the looped cell (39 s cold on 2 cores) in the slow tier
-    "dense", pytest.param("looped_deferred", marks=pytest.mark.slow)])
-def test_the_invariant_gradient_is_the_dense_learners(kind, monkeypatch):
+@pytest.mark.parametrize(("kind", "policy"), [  # the looped cell (39 s cold on 2 cores) and
+    ("dense", "fp32"),                           # the FP8 one in the slow tier
+    pytest.param("looped_deferred", "fp32", marks=pytest.mark.slow),
+    pytest.param("dense", "fp8", marks=pytest.mark.slow)])
+def test_the_invariant_gradient_is_the_dense_learners(kind, policy, monkeypatch):
     """Only the value is the decode's: the gradient of a loss over the invariant log-probs is
     the dense learner's (every parameter within 1e-4 of its norm, f32; `rl.logprobs`'
     `_invariant_logprobs` recomputes the plain forward for it). The plant: the invariant
@@ -188,7 +203,7 @@ def test_the_invariant_gradient_is_the_dense_learners(kind, monkeypatch):
     import jaxrl_lp.numerics.invariant as inv
     import jaxrl_lp.rl.logprobs as logprobs
 
-    policy = Policy.parse("fp32")
+    policy = Policy.parse(policy)
     cfg, params, loop = _model(kind)
     ro = take_rows(_rollout(cfg, params, loop, policy), np.arange(4))
 
@@ -332,6 +347,72 @@ def test_the_weight_products_back_to_the_plain_form_break_the_equality(monkeypat
             x, w, columns)) > 0, "the residue dropped, yet every log-prob is the sampler's"
 
 
+def test_a_quantized_policys_plants_break_the_equality(monkeypatch):
+    """Under per-tensor FP8 the learner's invariant forward is the sampler's bits because its
+    product of `Q(x)` and `Q(w)` takes the invariant form and each token's activation scale is
+    its own: the product reverted to the plain `Q(x) @ Q(w)`, or one activation scale for the
+    whole batch, and the same rollout's log-probs are not the sampler's."""
+    import jaxrl_lp.models.layers as layers
+    import jaxrl_lp.numerics.invariant as inv
+
+    policy = Policy.parse("fp8")
+    cfg, params, loop = _model("dense")
+    ro = _rollout(cfg, params, loop, policy)
+    slices = [ro, take_rows(ro, np.arange(2)), take_rows(ro, np.arange(1))]
+    program = jit_learner_logprobs(cfg, policy, "invariant")
+    for r in slices:
+        _exact(program(params, r), r.logprobs, r, "before the plant")
+
+    def differing(module, name, fn):
+        with monkeypatch.context() as m:
+            m.setattr(module, name, fn)
+            planted = jit_learner_logprobs(cfg, policy, "invariant")  # traced anew, planted
+            return sum(bit_mismatch(planted(params, r), r.logprobs, r.completion_mask)[0]
+                       for r in slices)
+
+    plain = lambda x, w: jnp.dot(x, w, precision="highest", preferred_element_type=jnp.float32)
+    assert differing(inv, "weights_product", plain) > 0, \
+        "the quantized products reverted to the plain form, yet every log-prob is the sampler's"
+    qmm = layers.quantized_matmul
+    per_tensor = lambda x, w, fmt, **kw: qmm(x, w, fmt, **{**kw, "batch_axes": ()})
+    assert differing(layers, "quantized_matmul", per_tensor) > 0, \
+        "one activation scale for the batch, yet every log-prob is the sampler's"
+
+
+def test_the_weights_major_copy_of_a_quantized_policy_leaves_its_loop_the_activations(
+        monkeypatch):
+    """Under NVFP4 (whose weights the plain decode quantizes on every step) the sampler in the
+    weights-major form reads each weight's `Q(w)` values from its copy, made once a call: its
+    program quantizes activations only. In the row chunks, which read the weights as stored,
+    the same policy's program quantizes every matmul weight again."""
+    import jaxrl_lp.kernels.fake_quant as fake_quant
+
+    policy = Policy.parse("nvfp4")
+    cfg, params, loop = _model("dense")
+    weight_shapes = {tuple(x.shape[-2:]) for x in jax.tree.leaves(params) if x.ndim >= 2}
+
+    def quantized_in_the_sampler(form):  # (weights, activations) quantized while it traces
+        weights, acts, real = [], [], fake_quant.quantize
+
+        def counting(x, fmt, axis=0, batch_axes=(), **kw):
+            is_weight = x.ndim == 2 and tuple(x.shape) in weight_shapes
+            (weights if is_weight else acts).append(tuple(x.shape))
+            return real(x, fmt, axis, batch_axes, **kw)
+
+        with monkeypatch.context() as m:
+            m.setattr(fake_quant, "quantize", counting)
+            # 3 new tokens: a program of its own, traced here whatever ran before
+            generate(params, cfg, PROMPTS, policy=policy, sampling=SamplingConfig(temperature=0.8),
+                     max_new_tokens=3, num_samples=2, eos_id=EOS, loop=loop,
+                     key=jax.random.PRNGKey(1), decode_layout="invariant", invariant_form=form)
+        return weights, acts
+
+    weights, acts = quantized_in_the_sampler(_form("columns"))
+    assert weights == [] and len(acts) >= 8, (weights, acts)  # traced, activations only
+    weights, _ = quantized_in_the_sampler(_form("row_chunks"))
+    assert len(weights) >= 8, weights  # the 7 of a layer and the head, each step
+
+
 def _tile_places_hold() -> bool:
     """Whether Pallas's TPU interpreter gives a row of a fixed-tile product its bits at any
     place in its tile on this CPU (its tile products are XLA:CPU's)."""
@@ -404,20 +485,23 @@ def _two_steps_verified_and_nothing_replayed(out) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("policy", ["fp32", "mxfp8"])  # mxfp8: the configs' policy
 def test_a_run_with_auto_logprobs_takes_invariant_replays_no_update_and_verifies_exact(
-        tmp_path, capsys):
+        policy, tmp_path, capsys):
     """`jaxrl-lp train --set grpo.logprobs=auto` at four minibatches takes `invariant` (its
     forms serve the run; one line says so; config.json records it): the start probe and every
     step's
     verification pass (the learner's forward of the batch == the sampler's bits), and no
-    update replays the decode (the later minibatches' values are their forwards)."""
+    update replays the decode (the later minibatches' values are their forwards). The same
+    under MXFP8 products."""
     from helpers import sets
 
     from jaxrl_lp.cli.main import main
 
     out = tmp_path / "run"
     assert main(["train", *sets(*WIDE, f"run.out_dir={out}", "grpo.logprobs=auto",
-                                "grpo.minibatches=4")]) == 0
+                                "grpo.minibatches=4", f"grpo.learner_policy={policy}",
+                                f"grpo.sampler_policy={policy}")]) == 0
     said = [x for x in capsys.readouterr().err.splitlines() if "grpo.logprobs=auto" in x]
     assert len(said) == 1 and said[0].startswith("jaxrl-lp train: grpo.logprobs=auto: "
                                                  "invariant ("), said
@@ -427,8 +511,9 @@ def test_a_run_with_auto_logprobs_takes_invariant_replays_no_update_and_verifies
 
 def test_compiled_tiles_on_a_gpu_need_bf16_policies_stored_natively(monkeypatch):
     """`grpo.invariant_tiles=compiled` on a GPU host (the backend stood in for): the GPU
-    kernel multiplies bf16 or f16 arrays, so an f32 policy, or bf16 carried in f32, is one
-    line naming the policy's key before anything is written; bf16 stored natively passes."""
+    kernel multiplies bf16 or f16 arrays, so an f32 policy, bf16 carried in f32, or a quantized
+    policy (f32 values of its codes) is one line naming the policy's key before anything is
+    written; bf16 stored natively passes."""
     from jaxrl_lp.train import apply_overrides, default_config
     from jaxrl_lp.train.validate import _invariant_tiles
 
@@ -443,6 +528,10 @@ def test_compiled_tiles_on_a_gpu_need_bf16_policies_stored_natively(monkeypatch)
                        r"in f32"):
         _invariant_tiles(cfg("grpo.sampler_policy=bf16", "grpo.learner_policy=bf16,s=f32"),
                          None, None)
+    with pytest.raises(ValueError, match=r"grpo.sampler_policy=\S+ multiplies the f32 values of "
+                       r"mxfp8 codes; set grpo.invariant_tiles=''"):
+        _invariant_tiles(cfg("grpo.sampler_policy=mxfp8", "grpo.learner_policy=mxfp8"), None,
+                         None)
     _invariant_tiles(cfg("grpo.sampler_policy=bf16", "grpo.learner_policy=bf16"), None, None)
 
 
@@ -511,6 +600,24 @@ def test_the_start_probe_stops_a_run_whose_learner_products_sum_otherwise(tmp_pa
     assert not out.exists()
 
 
+def test_invariant_logprobs_under_a_policy_scaled_by_a_mean_are_refused(tmp_path, capsys):
+    """`grpo.logprobs=invariant` names a method the run must keep; under `ternary` (a scale
+    that is a mean, summed in each program's order) the run stops before it writes anything,
+    in one line naming the policy, `grpo.logprobs=hybrid` and the formats the forms take."""
+    from helpers import sets
+
+    from jaxrl_lp.cli.main import main
+
+    out = tmp_path / "run"
+    assert main(["train", *sets("grpo.logprobs=invariant", "grpo.learner_policy=mm=ternary",
+                                "grpo.sampler_policy=mm=ternary", f"run.out_dir={out}")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1, err
+    assert "grpo.learner_policy=" in err and "ternary" in err and "grpo.logprobs=hybrid" in err \
+        and "mxfp8" in err, err
+    assert not out.exists()
+
+
 def test_auto_takes_invariant_from_half_a_replay_an_iteration_where_its_forms_serve():
     """`grpo.logprobs=auto` (`train.logprobs_choice`): `invariant` from half a hybrid replay an
     iteration on average (later minibatches, epochs, a KL reference's log-probs, every
@@ -544,12 +651,16 @@ def test_auto_takes_invariant_from_half_a_replay_an_iteration_where_its_forms_se
                        "off-policy"),
         "policies": (choose_logprobs(cfg("grpo.minibatches=4", "grpo.sampler_policy=bf16")),
                      "other policies"),
-        "low-bit products": (choose_logprobs(cfg("grpo.minibatches=4",
-                                                 "grpo.learner_policy=mxfp8",
-                                                 "grpo.sampler_policy=mxfp8")), "mxfp8"),
+        "a mean's scale": (choose_logprobs(cfg("grpo.minibatches=4",
+                                                "grpo.learner_policy=mm=ternary",
+                                                "grpo.sampler_policy=mm=ternary")), "ternary"),
     }
     for name, (choice, why) in blocked.items():
         assert choice.method == "hybrid" and why in choice.why, (name, choice)
+    for fmt in ("fp8", "mxfp8", "nvfp4"):  # formats whose scales are maxima: the forms serve
+        quantized = cfg("grpo.minibatches=4", f"grpo.learner_policy={fmt}",
+                        f"grpo.sampler_policy={fmt}")
+        assert choose_logprobs(quantized).method == "invariant", fmt
     for named in ("dense", "hybrid", "invariant"):
         named_cfg = dataclasses.replace(four, grpo=dataclasses.replace(four.grpo, logprobs=named))
         assert choose_logprobs(named_cfg) == (named, "")

@@ -44,7 +44,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -54,8 +54,8 @@ from jaxrl_lp.kernels.quantize import dequantize, kernels_mode, quantize
 from jaxrl_lp.numerics.formats import FORMATS, QArray
 from jaxrl_lp.numerics.policy import BACKWARD_MODES
 
-__all__ = ["FP8_GEMM_FORMATS", "QUANTIZED_WEIGHT_FORMATS", "fake_quant", "fp8_codes_product",
-           "quantized_matmul"]
+__all__ = ["FP8_GEMM_FORMATS", "INVARIANT_FORMATS", "QUANTIZED_WEIGHT_FORMATS", "activation_values",
+           "fake_quant", "fp8_codes_product", "quantized_matmul"]
 
 _HIGHEST = jax.lax.Precision.HIGHEST
 # The formats whose products are FP8 GEMMs of the codes where lowered for cuda (module
@@ -70,6 +70,13 @@ FP8_GEMM_FORMATS: tuple[str, ...] = ("fp8", "fp8_e5m2")
 # block scale, `amax / 6` rounded to E4M3, may round otherwise for a rebuilt block, and the
 # mean-abs scales of `ternary` and `binary` move (tests/test_fp8_gemm.py counts both).
 QUANTIZED_WEIGHT_FORMATS: tuple[str, ...] = (*FP8_GEMM_FORMATS, "mxfp8", "mxfp4")
+# The formats whose quantizer sums nothing: every scale comes from maxima (exact in any order)
+# and every code from one correctly rounded division (`numerics.formats`), so a token's `Q(x)`
+# and a weight's `Q(w)` are the same bits in every program that computes them, whatever the
+# rows beside them or the fusions around them. The batch-invariant forms then carry over to
+# their products (`models.layers.dot`, docs/design/invariant.md). Not `ternary` or `binary`:
+# their scale is a mean, a sum whose order a program's reduction picks.
+INVARIANT_FORMATS: tuple[str, ...] = (*QUANTIZED_WEIGHT_FORMATS, "nvfp4")
 
 
 def fake_quant(
@@ -112,6 +119,18 @@ def _fake_quant_jvp(fmt, axis, batch_axes, kernels, primals, tangents):
     return _fake_quant(x, fmt, axis, batch_axes, kernels), t.astype(jnp.float32)
 
 
+def activation_values(x_xK: jax.Array, fmt: str | None, batch_axes: Sequence[int] = (),
+                      kernels: str = "auto") -> jax.Array:
+    """The f32 values `quantized_matmul(x, w, fmt, batch_axes=batch_axes)` multiplies for `x`:
+    `Q(x)` along its last axis where the format quantizes activations, else `x` in f32."""
+    if not _quantizes_x(fmt):
+        # Upcast: unquantized operands enter the matmul in f32.
+        return jnp.asarray(x_xK).astype(jnp.float32)
+    lead = x_xK.ndim - 1
+    batch = tuple(sorted({b % lead for b in batch_axes}))
+    return _value(_q(x_xK, fmt, -1, batch, kernels_mode(kernels)), kernels_mode(kernels))
+
+
 def quantized_matmul(
     x_xK: jax.Array,
     w_KxN: jax.Array | QArray,
@@ -119,6 +138,7 @@ def quantized_matmul(
     backward: str = "reuse",
     batch_axes: Sequence[int] = (),
     kernels: str = "auto",
+    product: Callable[[jax.Array, jax.Array], jax.Array] | None = None,
 ) -> jax.Array:
     """`Q(x) @ Q(w)` in f32 with a `reuse` or `fresh` backward (module docstring).
 
@@ -145,6 +165,10 @@ def quantized_matmul(
         the scales are per tensor (or per block of tokens).
       kernels: kernels mode of every quantize/dequantize (module docstring);
         a policy's `kernels` field.
+      product: the forward's product of the operands' f32 values, `[..., K] x [K, N] ->
+        [..., N]`, in place of the reference (`models.layers.dot` hands the batch-invariant
+        forms' product here); None: the reference, or the FP8 GEMM of the codes. The
+        backward is the same either way.
 
     Returns:
       f32 array `[..., N]`.
@@ -182,6 +206,7 @@ def quantized_matmul(
         np.dtype(x_xK.dtype),
         None if isinstance(w_KxN, QArray) else np.dtype(w_KxN.dtype),  # None: no gradient
         kernels_mode(kernels),
+        product,
     )
 
 
@@ -243,9 +268,9 @@ def _q_padded(x: jax.Array, fmt: str | None, axis: int, kernels,
     return jax.lax.slice_in_dim(y, 0, n, axis=axis)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5, 6, 7))
-def _qmm(x, w, fmt, backward, batch_axes, x_dtype, w_dtype, kernels):
-    return _qmm_fwd(x, w, fmt, backward, batch_axes, x_dtype, w_dtype, kernels)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5, 6, 7, 8))
+def _qmm(x, w, fmt, backward, batch_axes, x_dtype, w_dtype, kernels, product):
+    return _qmm_fwd(x, w, fmt, backward, batch_axes, x_dtype, w_dtype, kernels, product)[0]
 
 
 def fp8_codes_product(aq: QArray, bq: QArray, a_axis: int = -1, b_axis: int = 0) -> jax.Array:
@@ -284,16 +309,17 @@ def _product(aq, bq, a_axis: int, b_axis: int, fmt: str | None, kernels: str) ->
                                       default=reference)
 
 
-def _qmm_fwd(x, w, fmt, backward, batch_axes, x_dtype, w_dtype, kernels):
+def _qmm_fwd(x, w, fmt, backward, batch_axes, x_dtype, w_dtype, kernels, product):
     xq = _q(x, fmt, -1, batch_axes, kernels) if _quantizes_x(fmt) else x
     wq = w if isinstance(w, QArray) else _q(w, fmt, 0, (), kernels)
-    y = _product(xq, wq, -1, 0, fmt, kernels)
+    y = (_product(xq, wq, -1, 0, fmt, kernels) if product is None
+         else product(_value(xq, kernels), _value(wq, kernels)))
     # reuse keeps the rounded operands (codes + scales); fresh keeps x and w.
     res = (xq, wq) if backward == "reuse" else (x, w)
     return y, res
 
 
-def _qmm_bwd(fmt, backward, batch_axes, x_dtype, w_dtype, kernels, res, g):
+def _qmm_bwd(fmt, backward, batch_axes, x_dtype, w_dtype, kernels, product, res, g):
     a, b = res
     n = g.shape[-1]
     if backward == "reuse":

@@ -14,8 +14,8 @@ import numpy as np
 # The module, not its function: the kernel module imports `models.layers`, so either
 # package may be the one still initializing when the other is imported.
 from jaxrl_lp.kernels import decode_attention as decode_kernel
-from jaxrl_lp.kernels.fake_quant import QUANTIZED_WEIGHT_FORMATS
-from jaxrl_lp.kernels.quantize import quantize
+from jaxrl_lp.kernels.fake_quant import INVARIANT_FORMATS, QUANTIZED_WEIGHT_FORMATS
+from jaxrl_lp.kernels.quantize import dequantize, quantize
 from jaxrl_lp.models.attention import attention
 from jaxrl_lp.models.config import ModelConfig
 from jaxrl_lp.models.layers import TransposedWeight, dot, rms_norm, rope, swiglu
@@ -68,6 +68,12 @@ def unstack_layers(params: dict, *, transpose: bool = False, policy: Policy | No
     With a `policy`, the weights are first rounded once as the forward reads
     them (`decode_weights`), so a decode loop reads the matmul inputs (bf16 on
     a GPU) instead of converting the f32 master on every step.
+
+    `transpose=True` under a policy whose `matmul_format` is one of
+    `kernels.fake_quant.INVARIANT_FORMATS` (the invariant forms' weights-major read, the
+    only one that takes it): each copy holds the values of the weight quantized along `in`,
+    `Q(w)`, `[out, in]`, in f32 (`TransposedWeight.format`), the head too, so the loop
+    quantizes no weight and transposes none.
     """
     if policy is not None:
         params = decode_weights(params, policy)
@@ -75,13 +81,24 @@ def unstack_layers(params: dict, *, transpose: bool = False, policy: Policy | No
     if isinstance(layers, tuple):  # unstacked already, in the layout they were unstacked in
         return params
     n = jax.tree_util.tree_leaves(layers)[0].shape[0]
+    fmt = None if policy is None else policy.matmul_format
+    if transpose and fmt is not None and fmt not in INVARIANT_FORMATS:
+        raise ValueError(f"unstack_layers: an [out, in] copy of a {fmt} weight is for the "
+                         f"invariant forms, whose formats are {INVARIANT_FORMATS}")
+
+    def copy_of(w_KxN):  # the `[out, in]` copy a product of this policy reads
+        if fmt is None:
+            return TransposedWeight(jnp.swapaxes(w_KxN, 0, 1))
+        q = w_KxN if isinstance(w_KxN, QArray) else quantize(w_KxN, fmt, 0,
+                                                             kernels=policy.kernels)
+        return TransposedWeight(jnp.swapaxes(dequantize(q, kernels=policy.kernels), 0, 1), fmt)
 
     def layer(i):
         lp = jax.tree.map(lambda x: _layer_of(x, i), layers,
                           is_leaf=lambda x: isinstance(x, QArray))
         if transpose:
-            lp = {k: TransposedWeight(jnp.swapaxes(layers[k][i], 0, 1))
-                  if k in MATMUL_WEIGHTS and isinstance(layers[k], jax.Array) else v
+            lp = {k: copy_of(v) if k in MATMUL_WEIGHTS and (
+                isinstance(v, jax.Array) or fmt is not None and isinstance(v, QArray)) else v
                   for k, v in lp.items()}
         return lp
 
@@ -89,7 +106,10 @@ def unstack_layers(params: dict, *, transpose: bool = False, policy: Policy | No
     if transpose:
         # The head `[V, D]`: an untied head's copy, or (tied: no `lm_head`) the embedding.
         head = params.get("lm_head", params["embed"])
-        if isinstance(head, jax.Array):
+        if fmt is not None and isinstance(head, (jax.Array, QArray)):
+            out["lm_head"] = copy_of(head if isinstance(head, QArray) or "lm_head" in params
+                                     else head.T)
+        elif isinstance(head, jax.Array):
             out["lm_head"] = TransposedWeight(head.T if "lm_head" in params else head)
     return out
 

@@ -21,7 +21,12 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from jaxrl_lp.kernels.fake_quant import QUANTIZED_WEIGHT_FORMATS, quantized_matmul
+from jaxrl_lp.kernels.fake_quant import (
+    INVARIANT_FORMATS,
+    QUANTIZED_WEIGHT_FORMATS,
+    activation_values,
+    quantized_matmul,
+)
 from jaxrl_lp.models.lora import LoraWeight, adapter_product, base_value
 from jaxrl_lp.models.recorded import RecordedWeight
 from jaxrl_lp.numerics import invariant
@@ -47,9 +52,15 @@ class TransposedWeight:
     product does, not as `x @ w`'s: the sampler and the replay both read
     this copy, so they agree bit for bit (docs/design/hot_path.md, "The decode's
     weights").
+
+    With a `format` (a policy's `matmul_format`), `w_NxK` holds the values of the weight
+    quantized in it along `in`, `Q(w)`, read `[out, in]`: the decode's copy in the invariant
+    forms' weights-major read under a quantized policy (`unstack_layers`), which only those
+    forms multiply (`invariant.weights_major_product` of `Q(x)` and the copy).
     """
 
     w_NxK: Any
+    format: str | None = dataclasses.field(default=None, metadata=dict(static=True))
 
 
 def dot(x_xK: jax.Array, w_KxN: jax.Array, policy: Policy) -> jax.Array:
@@ -73,17 +84,21 @@ def dot(x_xK: jax.Array, w_KxN: jax.Array, policy: Policy) -> jax.Array:
     Inside `numerics.invariant.invariant_forms` a plain weight's product takes the
     invariant form (`invariant.invariant_dot`: each row's bits independent of the
     rows beside it, its gradient the plain product's; the decode's `[out, in]` copy
-    by `invariant.weights_major_product` where the form reads the weights so);
-    other weights and formats are refused there, never computed otherwise.
+    by `invariant.weights_major_product` where the form reads the weights so). Under a
+    `matmul_format` of `kernels.fake_quant.INVARIANT_FORMATS` the product of `Q(x)` and
+    `Q(w)`'s values takes the same form (its gradient `quantized_matmul`'s); the decode
+    reads `Q(w)` as the copy it holds (`blocks.unstack_layers`). Other weights and formats
+    are refused there, never computed otherwise.
     """
     if invariant.active():
         return _invariant(x_xK, w_KxN, policy)
     if isinstance(w_KxN, RecordedWeight):
         return _recorded(x_xK, w_KxN.weight, w_KxN.product, policy)
     if isinstance(w_KxN, TransposedWeight):
-        if policy.matmul_format is not None:
-            raise ValueError("dot: a TransposedWeight is a plain weight's decode copy; a "
-                             "matmul_format quantizes along the stored contraction axis")
+        if policy.matmul_format is not None or w_KxN.format is not None:
+            raise ValueError("dot: a TransposedWeight is a plain weight's decode copy, or a "
+                             "quantized one's in the invariant forms; a matmul_format "
+                             "quantizes along the stored contraction axis")
         w = policy.round_params(w_KxN.w_NxK)
         n, k = w.shape
         return _weights_major_product(x_xK.reshape(-1, k), w).reshape(*x_xK.shape[:-1], n)
@@ -120,21 +135,36 @@ def dot(x_xK: jax.Array, w_KxN: jax.Array, policy: Policy) -> jax.Array:
 
 def _invariant(x_xK: jax.Array, w_KxN, policy: Policy) -> jax.Array:
     """`dot` inside `invariant_forms`: plain weights only, stored or the decode's
-    `[out, in]` copy (docstring above)."""
-    transposed = isinstance(w_KxN, TransposedWeight) and isinstance(w_KxN.w_NxK, jax.Array)
-    if policy.matmul_format is not None or current_mesh() is not None or not (
-            isinstance(w_KxN, jax.Array) or transposed):
-        raise ValueError("invariant forms: a plain weight on one device without a "
-                         f"matmul_format; got {type(w_KxN).__name__}"
-                         + (f" with matmul_format {policy.matmul_format}"
-                            if policy.matmul_format else "")
+    `[out, in]` copy, and under a format of `INVARIANT_FORMATS` the decode's `Q(w)`
+    (docstring above)."""
+    fmt = policy.matmul_format
+    transposed = (isinstance(w_KxN, TransposedWeight) and isinstance(w_KxN.w_NxK, jax.Array)
+                  and w_KxN.format == fmt)
+    copy = isinstance(w_KxN, QArray) and w_KxN.format == fmt in QUANTIZED_WEIGHT_FORMATS
+    if (fmt is not None and fmt not in INVARIANT_FORMATS) or current_mesh() is not None or not (
+            isinstance(w_KxN, jax.Array) or transposed or copy):
+        raise ValueError("invariant forms: a plain weight on one device, its matmul_format "
+                         f"none or one of {INVARIANT_FORMATS}; got {type(w_KxN).__name__}"
+                         + (f" with matmul_format {fmt}" if fmt else "")
                          + (" under a mesh" if current_mesh() is not None else ""))
+    lead = tuple(range(x_xK.ndim - 1))  # one activation scale a token, as `dot`'s
     if transposed:  # the sampler's copy: a forward only
-        w = policy.round_params(w_KxN.w_NxK)
+        w = w_KxN.w_NxK if fmt else policy.round_params(w_KxN.w_NxK)  # Q(w)'s values as held
+        x = x_xK if fmt is None else activation_values(x_xK, fmt, lead, policy.kernels)
         n, k = w.shape
-        return invariant.weights_major_product(x_xK.reshape(-1, k), w).reshape(
+        return invariant.weights_major_product(x.reshape(-1, k), w).reshape(
             *x_xK.shape[:-1], n)
-    return invariant.invariant_dot(x_xK, policy.round_params(w_KxN), policy)
+    if fmt is None:
+        return invariant.invariant_dot(x_xK, policy.round_params(w_KxN), policy)
+
+    def product(x_xK, w_KxN):  # of the values, in the active form
+        k, n = w_KxN.shape
+        return invariant.weights_product(x_xK.reshape(-1, k), w_KxN).reshape(
+            *x_xK.shape[:-1], n)
+
+    w = w_KxN if copy else policy.round_params(w_KxN)
+    return quantized_matmul(x_xK, w, fmt, backward=policy.backward, batch_axes=lead,
+                            kernels=policy.kernels, product=product)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))

@@ -23,6 +23,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from jaxrl_lp.kernels.fake_quant import INVARIANT_FORMATS
 from jaxrl_lp.kernels.logprob import fused_readout
 from jaxrl_lp.models.blocks import lm_logits
 from jaxrl_lp.models.config import ModelConfig
@@ -91,9 +92,13 @@ def decode_layout(params, policy: Policy, mesh=None, layout: str | None = None,
     if layout is not None:
         if layout not in DECODE_LAYOUTS:
             raise ValueError(f"decode_layout: {layout!r} is not one of {DECODE_LAYOUTS}")
-        if layout != "as_stored" and (mesh is not None or policy.matmul_format is not None):
+        fmt = policy.matmul_format
+        if layout != "as_stored" and (mesh is not None or fmt is not None and not (
+                layout == "invariant" and fmt in INVARIANT_FORMATS)):
             raise ValueError(f"decode_layout: {layout!r} is for one device and plain "
-                             "matmuls (no mesh, no matmul_format)")
+                             "matmuls (no mesh, no matmul_format"
+                             + (f"; invariant takes {', '.join(INVARIANT_FORMATS)}"
+                                if layout == "invariant" else "") + ")")
         if layout == "invariant":
             leaf = next((x for x in jax.tree.leaves(params) if isinstance(x, jax.Array)
                          and not isinstance(x, jax.core.Tracer)), None)

@@ -50,7 +50,9 @@ class GRPOConfig:
         layout `invariant`) and every update's value is its own parallel forward in the
         same forms, the sampler's bits without replaying the decode
         (docs/design/invariant.md). XLA:CPU on one device with plain weights; elsewhere
-        the updates replay as `hybrid`'s (a warning says so). Not with `speculative`.
+        the updates replay as `hybrid`'s (a warning says so). Not with `speculative`, nor
+        under a `ternary` or `binary` policy (the formats it takes:
+        `kernels.fake_quant.INVARIANT_FORMATS`).
         `auto`: `invariant` wherever its forms serve the run, `hybrid` otherwise
         (`train.logprobs_choice`); the run says which, and why.
       invariant_tiles: with `logprobs=invariant`, every product of the sampler's decode and

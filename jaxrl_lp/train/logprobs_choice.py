@@ -27,6 +27,7 @@ from typing import Any, NamedTuple
 
 import jax
 
+from jaxrl_lp.kernels.fake_quant import INVARIANT_FORMATS
 from jaxrl_lp.numerics.invariant import unsupported
 from jaxrl_lp.train.behaviour import iteration_counts
 
@@ -60,7 +61,8 @@ def _invariant_blocked(cfg, *, multiturn: bool, weights: Any, mesh: Any,
                        platform: str | None) -> str | None:
     """Why the invariant forms do not serve this run, or None (the settings they are
     proven for: one process on XLA:CPU, one device, plain weights, matched policies of
-    plain float products, synchronous single-turn sampling with the plain sampler)."""
+    plain float products or products in a format of `kernels.fake_quant.INVARIANT_FORMATS`,
+    synchronous single-turn sampling with the plain sampler)."""
     g = cfg.grpo
     lpol, spol = g.policies
     if (why := unsupported(platform or jax.default_backend(), mesh)) is not None:
@@ -79,8 +81,9 @@ def _invariant_blocked(cfg, *, multiturn: bool, weights: Any, mesh: Any,
         return "off-policy steps (grpo.max_staleness) take the replay"
     if lpol != spol:
         return "the learner and the sampler compute under other policies"
-    if lpol.matmul_format is not None:
-        return f"the policy's {lpol.matmul_format} products have no invariant form"
+    if lpol.matmul_format is not None and lpol.matmul_format not in INVARIANT_FORMATS:
+        return (f"the policy's {lpol.matmul_format} products have no invariant form (its scale "
+                "is a mean, summed in each program's order)")
     return None
 
 

@@ -174,6 +174,7 @@ def validate(cfg: TrainConfig, task: Any = None) -> RunPlan:
     _multiturn(cfg, task, mcfg, weights)
     mesh, sampler = _placement(cfg, mcfg) if cfg.run.learner_mesh else (_mesh(cfg, mcfg), None)
     _invariant_tiles(cfg, mesh, weights if lora is None else lora.weights)
+    _invariant_formats(cfg)
     from jaxrl_lp.tasks.protocol import is_multiturn
     from jaxrl_lp.train.logprobs_choice import choose_logprobs
 
@@ -266,6 +267,24 @@ def _multiturn(cfg: TrainConfig, task, mcfg: ModelConfig, weights) -> None:
             "model.max_position_embeddings or lower task.max_turns")
 
 
+def _invariant_formats(cfg: TrainConfig) -> None:
+    """`grpo.logprobs=invariant`: the policies' products have an invariant form (none, or a
+    `matmul_format` of `kernels.fake_quant.INVARIANT_FORMATS`)."""
+    from jaxrl_lp.kernels.fake_quant import INVARIANT_FORMATS
+
+    g = cfg.grpo
+    if g.logprobs != "invariant":
+        return
+    for name, policy in zip(("grpo.learner_policy", "grpo.sampler_policy"), g.policies, strict=True):
+        fmt = policy.matmul_format
+        if fmt is not None and fmt not in INVARIANT_FORMATS:
+            raise ValueError(
+                f"grpo.logprobs=invariant: {name}={policy}: {fmt} products have no invariant "
+                "form (its scale is a mean, summed in each program's order); set "
+                "grpo.logprobs=hybrid (exact, by the replay) or a policy in "
+                f"{', '.join(INVARIANT_FORMATS)}")
+
+
 def _invariant_tiles(cfg: TrainConfig, mesh, weights) -> None:
     """`grpo.invariant_tiles`: one device, plain weights, and products the named version
     can take here (compiled: a GPU or TPU; on a GPU bf16 or f16 arrays)."""
@@ -286,6 +305,12 @@ def _invariant_tiles(cfg: TrainConfig, mesh, weights) -> None:
     if tiles == "compiled" and backend == "gpu":
         learner, sampler = g.policies
         for name, policy in (("grpo.sampler_policy", sampler), ("grpo.learner_policy", learner)):
+            if policy.matmul_format is not None:
+                raise ValueError(
+                    f"{key}: the GPU kernel multiplies bf16 or f16 arrays, and {name}={policy} "
+                    f"multiplies the f32 values of {policy.matmul_format} codes; set "
+                    "grpo.invariant_tiles='' (the updates then replay the decode) or a bf16 "
+                    "policy")
             if policy.compute_dtype.name not in ("bfloat16", "float16") or not policy.native:
                 raise ValueError(
                     f"{key}: the GPU kernel multiplies bf16 or f16 arrays (Hopper's wgmma "
