@@ -226,7 +226,10 @@ def test_the_invariant_gradient_is_the_dense_learners(kind, policy, monkeypatch)
     monkeypatch.setattr(logprobs, "_invariant_logprobs", logprobs._invariant_logprobs.fun)
     monkeypatch.setattr(inv, "_xor_zero", inv._xor_zero.fun)
     planted = {k: v for k, v in off(grads("invariant"), dense).items() if "exit_gate" not in k}
-    assert planted.pop("['lm_head']") < 1e-4 and min(planted.values()) == 1.0, planted
+    # The lm head keeps a gradient, through values that under FP8 round apart from the dense
+    # forward's by a code here and there (0.7% of its norm, measured).
+    head_tol = 1e-4 if policy.matmul_format is None else 0.05
+    assert planted.pop("['lm_head']") < head_tol and min(planted.values()) == 1.0, planted
 
 
 def test_the_invariant_step_runs_at_ratio_one(monkeypatch):
