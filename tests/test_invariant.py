@@ -416,6 +416,50 @@ def test_the_weights_major_copy_of_a_quantized_policy_leaves_its_loop_the_activa
     assert len(weights) >= 8, weights  # the 7 of a layer and the head, each step
 
 
+def _lora(params, cfg, base_format: str, rank: int):
+    """`params` as a LoRA run's forward reads them: the base held in `base_format`, adapters
+    of `rank` moved off their init (B nonzero: they act)."""
+    from jaxrl_lp.lora.adapters import hold_base, init_adapters, with_adapters
+    from jaxrl_lp.lora.config import LoraConfig
+
+    spec = LoraConfig(rank=rank, base_format=base_format)
+    adapters = init_adapters(cfg, spec, jax.random.PRNGKey(3))
+    adapters = jax.tree.map(lambda x: x + 0.02 * jax.random.normal(jax.random.PRNGKey(4),
+                                                                   x.shape), adapters)
+    return with_adapters(hold_base(params, base_format), adapters, spec.alpha / spec.rank)
+
+
+@pytest.mark.parametrize(("policy", "base_format"), [
+    ("fp32", "f32"),
+    pytest.param("bf16", "mxfp4", marks=pytest.mark.slow),    # a QLoRA-style base
+    pytest.param("mxfp8", "mxfp8", marks=pytest.mark.slow)])  # the base in the policy's format
+def test_lora_adapters_give_the_learner_the_samplers_bits(policy, base_format, monkeypatch):
+    """With LoRA weights (`W x + ((x A) B) s`, the unmerged sampler's) each of the three
+    products takes the invariant form: the learner's forward of the adapted tree is the
+    sampler's bits on the whole batch and its slices, as the replay is. The plant: the
+    adapter's two products back to the plain form (`models.lora.adapter_product`), red at a
+    rank whose products XLA:CPU sums by the row count (128 at this hidden size of 256)."""
+    import jaxrl_lp.models.layers as layers
+    from jaxrl_lp.models.lora import adapter_product
+
+    policy = Policy.parse(policy)
+    cfg, params, loop = _model("dense")
+    lora = _lora(params, cfg, base_format, rank=128)
+    ro = _rollout(cfg, lora, loop, policy)
+    slices = [ro, take_rows(ro, np.arange(2)), take_rows(ro, np.arange(1))]
+    program = jit_learner_logprobs(cfg, policy, "invariant")
+    for r in slices:
+        _exact(program(lora, r), r.logprobs, r, f"{r.completion_tokens.shape[0]} rows")
+    _exact(replay_logprobs(lora, cfg, policy, ro), ro.logprobs, ro, "the replay")
+    if base_format != "f32":
+        return
+    with monkeypatch.context() as m:
+        m.setattr(layers, "_invariant_adapter", adapter_product)
+        planted = jit_learner_logprobs(cfg, policy, "invariant")  # traced anew, planted
+        assert sum(bit_mismatch(planted(lora, r), r.logprobs, r.completion_mask)[0]
+                   for r in slices) > 0, "the adapter's products plain, yet every log-prob equal"
+
+
 def _tile_places_hold() -> bool:
     """Whether Pallas's TPU interpreter gives a row of a fixed-tile product its bits at any
     place in its tile on this CPU (its tile products are XLA:CPU's)."""
@@ -488,23 +532,24 @@ def _two_steps_verified_and_nothing_replayed(out) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("policy", ["fp32", "mxfp8"])  # mxfp8: the configs' policy
+@pytest.mark.parametrize("extra", [
+    (), ("grpo.learner_policy=mxfp8", "grpo.sampler_policy=mxfp8"),  # the configs' policy
+    ("lora.rank=8",)], ids=["fp32", "mxfp8", "lora"])
 def test_a_run_with_auto_logprobs_takes_invariant_replays_no_update_and_verifies_exact(
-        policy, tmp_path, capsys):
+        extra, tmp_path, capsys):
     """`jaxrl-lp train --set grpo.logprobs=auto` at four minibatches takes `invariant` (its
     forms serve the run; one line says so; config.json records it): the start probe and every
     step's
     verification pass (the learner's forward of the batch == the sampler's bits), and no
     update replays the decode (the later minibatches' values are their forwards). The same
-    under MXFP8 products."""
+    under MXFP8 products, and with LoRA adapters (from the first GRPO step)."""
     from helpers import sets
 
     from jaxrl_lp.cli.main import main
 
     out = tmp_path / "run"
     assert main(["train", *sets(*WIDE, f"run.out_dir={out}", "grpo.logprobs=auto",
-                                "grpo.minibatches=4", f"grpo.learner_policy={policy}",
-                                f"grpo.sampler_policy={policy}")]) == 0
+                                "grpo.minibatches=4", *extra)]) == 0
     said = [x for x in capsys.readouterr().err.splitlines() if "grpo.logprobs=auto" in x]
     assert len(said) == 1 and said[0].startswith("jaxrl-lp train: grpo.logprobs=auto: "
                                                  "invariant ("), said
@@ -649,7 +694,8 @@ def test_auto_takes_invariant_from_half_a_replay_an_iteration_where_its_forms_se
     blocked = {
         "platform": (choose_logprobs(four, platform="cuda"), "XLA:CPU"),
         "multi-turn": (choose_logprobs(four, multiturn=True), "multi-turn"),
-        "LoRA": (choose_logprobs(cfg("grpo.minibatches=4", "lora.rank=4")), "LoRA"),
+        "merged LoRA": (choose_logprobs(cfg("grpo.minibatches=4", "lora.rank=4",
+                                            "lora.serve=merged")), "merged LoRA"),
         "off-policy": (choose_logprobs(cfg("grpo.minibatches=4", "grpo.max_staleness=1")),
                        "off-policy"),
         "policies": (choose_logprobs(cfg("grpo.minibatches=4", "grpo.sampler_policy=bf16")),
@@ -664,13 +710,15 @@ def test_auto_takes_invariant_from_half_a_replay_an_iteration_where_its_forms_se
         quantized = cfg("grpo.minibatches=4", f"grpo.learner_policy={fmt}",
                         f"grpo.sampler_policy={fmt}")
         assert choose_logprobs(quantized).method == "invariant", fmt
+    assert choose_logprobs(cfg("grpo.minibatches=4", "lora.rank=4")).method == "invariant"
     for named in ("dense", "hybrid", "invariant"):
         named_cfg = dataclasses.replace(four, grpo=dataclasses.replace(four.grpo, logprobs=named))
         assert choose_logprobs(named_cfg) == (named, "")
 
 
-@pytest.mark.parametrize("extra, method", [("grpo.minibatches=1", "hybrid"),
-                                           ("lora.rank=4", "hybrid"), ("", "invariant")])
+@pytest.mark.parametrize("extra, method", [
+    (("grpo.minibatches=1",), "hybrid"), (("lora.rank=4", "lora.serve=merged"), "hybrid"),
+    (("lora.rank=4",), "invariant"), ((), "invariant")])
 def test_jaxrl_lp_config_prints_auto_resolved(extra, method, capsys):
     """`jaxrl-lp config` prints the config a run would use: `grpo.logprobs=auto` resolved, and
     the plan's iteration counts follow the resolved method."""
@@ -678,8 +726,8 @@ def test_jaxrl_lp_config_prints_auto_resolved(extra, method, capsys):
     from jaxrl_lp.plan import iteration_updates
     from jaxrl_lp.train import apply_overrides, default_config
 
-    minibatches = 1 if extra == "grpo.minibatches=1" else 4
-    sets = ["grpo.logprobs=auto", f"grpo.minibatches={minibatches}", *([extra] if extra else [])]
+    minibatches = 1 if "grpo.minibatches=1" in extra else 4
+    sets = ["grpo.logprobs=auto", f"grpo.minibatches={minibatches}", *extra]
     assert main(["config", *[x for s in sets for x in ("--set", s)]]) == 0
     assert json.loads(capsys.readouterr().out)["grpo"]["logprobs"] == method
     counts = iteration_updates(apply_overrides(default_config(), sets))

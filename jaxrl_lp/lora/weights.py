@@ -59,6 +59,13 @@ class LoraWeights:
         (`parallel.rules`); a quantized base's codes and scales do not yet."""
         return self.spec.base_format in ("f32", "bf16")
 
+    @property
+    def invariant_forms(self) -> bool:
+        """Whether the learner's invariant forward can give the sampler's bits: an `unmerged`
+        sampler computes the base and the adapters as the forward does (each product in the
+        invariant form, `models.layers.dot`); a `merged` one decodes another copy."""
+        return self.spec.serve == "unmerged"
+
     def from_params(self, params: dict) -> LoraParams:
         """The train tree of a model's f32 params: the base held in `spec.base_format` and
         fresh adapters (B = 0: the adapted model is the base)."""

@@ -134,13 +134,19 @@ def dot(x_xK: jax.Array, w_KxN: jax.Array, policy: Policy) -> jax.Array:
 
 
 def _invariant(x_xK: jax.Array, w_KxN, policy: Policy) -> jax.Array:
-    """`dot` inside `invariant_forms`: plain weights only, stored or the decode's
-    `[out, in]` copy, and under a format of `INVARIANT_FORMATS` the decode's `Q(w)`
+    """`dot` inside `invariant_forms`: plain weights, stored or the decode's `[out, in]`
+    copy, under a format of `INVARIANT_FORMATS` the decode's `Q(w)`, and LoRA weights
     (docstring above)."""
+    if isinstance(w_KxN, LoraWeight):  # each of the three products in the form, as `dot`'s
+        adapter = _invariant_adapter(x_xK, w_KxN.a, w_KxN.b, w_KxN.scale, policy)
+        # `apart`: the scaled adapter is added as rounded, never fused into the sum.
+        return _invariant(x_xK, w_KxN.base, policy) + invariant.apart(adapter)
     fmt = policy.matmul_format
     transposed = (isinstance(w_KxN, TransposedWeight) and isinstance(w_KxN.w_NxK, jax.Array)
                   and w_KxN.format == fmt)
     copy = isinstance(w_KxN, QArray) and w_KxN.format == fmt in QUANTIZED_WEIGHT_FORMATS
+    if isinstance(w_KxN, QArray) and not copy:  # a quantized LoRA base: its value, as `dot`
+        w_KxN = base_value(w_KxN)
     if (fmt is not None and fmt not in INVARIANT_FORMATS) or current_mesh() is not None or not (
             isinstance(w_KxN, jax.Array) or transposed or copy):
         raise ValueError("invariant forms: a plain weight on one device, its matmul_format "
@@ -165,6 +171,15 @@ def _invariant(x_xK: jax.Array, w_KxN, policy: Policy) -> jax.Array:
     w = w_KxN if copy else policy.round_params(w_KxN)
     return quantized_matmul(x_xK, w, fmt, backward=policy.backward, batch_axes=lead,
                             kernels=policy.kernels, product=product)
+
+
+def _invariant_adapter(x_xK: jax.Array, a_KxR: jax.Array, b_RxN: jax.Array, scale: float,
+                       policy: Policy) -> jax.Array:
+    """`models.lora.adapter_product` with both products in the invariant form (at the compute
+    precision, no `matmul_format`, as there)."""
+    xa = invariant.invariant_dot(x_xK, policy.round_params(a_KxR), policy)
+    xab = invariant.invariant_dot(policy.round(xa), policy.round_params(b_RxN), policy)
+    return xab * jnp.float32(scale)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))

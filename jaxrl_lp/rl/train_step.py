@@ -349,10 +349,11 @@ def invariant_fallback(mesh: Mesh | None = None, weights=None,
                        form: InvariantForm | None = None) -> str | None:
     """Why a learner with `invariant` log-probs replays instead, or None where it need not:
     the forms are proven on XLA:CPU on one device (`numerics.invariant.unsupported`), or
-    `form`'s fixed tiles asked for by name, for plain weights (a weight representation's
-    products are not the decode's)."""
-    if weights is not None:
-        return "a weight representation (LoRA, low-bit codes) has no invariant form"
+    `form`'s fixed tiles asked for by name, for plain weights or a representation whose
+    forward takes the forms (`invariant_forms`: unmerged LoRA; low-bit codes and a merged
+    LoRA sampler do not)."""
+    if weights is not None and not getattr(weights, "invariant_forms", False):
+        return "a weight representation (low-bit codes, merged LoRA) has no invariant form"
     return invariant_unsupported(mesh=mesh, form=form)
 
 

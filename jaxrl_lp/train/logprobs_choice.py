@@ -60,17 +60,20 @@ def replays_per_iteration(cfg) -> float:
 def _invariant_blocked(cfg, *, multiturn: bool, weights: Any, mesh: Any,
                        platform: str | None) -> str | None:
     """Why the invariant forms do not serve this run, or None (the settings they are
-    proven for: one process on XLA:CPU, one device, plain weights, matched policies of
-    plain float products or products in a format of `kernels.fake_quant.INVARIANT_FORMATS`,
-    synchronous single-turn sampling with the plain sampler)."""
+    proven for: one process on XLA:CPU, one device, plain weights or unmerged LoRA, matched
+    policies of plain float products or products in a format of
+    `kernels.fake_quant.INVARIANT_FORMATS`, synchronous single-turn sampling with the plain
+    sampler)."""
     g = cfg.grpo
     lpol, spol = g.policies
     if (why := unsupported(platform or jax.default_backend(), mesh)) is not None:
         return why
     if cfg.run.learner_mesh or cfg.distributed.num_processes > 1:
         return "the sampler runs on devices or processes of its own"
-    if weights is not None or cfg.lora.rank > 0:
-        return "a weight representation (LoRA, low-bit codes) has no invariant form"
+    if cfg.lora.rank > 0 and cfg.lora.serve != "unmerged":
+        return "a merged LoRA sampler decodes a copy the learner's forward does not compute"
+    if weights is not None and not getattr(weights, "invariant_forms", False):
+        return "a weight representation (low-bit codes) has no invariant form"
     if multiturn:
         return "multi-turn episodes replay each call by their own programs"
     if g.speculative:
