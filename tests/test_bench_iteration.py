@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from jaxrl_lp.cli.main import main
+from jaxrl_lp.rollout.step import cpu_layout
 
 
 @pytest.mark.slow
@@ -30,7 +31,7 @@ def test_bench_iteration_reports_phases_and_which_updates_replayed(capsys):
     one, two = tiny["hybrid_mb1"], tiny["hybrid_mb2"]
     # At mu = 1 and one minibatch nothing is replayed: the behaviour log-probs and the
     # hybrid's value are the rollout's. With two minibatches exactly the second replays.
-    assert one["decode_layout"] == two["decode_layout"] == "transposed"  # CPU weights
+    assert one["decode_layout"] == two["decode_layout"] == cpu_layout()  # CPU weights
     assert (one["replayed_updates"], one["behaviour_recomputed"]) == (0, 0)
     assert (two["replayed_updates"], two["behaviour_recomputed"]) == (1, 0)
     # `products`: the update on the sampler's weights reads its products (the first), the

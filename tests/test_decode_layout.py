@@ -24,7 +24,7 @@ from jaxrl_lp.models.model import init_params
 from jaxrl_lp.numerics.policy import Policy
 from jaxrl_lp.rl.logprobs import replay_logprobs
 from jaxrl_lp.rollout import SamplingConfig, generate
-from jaxrl_lp.rollout.step import decode_layout
+from jaxrl_lp.rollout.step import cpu_layout, decode_layout
 
 F32 = Policy.parse("fp32")
 CFG = get_preset("tiny-qwen3")
@@ -92,10 +92,21 @@ def test_unstack_transposes_the_matmul_weights_and_the_head(tied):
     assert unstack_layers(t, transpose=True) is t  # unstacked already: as they are
 
 
-def test_the_layout_is_chosen_by_where_the_weights_are():
+def test_the_layout_is_chosen_by_where_the_weights_are(monkeypatch):
+    """CPU weights: `transposed` where the CPU's weights-major products run in column tiles of
+    at most 16 (or none holds), `as_stored` where the tile is wider; elsewhere `as_stored`."""
+    import jaxrl_lp.numerics.invariant as inv
+
     params = init_params(CFG, jax.random.PRNGKey(0))
     assert jax.devices()[0].platform == "cpu"
-    assert decode_layout(params, F32) == "transposed"
+    tile = inv.column_tile()
+    assert decode_layout(params, F32) == cpu_layout() == (
+        "as_stored" if tile is not None and tile > inv.MAX_COLUMN_TILE else "transposed")
+    for probed, layout in ((8, "transposed"), (16, "transposed"), (None, "transposed"),
+                           (32, "as_stored"), (64, "as_stored")):
+        with monkeypatch.context() as m:
+            m.setattr(inv, "column_tile", lambda probed=probed: probed)
+            assert decode_layout(params, F32) == layout, probed
     assert decode_layout(params, Policy.parse("mxfp8")) == "as_stored"
     mesh = jax.make_mesh((1,), ("data",))
     assert decode_layout(params, F32, mesh) == "as_stored"

@@ -34,8 +34,8 @@ from jaxrl_lp.numerics import invariant
 from jaxrl_lp.numerics.policy import Policy
 from jaxrl_lp.rollout.sampling import token_logprobs
 
-__all__ = ["DECODE_LAYOUTS", "LoopSpec", "decode_layout", "decode_step", "fused_readout",
-           "prefill", "step_logits", "step_logprobs", "transposes"]
+__all__ = ["DECODE_LAYOUTS", "LoopSpec", "cpu_layout", "decode_layout", "decode_step",
+           "fused_readout", "prefill", "step_logits", "step_logprobs", "transposes"]
 
 # How the sampler's decode copy of the weights is laid out (`Rollout.decode_layout`):
 # `as_stored` slices the stacked layers; `transposed` copies the plain matmul weights and
@@ -60,7 +60,9 @@ def decode_layout(params, policy: Policy, mesh=None, layout: str | None = None,
 
     `transposed` where the weights live on CPU devices, one device (no mesh)
     and the policy has no `matmul_format` (docs/design/hot_path.md, "The decode's
-    weights"): XLA:CPU streams an `[out, in]` weight at a few rows twice as fast.
+    weights"), on a CPU whose weights-major products run in narrow column tiles
+    (`cpu_layout`): XLA:CPU streams an `[out, in]` weight at a few rows faster there;
+    where the tile is wide the stored weights are the faster.
     Elsewhere `as_stored`: GPU and TPU multiply the stored weights at full
     speed, a mesh's rules name the stored axes, and the MX formats quantize
     along the stored contraction axis. Params unstacked by the caller keep
@@ -111,7 +113,19 @@ def decode_layout(params, policy: Policy, mesh=None, layout: str | None = None,
     leaf = next((x for x in jax.tree.leaves(params) if isinstance(x, jax.Array)), None)
     if leaf is None or isinstance(leaf, jax.core.Tracer):
         return "as_stored"
-    return "transposed" if {d.platform for d in leaf.devices()} == {"cpu"} else "as_stored"
+    return cpu_layout() if {d.platform for d in leaf.devices()} == {"cpu"} else "as_stored"
+
+
+def cpu_layout() -> str:
+    """The decode layout of plain weights on this CPU: `transposed` where its weights-major
+    products run in column tiles of at most `invariant.MAX_COLUMN_TILE` (the probe of
+    `invariant.column_tile`; a decode's few rows then fill a tile), `as_stored` where the
+    tile is wider (docs/design/hot_path.md, "The decode's weights", races both by CPU).
+    `transposed` where no tile holds or JAX's backend is not the CPU (nothing to probe)."""
+    if jax.default_backend() != "cpu":
+        return "transposed"
+    tile = invariant.column_tile()
+    return "as_stored" if tile is not None and tile > invariant.MAX_COLUMN_TILE else "transposed"
 
 
 def step_logits(params, cfg: ModelConfig, policy: Policy, out_BxX) -> jax.Array:
