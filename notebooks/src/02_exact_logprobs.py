@@ -132,11 +132,12 @@ for policy, (ro, lps) in results.items():
 # about 6e-3 nats). `dense` is off by rounding: its sums over the whole
 # sequence round apart from the sampler's one-token steps, at fp32 in the last
 # bits and at bf16 by a bf16 step wherever a product lands on the other side of
-# a rounding boundary. How often that happens depends on the kernels: on CPU the
-# sampler multiplies a `[out, in]` copy of its weights (the decode layout
-# `transposed`, `ro.decode_layout`) and at this size its bf16 products mostly
-# round as the dense forward's do; on a GPU, or at another size, that need not
-# hold (not measured there).
+# a rounding boundary. How often that happens depends on the kernels: on a CPU
+# whose weights-major products run in narrow tiles the sampler multiplies a
+# `[out, in]` copy of its weights (the decode layout `transposed`,
+# `ro.decode_layout`; elsewhere `as_stored`) and at this size its bf16 products
+# mostly round as the dense forward's do; on a GPU, or at another size or CPU,
+# that need not hold (not measured there).
 # That gap is the *training-inference mismatch* that TIS/MIS corrections exist
 # to patch up, here removed at its source.
 
