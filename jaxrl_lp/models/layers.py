@@ -87,8 +87,9 @@ def dot(x_xK: jax.Array, w_KxN: jax.Array, policy: Policy) -> jax.Array:
     by `invariant.weights_major_product` where the form reads the weights so). Under a
     `matmul_format` of `kernels.fake_quant.INVARIANT_FORMATS` the product of `Q(x)` and
     `Q(w)`'s values takes the same form (its gradient `quantized_matmul`'s); the decode
-    reads `Q(w)` as the copy it holds (`blocks.unstack_layers`). Other weights and formats
-    are refused there, never computed otherwise.
+    reads `Q(w)` as the copy it holds (`blocks.unstack_layers`). A LoRA weight's three
+    products each take it. Other weights and formats are refused there, never computed
+    otherwise.
     """
     if invariant.active():
         return _invariant(x_xK, w_KxN, policy)
