@@ -89,8 +89,10 @@ def unstack_layers(params: dict, *, transpose: bool = False, policy: Policy | No
     def copy_of(w_KxN):  # the `[out, in]` copy a product of this policy reads
         if fmt is None:
             return TransposedWeight(jnp.swapaxes(w_KxN, 0, 1))
-        q = w_KxN if isinstance(w_KxN, QArray) else quantize(w_KxN, fmt, 0,
-                                                             kernels=policy.kernels)
+        # As the product quantizes a weight: rounded first (again where `decode_weights`
+        # rounded: rounding there is idempotent, and where it does not round, this is once).
+        q = w_KxN if isinstance(w_KxN, QArray) else quantize(policy.round_params(w_KxN), fmt,
+                                                             0, kernels=policy.kernels)
         return TransposedWeight(jnp.swapaxes(dequantize(q, kernels=policy.kernels), 0, 1), fmt)
 
     def layer(i):
