@@ -140,7 +140,8 @@ def _invariant(x_xK: jax.Array, w_KxN, policy: Policy) -> jax.Array:
     (docstring above)."""
     if isinstance(w_KxN, LoraWeight):  # each of the three products in the form, as `dot`'s
         adapter = _invariant_adapter(x_xK, w_KxN.a, w_KxN.b, w_KxN.scale, policy)
-        # `apart`: the scaled adapter is added as rounded, never fused into the sum.
+        # `apart`: the scaled adapter is added as rounded, never fused into the sum (a guard:
+        # docs/design/invariant.md, "LoRA", says no test shows it needed).
         return _invariant(x_xK, w_KxN.base, policy) + invariant.apart(adapter)
     fmt = policy.matmul_format
     transposed = (isinstance(w_KxN, TransposedWeight) and isinstance(w_KxN.w_NxK, jax.Array)
